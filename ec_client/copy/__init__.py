@@ -1,0 +1,83 @@
+"""Copy backends: move payload bytes between a process's memory and the region.
+
+A backend copies one call per extent and returns only once the bytes have
+landed. Backends are loaded by name on first use, so importing this package
+costs nothing: `cpu` (memcpy; CI and CPU-only vLLM), and the CUDA backends
+(`torch`, `cupy`) behind the same interface. `auto` picks torch when CUDA is
+available, cpu otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ec_client.mapping import RegionMapping
+
+Extents = Sequence[tuple[int, int]]
+BACKENDS = ("auto", "cpu", "torch", "cupy")
+
+
+class CopyBackend(Protocol):
+    name: str
+
+    def attach(self, mapping: RegionMapping) -> None:
+        """A new mapping (new daemon generation): register it if needed."""
+
+    def detach(self, mapping: RegionMapping) -> None:
+        """The mapping is going away: unregister it."""
+
+    def save(self, source: Any, mapping: RegionMapping, extents: Extents) -> None:
+        """Copy all bytes of `source` into `extents`, in order; return when landed."""
+
+    def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
+        """Copy `extents` into `out` (whose byte size is their total); return `out`."""
+
+
+def get_backend(name: str) -> CopyBackend:
+    """The backend called `name`. Raises ValueError for unknown names and
+    ImportError when the backend's library is not installed."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown copy backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "torch" if _cuda_available() else "cpu"
+    module = importlib.import_module(f"ec_client.copy.{name}_backend")
+    backend: CopyBackend = module.Backend()
+    return backend
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def describe(obj: Any) -> tuple[int, tuple[int, ...], str]:
+    """(nbytes, shape, dtype name) of a numpy array or torch tensor.
+    dtype names are torch's without the prefix: float16, bfloat16, uint8..."""
+    shape = tuple(int(d) for d in obj.shape)
+    dtype = str(obj.dtype).removeprefix("torch.")
+    if hasattr(obj, "element_size"):
+        nbytes = int(obj.numel()) * int(obj.element_size())
+    else:
+        nbytes = int(obj.nbytes)
+    return nbytes, shape, dtype
+
+
+def empty_host(shape: tuple[int, ...], dtype: str) -> Any:
+    """An uninitialised host array: numpy where numpy knows the dtype,
+    otherwise a CPU torch tensor (bfloat16, float8...)."""
+    import numpy as np
+
+    try:
+        return np.empty(shape, dtype=np.dtype(dtype))
+    except TypeError:
+        import torch
+
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}") from None
+        return torch.empty(shape, dtype=torch_dtype)

@@ -1,0 +1,41 @@
+"""A client's MAP_SHARED view of the daemon's region file.
+
+The daemon only owns the file; each client process maps it itself. A mapping
+belongs to one region generation: after a daemon restart the old file is gone
+and extents of the old generation must never be read through a new mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+
+class RegionMapping:
+    def __init__(self, path: str, size: int, generation: int) -> None:
+        """Map the region. Raises OSError (FileNotFoundError when the daemon
+        that announced it is gone: attach again)."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise OSError(f"region {path} is {actual} bytes, expected {size}")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.generation = generation
+        self.view = memoryview(self._mmap)
+
+    def check(self, offset: int, length: int) -> None:
+        """Raise ValueError unless [offset, offset+length) lies in the region."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"extent {offset}+{length} is outside the region ({self.size} bytes)")
+
+    def close(self) -> None:
+        self.view.release()
+        # A copy may still hold a view: the mapping then goes with the last one.
+        with contextlib.suppress(BufferError):
+            self._mmap.close()

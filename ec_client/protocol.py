@@ -1,0 +1,106 @@
+"""The protocol's shared constants and the generated stubs, in one place.
+
+Both packages import the generated module through here. PROTOCOL_VERSION is
+checked at Attach; RETRYABLE says which statuses a client may retry after
+reconnecting (the daemon restarted or is briefly overloaded) rather than
+treat as its own mistake.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+try:
+    from ec_client._proto.ec_daemon.v1 import ec_daemon_pb2 as pb
+    from ec_client._proto.ec_daemon.v1 import ec_daemon_pb2_grpc as rpc
+except ImportError as exc:  # a source checkout that was never built
+    raise ImportError(
+        "ec_client's protocol stubs are missing: run `make proto` (or reinstall the package)"
+    ) from exc
+
+PROTOCOL_VERSION = 1
+SOCKET_ENV = "EC_DAEMON_SOCKET"
+# Transfer ids are session_index << 32 | per-session counter.
+TRANSFER_ID_SHIFT = 32
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+ROLES = {"producer": pb.ROLE_PRODUCER, "consumer": pb.ROLE_CONSUMER, "both": pb.ROLE_BOTH}
+ROLE_NAMES = {v: k for k, v in ROLES.items()}
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "RETRYABLE",
+    "ROLES",
+    "ROLE_NAMES",
+    "SOCKET_ENV",
+    "TRANSFER_ID_SHIFT",
+    "Layout",
+    "default_socket_uri",
+    "grpc_target",
+    "pb",
+    "rpc",
+]
+
+
+def default_socket_uri() -> str:
+    """`$EC_DAEMON_SOCKET`, else a socket in the user's runtime directory
+    ($XDG_RUNTIME_DIR/ec-daemon/ec.sock, or /tmp/ec-daemon-$UID/ec.sock)."""
+    if os.environ.get(SOCKET_ENV):
+        return os.environ[SOCKET_ENV]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) / "ec-daemon" if runtime else Path(f"/tmp/ec-daemon-{os.getuid()}")
+    return f"unix://{folder / 'ec.sock'}"
+
+
+def unix_path(uri: str) -> str | None:
+    """The filesystem path of a unix:// URI, None for TCP addresses."""
+    if uri.startswith("unix://"):
+        return uri[len("unix://"):]
+    if uri.startswith("unix:"):
+        return uri[len("unix:"):]
+    return None
+
+
+def grpc_target(uri: str) -> str:
+    """What grpc.*_channel and add_*_port take for `uri`.
+
+    Accepts unix:///abs/path, unix:relative, tcp://host:port and host:port.
+    Raises ValueError for anything else.
+    """
+    path = unix_path(uri)
+    if path is not None:
+        if not path:
+            raise ValueError(f"invalid socket {uri!r}: empty path")
+        return f"unix:{path}" if not path.startswith("/") else f"unix://{path}"
+    address = uri[len("tcp://"):] if uri.startswith("tcp://") else uri
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid socket {uri!r}: use unix:///path/to.sock or host:port")
+    return address
+
+
+class Layout:
+    """Layout fingerprint of an engine: model, dtype, row width per modality
+    (bytes) and anything else that changes bytes. Equal layouts share a
+    namespace in the daemon."""
+
+    __slots__ = ("dtype", "model", "row_bytes", "variant")
+
+    def __init__(self, model: str, dtype: str, row_bytes: dict[str, int],
+                 variant: str = "") -> None:
+        self.model = model
+        self.dtype = dtype
+        self.row_bytes = dict(row_bytes)
+        self.variant = variant
+
+    def to_pb(self) -> pb.Layout:
+        return pb.Layout(model=self.model, dtype=self.dtype, row_bytes=self.row_bytes,
+                         variant=self.variant)
+
+    def __repr__(self) -> str:
+        return (f"Layout(model={self.model!r}, dtype={self.dtype!r}, "
+                f"row_bytes={self.row_bytes!r}, variant={self.variant!r})")

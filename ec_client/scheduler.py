@@ -1,0 +1,196 @@
+"""Scheduler delegate: what vLLM's scheduler side calls each step, on plain values.
+
+Hot-path rules (DESIGN.md, "Per-step protocol"): nothing here waits on the
+network. Misses and hits are answered from the local `ReadyView`; a hit's
+load goes into the step metadata with a transfer id minted here (unique per
+session and dispatch: session_index << 32 | counter) and its pin is queued on
+the session stream together with the step's deferred acknowledgements, pins
+first. Saves need nothing from the scheduler: workers save what they compute.
+
+While detached (daemon down or restarting) every lookup misses and the view
+is empty; the link re-attaches in the background and the view refills from
+the new session's snapshot. Loads that cannot be served end up in
+`take_unavailable_requests` (a failed pin, or a worker's failed copy), so the
+engine fails those requests, never itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ec_client.protocol import TRANSFER_ID_SHIFT, Layout, pb
+from ec_client.session import Attachment, SessionLink
+from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
+from ec_client.view import ReadyView
+
+log = logging.getLogger(__name__)
+
+# Dispatched loads remembered for mapping failures back to requests.
+MAX_DISPATCHED = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """One load for the workers: copy `extents` of region `generation` into
+    an output of `shape`/`dtype`, then report `transfer_id`."""
+
+    mm_hash: str
+    transfer_id: int
+    entry_id: int
+    generation: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    extents: tuple[tuple[int, int], ...]
+
+
+@dataclass
+class StepMetadata:
+    """Scheduler -> workers, once per step. Extents, never one id per row."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class _Minting:
+    """Transfer ids of one attachment."""
+
+    def __init__(self, attachment: Attachment) -> None:
+        self.attachment = attachment
+        self._counter = itertools.count(1)
+
+    def next_id(self) -> int:
+        return (self.attachment.index << TRANSFER_ID_SHIFT) | next(self._counter)
+
+
+class SchedulerDelegate:
+    def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: str = "both",
+                 deadline_seconds: float = DEFAULT_DEADLINE_SECONDS, client_name: str = "",
+                 start: bool = True) -> None:
+        self.role = role
+        self.can_load = role in ("consumer", "both")
+        self.transport = Transport(socket, deadline_seconds)
+        self.view = ReadyView()
+        self._minting: _Minting | None = None
+        self._planned: dict[str, tuple[LoadSpec, list[str]]] = {}
+        self._dispatched: dict[int, list[str]] = {}
+        self._unavailable: set[str] = set()
+        self._lock = threading.Lock()  # guards _dispatched and _unavailable
+        self._lookups = self._hits = 0
+        self._reported_lookups = self._reported_hits = 0
+        self.link = SessionLink(
+            self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
+            client_name=client_name, on_attached=self._on_attached,
+            on_detached=self._on_detached, on_message=self._on_message,
+            heartbeat=self._heartbeat)
+        if start:
+            self.link.start()
+
+    # --------------------------------------------------- per-step calls
+
+    def has_item(self, mm_hash: str) -> bool:
+        """Is `mm_hash` cached and loadable? Local; a yes stays loadable
+        until this step's `build_step_metadata`."""
+        if not self.can_load:
+            return False
+        self._lookups += 1
+        if self.view.claim(mm_hash) is None:
+            return False
+        self._hits += 1
+        return True
+
+    def after_alloc(self, request_id: str, mm_hash: str) -> bool:
+        """vLLM allocated encoder space for this item; plan its load if it
+        was a hit. Returns True when the item will be loaded."""
+        planned = self._planned.get(mm_hash)
+        if planned is not None:
+            planned[1].append(request_id)
+            return True
+        entry = self.view.get(mm_hash) if self.can_load else None
+        minting = self._minting
+        if entry is None or minting is None:
+            return False  # computed by the engine (and saved by its worker)
+        spec = LoadSpec(mm_hash, minting.next_id(), entry.entry_id, minting.attachment.generation,
+                        entry.nbytes, entry.shape, entry.dtype, entry.extents)
+        self._planned[mm_hash] = (spec, [request_id])
+        return True
+
+    def build_step_metadata(self) -> StepMetadata:
+        """The step's loads; queues their pins, then the deferred acks."""
+        planned, self._planned = self._planned, {}
+        message = pb.ClientMessage()
+        for spec, _ in planned.values():
+            message.pins.add(transfer_id=spec.transfer_id, mm_hash=spec.mm_hash,
+                             entry_id=spec.entry_id)
+        message.acks.extend(self.view.end_step())
+        loads = [spec for spec, _ in planned.values()]
+        if planned:
+            with self._lock:
+                for spec, request_ids in planned.values():
+                    self._dispatched[spec.transfer_id] = request_ids
+                self._trim_dispatched()
+        if (message.pins or message.acks) and not self.link.send(message):
+            # Detached since has_item: the pins cannot land, the loads fail.
+            with self._lock:
+                for _, request_ids in planned.values():
+                    self._unavailable.update(request_ids)
+        return StepMetadata(loads)
+
+    def apply_worker_output(self, done: Iterable[int] = (), failed: Iterable[int] = ()) -> None:
+        """Worker reports of this step: transfers finished, transfers whose
+        copy must be discarded (their requests become unavailable)."""
+        with self._lock:
+            for transfer_id in failed:
+                self._unavailable.update(self._dispatched.pop(transfer_id, ()))
+            for transfer_id in done:
+                self._dispatched.pop(transfer_id, None)
+
+    def take_unavailable_requests(self) -> set[str]:
+        with self._lock:
+            taken, self._unavailable = self._unavailable, set()
+        return taken
+
+    def request_finished(self, request_id: str) -> None:
+        """Nothing to release: pins belong to transfers, not requests."""
+
+    def close(self) -> None:
+        self.link.stop()
+        self.transport.close()
+
+    # ------------------------------------------------- link callbacks
+
+    def _on_attached(self, attachment: Attachment) -> None:
+        self.view.clear()
+        self._minting = _Minting(attachment)
+        log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",
+                 attachment.index, attachment.generation, attachment.namespace)
+
+    def _on_detached(self) -> None:
+        self._minting = None
+        self.view.clear()
+
+    def _on_message(self, message: Any) -> None:
+        acks = self.view.apply(message)
+        if acks:
+            self.link.send(pb.ClientMessage(acks=acks))
+        if message.pin_failures:
+            with self._lock:
+                for failure in message.pin_failures:
+                    log.warning("ec-daemon refused pin %d: %s", failure.transfer_id,
+                                failure.reason)
+                    self._unavailable.update(self._dispatched.pop(failure.transfer_id, ()))
+
+    def _heartbeat(self) -> Any:
+        lookups, hits = self._lookups, self._hits
+        beat = pb.Heartbeat(lookups=lookups - self._reported_lookups,
+                            hits=hits - self._reported_hits)
+        self._reported_lookups, self._reported_hits = lookups, hits
+        return beat
+
+    def _trim_dispatched(self) -> None:
+        while len(self._dispatched) > MAX_DISPATCHED:
+            del self._dispatched[next(iter(self._dispatched))]

@@ -1,0 +1,8 @@
+"""ec-daemon: the host-local server that owns the shared encoder cache.
+
+Needs grpcio and protobuf only (no torch, no CUDA). The core modules
+(`allocator`, `eviction`, `cache`, `sessions`, `region`) hold no gRPC types and
+are tested directly; `service` adapts them to gRPC and `cli` to the shell.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,155 @@
+"""`ec-daemon`: serve (the default), `health` and `stats`.
+
+    ec-daemon [serve] --cpu-bytes 64GiB --socket unix:///run/ec-daemon/ec.sock
+    ec-daemon health [--socket URI]      exit 0 only when the daemon serves
+    ec-daemon stats [--socket URI] [--json]
+
+Flags of `serve` come from the settings table in `config` (each with an
+EC_DAEMON_* environment fallback). Errors are one line on stderr and a
+non-zero exit: 2 for bad flags or a daemon that cannot start, 1 for a
+daemon that is not serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ec_client.protocol import ROLE_NAMES, default_socket_uri, grpc_target, pb, rpc
+from ec_daemon import __version__, config
+from ec_daemon.server import SERVICE_NAME, StartupError, serve
+
+COMMANDS = ("serve", "health", "stats")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args and args[0] in COMMANDS else "serve"
+    return {"serve": _serve, "health": _health, "stats": _stats}[command](args)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"ec-daemon: error: {message}", file=sys.stderr)
+    return code
+
+
+def _serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ec-daemon", description="Serve a shared CPU encoder cache for vLLM engines. "
+        "Other commands: `ec-daemon health`, `ec-daemon stats`.")
+    parser.add_argument("--version", action="version", version=f"ec-daemon {__version__}")
+    config.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = config.from_namespace(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _client_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"ec-daemon {prog}", description=description)
+    parser.add_argument("--socket", default=default_socket_uri(),
+                        help="daemon address (env EC_DAEMON_SOCKET; default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    return parser
+
+
+def _channel(uri: str) -> grpc.Channel:
+    return grpc.insecure_channel(grpc_target(uri))
+
+
+def _health(argv: list[str]) -> int:
+    args = _client_parser("health", "Exit 0 when the daemon is serving.").parse_args(argv)
+    try:
+        with _channel(args.socket) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                               timeout=args.timeout)
+    except ValueError as exc:
+        return _fail(str(exc))
+    except grpc.RpcError as exc:
+        return _fail(f"daemon at {args.socket} is not reachable: {exc.code().name}", 1)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return _fail(f"daemon at {args.socket} is {status}", 1)
+    print(f"{args.socket}: {status}")
+    return 0
+
+
+def _stats(argv: list[str]) -> int:
+    parser = _client_parser("stats", "Print the daemon's cache statistics.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        with _channel(args.socket) as channel:
+            reply = rpc.ECDaemonStub(channel).Stats(pb.StatsRequest(), timeout=args.timeout)
+    except ValueError as exc:
+        return _fail(str(exc))
+    except grpc.RpcError as exc:
+        return _fail(f"daemon at {args.socket} is not reachable: {exc.code().name}", 1)
+    data = stats_dict(reply)
+    print(json.dumps(data, indent=2) if args.json else format_stats(data))
+    return 0
+
+
+def stats_dict(reply: Any) -> dict[str, Any]:
+    """The StatsReply as plain JSON-able values (ints stay ints)."""
+    data: dict[str, Any] = {}
+    for field in reply.DESCRIPTOR.fields:
+        if field.name in ("namespaces", "session_list"):
+            continue
+        data[field.name] = getattr(reply, field.name)
+    data["namespaces"] = [
+        {f.name: getattr(ns, f.name) for f in ns.DESCRIPTOR.fields} for ns in reply.namespaces]
+    data["session_list"] = [
+        {**{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields},
+         "role": ROLE_NAMES.get(s.role, "unknown")} for s in reply.session_list]
+    return data
+
+
+def format_stats(data: dict[str, Any]) -> str:
+    size = config.format_size
+    lookups = data["hits"] + data["misses"]
+    rate = f"{100 * data['hits'] / lookups:.1f}%" if lookups else "n/a"
+    used_pct = 100 * data["used_bytes"] // max(1, data["capacity_bytes"])
+    lines = [
+        f"capacity   {size(data['capacity_bytes'])} ({size(data['page_bytes'])} pages), "
+        f"generation {data['generation']:016x}",
+        f"used       {size(data['used_bytes'])} ({used_pct}%): "
+        f"pinned {size(data['pinned_bytes'])}, pending {size(data['pending_bytes'])}, "
+        f"evicting {size(data['hidden_bytes'])}",
+        f"entries    {data['entries']} ready, {data['hidden_entries']} evicting",
+        f"hit rate   {rate} ({data['hits']} hits, {data['misses']} misses)",
+        f"traffic    {data['saves']} saves ({size(data['bytes_saved'])}), {data['loads']} loads "
+        f"({size(data['bytes_loaded'])}), {data['evictions']} evictions, "
+        f"{data['refused_saves']} refused saves",
+        f"sessions   {data['sessions']}",
+    ]
+    for s in data["session_list"]:
+        lines.append(f"  #{s['session_index']:<10} {s['engine_id']:<24} {s['component']:<14} "
+                     f"{s['role']:<8} pins {s['pins']:<5} pending {s['pending']}")
+    top = sorted(data["namespaces"], key=lambda n: n["bytes"], reverse=True)[:5]
+    if top:
+        lines.append("namespaces (largest first)")
+        for ns in top:
+            lines.append(f"  {ns['namespace']}: {ns['entries']} entries, {size(ns['bytes'])}, "
+                         f"{ns['hits']} hits, {ns['misses']} misses")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

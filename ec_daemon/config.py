@@ -1,0 +1,143 @@
+"""Every daemon setting, declared once.
+
+Each `Setting` names its flag, type, default, environment variable and help;
+the CLI builds its flags and env-var fallbacks from this table and `stats`
+reports the values. Sizes accept binary and decimal units (`512MiB`, `64GiB`,
+`1G`, plain bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ec_client.protocol import default_socket_uri
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """`64GiB` -> 68719476736. Raises ValueError with the accepted forms."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: use a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 512MiB or 64GiB"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """68719476736 -> '64 GiB' (exact when a unit divides evenly)."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if n % scale == 0 else f"{value:.2f} {unit}"
+    return f"{n} B"
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: must be greater than zero")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"invalid value {text!r}: must be greater than zero")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Callable[[], str]
+    help: str
+    metavar: str = ""
+    env: str = field(default="")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return self.env or "EC_DAEMON_" + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("cpu_bytes", _positive_size, lambda: "1GiB",
+            "size of the shared region (the cache capacity)", "SIZE"),
+    Setting("socket", str, default_socket_uri,
+            "where to serve: unix:///path (default) or host:port for TCP", "URI"),
+    Setting("shm_dir", str, lambda: "/dev/shm",
+            "directory of the region file (a tmpfs)", "DIR"),
+    Setting("page_bytes", _positive_size, lambda: "64KiB",
+            "allocation granularity; an entry spans whole pages", "SIZE"),
+    Setting("lease_seconds", _positive_float, lambda: "10",
+            "a session whose stream is silent this long is ended", "S"),
+    Setting("alloc_wait_seconds", _positive_float, lambda: "2",
+            "how long a save may wait for evicted pages to be reclaimed", "S"),
+    Setting("log_level", str, lambda: "INFO", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """Add the flags of SETTINGS (or of `names`) with env-var defaults."""
+    for setting in SETTINGS:
+        if names is not None and setting.name not in names:
+            continue
+        default = os.environ.get(setting.env_var) or setting.default()
+        parser.add_argument(
+            setting.flag, dest=setting.name, default=default, metavar=setting.metavar or None,
+            help=f"{setting.help} (env {setting.env_var}; default {default})",
+        )
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    cpu_bytes: int
+    socket: str
+    shm_dir: str
+    page_bytes: int
+    lease_seconds: float
+    alloc_wait_seconds: float
+    log_level: str
+
+
+def from_namespace(args: argparse.Namespace) -> DaemonConfig:
+    """Parse and check the raw flag values. Raises ValueError naming the flag."""
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        raw = getattr(args, setting.name)
+        try:
+            values[setting.name] = setting.parse(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise ValueError(f"{setting.flag}: {exc}") from None
+    config = DaemonConfig(**values)
+    if config.cpu_bytes < config.page_bytes:
+        raise ValueError(
+            f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
+            f"(--page-bytes {format_size(config.page_bytes)})"
+        )
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"--log-level: unknown level {config.log_level!r}")
+    return config

@@ -1,0 +1,163 @@
+"""The shared region: one file in a tmpfs, owned by the daemon process.
+
+`region` owns only the file (clients map it themselves; the daemon never
+touches payload bytes). The file is created owner-only under a name that
+carries the generation, its pages are allocated up front with
+posix_fallocate (pre-faulting without touching memory, and failing with a
+clear error instead of a SIGBUS later when the tmpfs is short), and it is
+removed when the daemon exits.
+
+Liveness of a region is its flock: the daemon holds an exclusive lock for its
+whole life, so a region file whose lock can be taken belongs to a dead daemon
+and is removed at the next start (no pid files, no pid reuse races).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ec_daemon.config import format_size
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ec-daemon-"
+SUFFIX = ".region"
+# Progress lines are printed while pre-faulting regions at least this large.
+PROGRESS_MIN_BYTES = 1 << 30
+_CHUNK_BYTES = 256 << 20
+
+
+class RegionError(Exception):
+    """The region cannot be created; the message is for the operator."""
+
+
+def new_generation() -> int:
+    """A random non-zero 63-bit number, different on every start."""
+    return secrets.randbits(63) | 1
+
+
+class Region:
+    def __init__(self, path: Path, size: int, generation: int, fd: int) -> None:
+        self.path = path
+        self.size = size
+        self.generation = generation
+        self._fd = fd
+
+    @classmethod
+    def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
+               progress: Callable[[str], None] | None = None) -> Region:
+        """Create, lock and pre-fault a region of `size` bytes in `shm_dir`.
+
+        Raises RegionError (nothing left behind) when the directory is
+        unusable or the tmpfs cannot hold `size` bytes.
+        """
+        folder = Path(shm_dir)
+        if not folder.is_dir():
+            raise RegionError(f"shm directory {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise RegionError(f"shm directory {folder} is not writable by this user")
+        available = _available_bytes(folder)
+        if size > available:
+            raise RegionError(
+                f"a region of {format_size(size)} does not fit in {folder} "
+                f"({format_size(available)} available): lower --cpu-bytes or enlarge the "
+                "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")
+        generation = new_generation()
+        path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _prefault(fd, size, path, progress)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            raise
+        return cls(path, size, generation, fd)
+
+    def close(self) -> None:
+        """Remove the file and drop the lock. Clients still mapping it keep
+        their mappings until they unmap; nothing new can open it."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def clean_stale(shm_dir: str | Path) -> list[Path]:
+    """Remove region files of dead daemons (their lock is free); returns them.
+    Regions of live daemons, and files of other users, are left alone."""
+    removed: list[Path] = []
+    folder = Path(shm_dir)
+    if not folder.is_dir():
+        return removed
+    for path in folder.glob(f"{PREFIX}*{SUFFIX}"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live daemon holds it
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _available_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def _prefault(fd: int, size: int, path: Path, progress: Callable[[str], None] | None) -> None:
+    """Allocate every page of the file now, reporting progress on big ones."""
+    say = progress if progress is not None and size >= PROGRESS_MIN_BYTES else None
+    started = time.monotonic()
+    last_report = started
+    done = 0
+    while done < size:
+        length = min(_CHUNK_BYTES, size - done)
+        try:
+            os.posix_fallocate(fd, done, length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise RegionError(
+                    f"the tmpfs holding {path.parent} ran out of space after "
+                    f"{format_size(done)} of {format_size(size)}: lower --cpu-bytes or "
+                    "enlarge the tmpfs") from None
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.ftruncate(fd, size)  # no fallocate here: size it, fault on use
+                return
+            raise
+        done += length
+        now = time.monotonic()
+        if say is not None and (now - last_report >= 1.0 or done == size):
+            last_report = now
+            say(f"pre-faulting region: {format_size(done)} of {format_size(size)} "
+                f"({100 * done // size}%, {now - started:.1f}s)")

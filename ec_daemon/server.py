@@ -1,0 +1,156 @@
+"""Start-up and shutdown of the serving daemon.
+
+Order matters for operators: everything that can fail for a reason they can
+fix (socket path, stale files, tmpfs size) is checked before the region is
+pre-faulted, and each failure is one line. On SIGTERM or SIGINT the daemon
+stops accepting, ends the session streams, lets in-flight calls finish, and
+removes its socket and region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ec_client.protocol import grpc_target, pb, rpc, unix_path
+from ec_daemon.cache import Cache
+from ec_daemon.config import DaemonConfig, format_size
+from ec_daemon.region import Region, RegionError, clean_stale
+from ec_daemon.service import ECDaemonService
+from ec_daemon.sessions import SessionTable
+
+log = logging.getLogger("ec_daemon")
+
+SERVICE_NAME = "ec_daemon.v1.ECDaemon"
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def prepare_socket(uri: str) -> str:
+    """Check the socket URI, create its folder (owner-only), and remove a
+    stale socket left by a dead daemon. Returns the gRPC bind target."""
+    try:
+        target = grpc_target(uri)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    path_text = unix_path(uri)
+    if path_text is None:
+        return target
+    path = Path(path_text)
+    if len(os.fsencode(path)) >= 108:
+        raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create the socket folder {path.parent}: {exc.strerror}") \
+            from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise StartupError(f"socket folder {path.parent} is not writable by this user")
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+        if _socket_is_live(path):
+            raise StartupError(f"another daemon is serving on {path}; stop it or use --socket")
+        path.unlink()
+        log.info("removed stale socket %s", path)
+    return target
+
+
+def _socket_is_live(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            raise
+    return True
+
+
+async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set). Raises StartupError."""
+    target = prepare_socket(config.socket)
+    server = grpc.aio.server()
+    socket_path = unix_path(config.socket)
+    _bind(server, target, config.socket)  # before pre-faulting: fail fast
+    try:
+        for path in clean_stale(config.shm_dir):
+            log.info("removed stale region %s of a dead daemon", path)
+        capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
+        try:
+            region = Region.create(config.shm_dir, capacity, progress=log.info)
+        except (RegionError, OSError) as exc:
+            raise StartupError(str(exc)) from None
+        with region:
+            await _serve_region(config, server, region, stop or asyncio.Event())
+        log.info("stopped; region %s removed", region.path)
+    finally:
+        await server.stop(None)
+        if socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+
+
+def _bind(server: grpc.aio.Server, target: str, uri: str) -> None:
+    old_umask = os.umask(0o177)  # the socket is born owner-only
+    try:
+        server.add_insecure_port(target)
+    except RuntimeError:
+        raise StartupError(f"cannot listen on {uri}: address in use or not permitted") \
+            from None
+    finally:
+        os.umask(old_umask)
+    socket_path = unix_path(uri)
+    if socket_path is not None:
+        os.chmod(socket_path, 0o600)
+    else:
+        log.warning("listening on TCP %s without authentication; prefer a unix:// socket",
+                    target)
+
+
+async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,
+                        stop: asyncio.Event) -> None:
+    cache = Cache(capacity_bytes=region.size, page_bytes=config.page_bytes,
+                  sessions=SessionTable(config.lease_seconds))
+    region_info = pb.Region(path=str(region.path), size_bytes=region.size,
+                            page_bytes=config.page_bytes, generation=region.generation)
+    service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
+                              alloc_wait_seconds=config.alloc_wait_seconds)
+    health_service = health.aio.HealthServicer()
+    rpc.add_ECDaemonServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    expiry = asyncio.ensure_future(service.expire_leases())
+    log.info("ec-daemon serving on %s: region %s, %s in %d pages of %s, generation %016x, "
+             "lease %.0fs", config.socket, region.path, format_size(region.size),
+             cache.allocator.total_pages, format_size(config.page_bytes), region.generation,
+             config.lease_seconds)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: draining calls, ending %d sessions", len(cache.sessions))
+        expiry.cancel()
+        await health_service.enter_graceful_shutdown()
+        service.close_streams()
+        await server.stop(SHUTDOWN_GRACE_SECONDS)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

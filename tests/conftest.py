@@ -1,0 +1,39 @@
+"""Suite-wide guard: whatever the tests start, they stop, and /dev/shm is
+left as found (no region file of ours survives the suite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ec_daemon.region import PREFIX, SUFFIX
+
+SHM = Path("/dev/shm")
+
+
+def _regions() -> set[Path]:
+    return set(SHM.glob(f"{PREFIX}*{SUFFIX}")) if SHM.is_dir() else set()
+
+
+def _daemons() -> set[int]:
+    me = psutil.Process()
+    found = set()
+    for child in me.children(recursive=True):
+        try:
+            if "ec_daemon" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    before = _regions()
+    yield
+    leaked = _regions() - before
+    running = _daemons()
+    assert not leaked, f"region files left in /dev/shm: {sorted(map(str, leaked))}"
+    assert not running, f"daemon processes still running: {sorted(running)}"

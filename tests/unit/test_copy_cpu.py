@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+
+from ec_client.copy import describe, empty_host, get_backend
+from ec_client.mapping import RegionMapping
+
+
+@pytest.fixture
+def mapping(tmp_path):
+    path = tmp_path / "region"
+    path.write_bytes(b"\0" * (1 << 16))
+    m = RegionMapping(str(path), 1 << 16, generation=1)
+    yield m
+    m.close()
+
+
+def test_save_then_load_across_scattered_extents_is_bit_exact(mapping):
+    backend = get_backend("cpu")
+    data = np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32)
+    extents = [(40000, 4096), (0, 6000), (20000, data.nbytes - 4096 - 6000)]
+    backend.save(data, mapping, extents)
+    out = backend.load(mapping, extents, np.empty_like(data))
+    assert np.array_equal(out, data)
+    assert bytes(mapping.view[0:6000]) == data.tobytes()[4096:4096 + 6000]
+
+
+def test_torch_bfloat16_round_trips(mapping):
+    torch = pytest.importorskip("torch")
+    backend = get_backend("cpu")
+    data = torch.randn(7, 33).to(torch.bfloat16)
+    nbytes, shape, dtype = describe(data)
+    assert (nbytes, shape, dtype) == (7 * 33 * 2, (7, 33), "bfloat16")
+    backend.save(data, mapping, [(100, nbytes)])
+    out = backend.load(mapping, [(100, nbytes)], empty_host(shape, dtype))
+    assert torch.equal(out, data)
+
+
+def test_mismatched_sizes_and_out_of_region_extents_are_refused(mapping):
+    backend = get_backend("cpu")
+    data = np.zeros(100, np.uint8)
+    with pytest.raises(ValueError, match="extents hold"):
+        backend.save(data, mapping, [(0, 50)])
+    with pytest.raises(ValueError, match="outside the region"):
+        backend.save(data, mapping, [(mapping.size - 50, 100)])
+    with pytest.raises(TypeError):
+        backend.save(np.zeros((10, 10))[:, ::2], mapping, [(0, 400)])
+
+
+def test_unknown_backend_names_are_refused():
+    with pytest.raises(ValueError, match="unknown copy backend"):
+        get_backend("gpu")
+
+
+def test_auto_picks_cpu_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: auto picks a GPU backend")
+    assert get_backend("auto").name == "cpu"
