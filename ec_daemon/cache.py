@@ -24,7 +24,6 @@ raise a `CacheError` have changed nothing.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,15 +35,23 @@ from ec_daemon.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from ec_daemon.events import (
+    AllocOutcome,
+    AllocResult,
+    EvictedEvent,
+    Extent,
+    PinFailedEvent,
+    ReadyEvent,
+    ReportStatus,
+    SnapshotDoneEvent,
+    Verdict,
+)
 from ec_daemon.eviction import EvictionPolicy, LRUPolicy
+from ec_daemon.limits import MAX_KEY_BYTES, validate_mm_hash, validate_save
 from ec_daemon.sessions import Session, SessionTable
 
 Key = tuple[str, str]  # (namespace, mm_hash)
-Extent = tuple[int, int]  # (byte offset, byte length)
 
-MAX_KEY_BYTES = 512
-MAX_DIMS = 8
-_DTYPE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 COUNTER_MASK = 0xFFFF_FFFF
 
 
@@ -90,72 +97,6 @@ class Transfer:
     reported: set[int] = field(default_factory=set)
 
 
-@dataclass(frozen=True)
-class ReadyEvent:
-    mm_hash: str
-    entry_id: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    extents: tuple[Extent, ...]
-
-
-@dataclass(frozen=True)
-class EvictedEvent:
-    mm_hash: str
-    entry_id: int
-
-
-@dataclass(frozen=True)
-class PinFailedEvent:
-    transfer_id: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class SnapshotDoneEvent:
-    pass
-
-
-class AllocOutcome(enum.Enum):
-    ALLOCATED = "allocated"
-    ALREADY_PENDING = "already_pending"
-    ALREADY_READY = "already_ready"
-    EVICTING = "evicting"
-    # Victims are hidden and their pages come back once the views acknowledge:
-    # ask again after `Cache.on_reclaim` fires.
-    WAIT = "wait"
-
-
-@dataclass(frozen=True)
-class AllocResult:
-    outcome: AllocOutcome
-    entry_id: int = 0
-    extents: tuple[Extent, ...] = ()
-
-
-class ReportStatus(enum.Enum):
-    ACCEPTED = "accepted"
-    DUPLICATE = "duplicate"
-    UNKNOWN = "unknown"
-
-
-class Verdict(enum.Enum):
-    HELD = "held"
-    NOT_HELD = "not_held"
-    REPORTED_ALREADY = "reported_already"
-    # The pin is still on its way on the scheduler's stream: ask again after
-    # `Cache.on_pins` fires for its owner.
-    WAIT = "wait"
-
-
-def validate_mm_hash(mm_hash: str) -> None:
-    if not mm_hash:
-        raise InvalidArgument("mm_hash is empty")
-    if len(mm_hash.encode()) > MAX_KEY_BYTES:
-        raise InvalidArgument(f"mm_hash is longer than {MAX_KEY_BYTES} bytes")
-
-
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
                  policy: EvictionPolicy | None = None) -> None:
@@ -172,6 +113,10 @@ class Cache:
         self.pending_pages = 0
         self.pinned_pages = 0
         self.hidden_pages = 0
+        self.ready_entries = 0
+        self.hidden_entries = 0
+        # namespace -> [visible (ready or hidden) entries, their bytes]
+        self.namespace_usage: dict[str, list[int]] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "evictions", "saves", "loads", "refused_saves",
              "bytes_saved", "bytes_loaded", "pins", "pin_failures"), 0)
@@ -244,7 +189,7 @@ class Cache:
         Raises ResourceExhausted when no room can be made (pinned, pending or
         awaiting acknowledgements): the caller drops the save.
         """
-        self._validate_save(session, mm_hash, nbytes, shape, dtype)
+        validate_save(session, mm_hash, nbytes, shape, dtype)
         existing = self._namespaces.get(session.namespace, {}).get(mm_hash)
         if existing is not None:
             return AllocResult({State.PENDING: AllocOutcome.ALREADY_PENDING,
@@ -392,23 +337,6 @@ class Cache:
             left -= length
         return tuple(out)
 
-    def namespace_entries(self) -> dict[str, tuple[int, int]]:
-        """namespace -> (visible entries, their bytes)."""
-        out = {}
-        for name, entries in self._namespaces.items():
-            visible = [e for e in entries.values() if e.state is not State.PENDING]
-            out[name] = (len(visible), sum(e.nbytes for e in visible))
-        return out
-
-    def entry_counts(self) -> tuple[int, int]:
-        """(ready entries, hidden entries)."""
-        ready = hidden = 0
-        for entries in self._namespaces.values():
-            for entry in entries.values():
-                ready += entry.state is State.READY
-                hidden += entry.state is State.HIDDEN
-        return ready, hidden
-
     def check_invariants(self) -> None:
         """Assert the bookkeeping adds up (tests and fuzzing call this)."""
         used = 0
@@ -426,31 +354,16 @@ class Cache:
                 for transfer_id in entry.pins:
                     assert self._transfers[transfer_id].owner.alive, "pin of a dead session"
         assert used + self.allocator.free_pages == self.allocator.total_pages, "pages leaked"
+        visible = [e for es in self._namespaces.values() for e in es.values()
+                   if e.state is not State.PENDING]
+        assert self.ready_entries + self.hidden_entries == len(visible)
+        assert self.hidden_entries == sum(e.state is State.HIDDEN for e in visible)
+        assert sum(u[1] for u in self.namespace_usage.values()) == sum(e.nbytes for e in visible)
         assert (pending, pinned, hidden) == (
             self.pending_pages, self.pinned_pages, self.hidden_pages), "byte counters drifted"
         assert len(self._transfers) == sum(len(s.pins) for s in self.sessions)
 
     # ------------------------------------------------------------ helpers
-
-    def _validate_save(self, session: Session, mm_hash: str, nbytes: int,
-                       shape: tuple[int, ...], dtype: str) -> None:
-        validate_mm_hash(mm_hash)
-        if session.rank is None or not session.can_save:
-            raise FailedPrecondition(
-                f"a {session.role} {session.component} session cannot save: only worker "
-                "sessions of producer or both engines allocate")
-        if nbytes <= 0:
-            raise InvalidArgument(f"nbytes must be positive, got {nbytes}")
-        if not shape or len(shape) > MAX_DIMS or any(d <= 0 for d in shape):
-            raise InvalidArgument(f"shape must have 1..{MAX_DIMS} positive dims, got {shape}")
-        elements = 1
-        for d in shape:
-            elements *= d
-        if nbytes % elements or nbytes // elements > 16:
-            raise InvalidArgument(
-                f"nbytes {nbytes} does not match shape {shape} (1..16 bytes per element)")
-        if not _DTYPE_RE.match(dtype):
-            raise InvalidArgument(f"dtype must be 1..32 letters, digits or _, got {dtype!r}")
 
     def _make_room(self, pages: int) -> list[Run] | None:
         """Hide LRU victims so `pages` can come free; allocate if it already can."""
@@ -468,6 +381,10 @@ class Cache:
         session.pending.discard(entry.key)
         self.pending_pages -= entry.pages
         self.policy.add(entry.key, entry.pages)
+        self.ready_entries += 1
+        usage = self.namespace_usage.setdefault(entry.key[0], [0, 0])
+        usage[0] += 1
+        usage[1] += entry.nbytes
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += entry.nbytes
         event = self._ready_event(entry)
@@ -486,6 +403,8 @@ class Cache:
         self.policy.remove(entry.key)
         entry.state = State.HIDDEN
         self.hidden_pages += entry.pages
+        self.ready_entries -= 1
+        self.hidden_entries += 1
         self.counters["evictions"] += 1
         entry.awaiting = set(self.sessions.subscribers(entry.key[0]))
         event = EvictedEvent(entry.mm_hash, entry.entry_id)
@@ -504,6 +423,10 @@ class Cache:
     def _reclaim(self, entry: Entry) -> None:
         assert entry.state is State.HIDDEN and not entry.pins and not entry.awaiting
         self.hidden_pages -= entry.pages
+        self.hidden_entries -= 1
+        usage = self.namespace_usage[entry.key[0]]
+        usage[0] -= 1
+        usage[1] -= entry.nbytes
         self._free(entry)
         self.on_reclaim()
 

@@ -140,6 +140,8 @@ def _prefault(fd: int, size: int, path: Path, progress: Callable[[str], None] | 
     say = progress if progress is not None and size >= PROGRESS_MIN_BYTES else None
     started = time.monotonic()
     last_report = started
+    if say is not None:
+        say(f"pre-faulting region {path} of {format_size(size)}...")
     done = 0
     while done < size:
         length = min(_CHUNK_BYTES, size - done)

@@ -24,8 +24,9 @@ import grpc
 
 from ec_client.protocol import PROTOCOL_VERSION, ROLES, pb, rpc
 from ec_daemon import wire
-from ec_daemon.cache import AllocOutcome, Cache, Verdict
+from ec_daemon.cache import Cache
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
+from ec_daemon.events import AllocOutcome, Verdict
 from ec_daemon.sessions import Session as ClientSession
 
 log = logging.getLogger(__name__)
@@ -170,22 +171,21 @@ class ECDaemonService(rpc.ECDaemonServicer):
     def stats_reply(self) -> Any:
         cache = self.cache
         page = cache.page_bytes
-        ready, hidden = cache.entry_counts()
         free = cache.allocator.free_pages * page
         reply = pb.StatsReply(
             capacity_bytes=cache.capacity_bytes, used_bytes=cache.capacity_bytes - free,
             free_bytes=free, pinned_bytes=cache.pinned_pages * page,
             pending_bytes=cache.pending_pages * page, hidden_bytes=cache.hidden_pages * page,
-            entries=ready, hidden_entries=hidden, sessions=len(cache.sessions),
+            entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
+            sessions=len(cache.sessions),
             page_bytes=page, generation=self.region.generation, region_path=self.region.path,
             uptime_s=time.monotonic() - self.started,
             largest_free_bytes=cache.allocator.largest_free_run * page)
         for name in ("hits", "misses", "evictions", "saves", "loads", "refused_saves",
                      "bytes_saved", "bytes_loaded"):
             setattr(reply, name, cache.counters[name])
-        sizes = cache.namespace_entries()
         for name, counts in cache.namespace_counters.items():
-            entries, nbytes = sizes.get(name, (0, 0))
+            entries, nbytes = cache.namespace_usage.get(name, (0, 0))
             reply.namespaces.add(namespace=name, entries=entries, bytes=nbytes,
                                  hits=counts["hits"], misses=counts["misses"])
         now = time.monotonic()

@@ -7,15 +7,14 @@ ranges) happens here too, before the core is asked anything.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ec_client.protocol import ROLE_NAMES, pb
-from ec_daemon.cache import (
+from ec_daemon.cache import Cache, Entry
+from ec_daemon.errors import InvalidArgument
+from ec_daemon.events import (
     AllocOutcome,
     AllocResult,
-    Cache,
-    Entry,
     EvictedEvent,
     PinFailedEvent,
     ReadyEvent,
@@ -23,13 +22,12 @@ from ec_daemon.cache import (
     SnapshotDoneEvent,
     Verdict,
 )
-from ec_daemon.errors import InvalidArgument
+from ec_daemon.limits import DTYPE_RE
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
 MAX_BATCH = 4096
 MAX_WORLD_SIZE = 4096
-_DTYPE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 
 ALLOC_STATUS = {
     AllocOutcome.ALLOCATED: pb.ALLOCATED,
@@ -60,7 +58,7 @@ def _text(value: str, what: str, limit: int, *, required: bool = True) -> str:
 def namespace_of(layout: Any) -> str:
     """The namespace name of a layout fingerprint (canonical, readable)."""
     model = _text(layout.model, "layout.model", MAX_MODEL_CHARS)
-    if not _DTYPE_RE.match(layout.dtype):
+    if not DTYPE_RE.match(layout.dtype):
         raise InvalidArgument(f"layout.dtype must be 1..32 letters, digits or _, "
                               f"got {layout.dtype!r}")
     if len(layout.row_bytes) > 64:

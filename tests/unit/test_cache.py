@@ -2,21 +2,21 @@
 
 import pytest
 
-from ec_daemon.cache import (
+from ec_daemon.cache import State
+from ec_daemon.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from ec_daemon.events import (
     AllocOutcome,
     EvictedEvent,
     PinFailedEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
-    State,
     Verdict,
-)
-from ec_daemon.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
 )
 from tests.unit.cache_helpers import (
     PAGE,

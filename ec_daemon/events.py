@@ -1,0 +1,71 @@
+"""What the cache announces to session streams and answers to its callers.
+
+Plain values: the service turns them into protobuf (`wire`), tests read them
+directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+Extent = tuple[int, int]  # (byte offset, byte length)
+
+
+@dataclass(frozen=True)
+class ReadyEvent:
+    mm_hash: str
+    entry_id: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    extents: tuple[Extent, ...]
+
+
+@dataclass(frozen=True)
+class EvictedEvent:
+    mm_hash: str
+    entry_id: int
+
+
+@dataclass(frozen=True)
+class PinFailedEvent:
+    transfer_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotDoneEvent:
+    pass
+
+
+class AllocOutcome(enum.Enum):
+    ALLOCATED = "allocated"
+    ALREADY_PENDING = "already_pending"
+    ALREADY_READY = "already_ready"
+    EVICTING = "evicting"
+    # Victims are hidden and their pages come back once the views acknowledge:
+    # ask again after `Cache.on_reclaim` fires.
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class AllocResult:
+    outcome: AllocOutcome
+    entry_id: int = 0
+    extents: tuple[Extent, ...] = ()
+
+
+class ReportStatus(enum.Enum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    UNKNOWN = "unknown"
+
+
+class Verdict(enum.Enum):
+    HELD = "held"
+    NOT_HELD = "not_held"
+    REPORTED_ALREADY = "reported_already"
+    # The pin is still on its way on the scheduler's stream: ask again after
+    # `Cache.on_pins` fires for its owner.
+    WAIT = "wait"
