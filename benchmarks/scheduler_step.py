@@ -1,0 +1,80 @@
+"""Scheduler-side step cost of the vLLM-free delegate against a real daemon.
+
+One step is what vLLM's scheduler does per engine step: has_item and
+after_alloc per multimodal item, build_step_metadata once, and applying the
+workers' output once. Measured on the calling thread: wall time per step,
+blocking RPCs made on it, and the pickled size of the metadata sent to
+workers. The full comparison with vLLM's in-process connector is `make bench`.
+
+    python -m benchmarks.scheduler_step [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import time
+
+import numpy as np
+
+from ec_client.protocol import Layout
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from tests.integration.daemon import Daemon
+
+LAYOUT = Layout("bench-model", "bfloat16", {"image": 2048})
+
+
+def run_case(daemon: Daemon, items: int, rows: int, hit: bool, steps: int) -> dict[str, float]:
+    engine = f"bench-{items}x{rows}-{hit}"
+    scheduler = SchedulerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
+    worker = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
+    try:
+        assert scheduler.link.wait_attached(10) and worker.link.wait_attached(10)
+        hashes = [f"{engine}-{i}" for i in range(items)]
+        if hit:
+            for h in hashes:
+                worker.save(h, np.zeros((rows, 1024), np.uint16))
+            worker.flush(30)
+            daemon.wait_for(lambda: all(scheduler.view.get(h) for h in hashes), what="view")
+        rpcs_before = scheduler.transport.calls_from_this_thread()
+        times, meta_bytes = [], []
+        for step in range(steps):
+            started = time.perf_counter()
+            for i, h in enumerate(hashes):
+                scheduler.has_item(h if hit else f"{h}-miss-{step}")
+                scheduler.after_alloc(f"r{step}-{i}", h if hit else f"{h}-miss-{step}")
+            meta = scheduler.build_step_metadata()
+            scheduler.apply_worker_output([s.transfer_id for s in meta.loads], [])
+            times.append(time.perf_counter() - started)
+            meta_bytes.append(len(pickle.dumps(meta)))
+            if hit and step % 16 == 15:
+                worker.load(meta.loads)  # release pins now and then (off the timed path)
+        times.sort()
+        return {"median_us": statistics.median(times) * 1e6,
+                "p99_us": times[int(len(times) * 0.99) - 1] * 1e6,
+                "rpcs_per_step": (scheduler.transport.calls_from_this_thread() - rpcs_before)
+                / steps,
+                "meta_bytes": statistics.median(meta_bytes)}
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    with Daemon(cpu_bytes="1GiB") as daemon:
+        print(f"{'case':<16}{'median us':>11}{'p99 us':>9}{'RPCs/step':>11}{'meta B':>8}")
+        for items, rows in ((1, 256), (8, 256), (8, 1024), (32, 1024)):
+            for hit in (False, True):
+                r = run_case(daemon, items, rows, hit, args.steps)
+                case = f"{items}x{rows} {'hit' if hit else 'miss'}"
+                print(f"{case:<16}{r['median_us']:>11.1f}{r['p99_us']:>9.1f}"
+                      f"{r['rpcs_per_step']:>11.2f}{r['meta_bytes']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()
