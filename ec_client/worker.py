@@ -60,7 +60,7 @@ class WorkerDelegate:
         self.allocate_out = allocate_out
         self.stats: Counter[str] = Counter()
         self._mapping: RegionMapping | None = None
-        self._saves: queue.Queue[tuple[str, Any] | None] = queue.Queue(MAX_QUEUED_SAVES)
+        self._saves: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue(MAX_QUEUED_SAVES)
         self._unfinished = 0
         self._idle = threading.Condition()
         self.link = SessionLink(
@@ -87,7 +87,7 @@ class WorkerDelegate:
         with self._idle:
             self._unfinished += 1
         try:
-            self._saves.put_nowait((mm_hash, output))
+            self._saves.put_nowait((mm_hash, output, self.backend.prepare_save(output)))
         except queue.Full:
             self._finish_one()
             self.stats["saves_skipped_busy"] += 1
@@ -117,7 +117,7 @@ class WorkerDelegate:
             self._unfinished -= 1
             self._idle.notify_all()
 
-    def _save_one(self, mm_hash: str, output: Any) -> None:
+    def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
         attachment, mapping = self.link.attachment, self._mapping
         if attachment is None or mapping is None or mapping.generation != attachment.generation:
             self.stats["saves_skipped_detached"] += 1
@@ -137,7 +137,7 @@ class WorkerDelegate:
             return
         extents = [(e.offset, e.length) for e in reply.extents]
         try:
-            self.backend.save(output, mapping, extents)
+            self.backend.save(output, mapping, extents, ready)
         except Exception:
             self._report(attachment, aborted=[mm_hash])
             raise

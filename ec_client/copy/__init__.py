@@ -28,11 +28,27 @@ class CopyBackend(Protocol):
     def detach(self, mapping: RegionMapping) -> None:
         """The mapping is going away: unregister it."""
 
-    def save(self, source: Any, mapping: RegionMapping, extents: Extents) -> None:
-        """Copy all bytes of `source` into `extents`, in order; return when landed."""
+    def prepare_save(self, source: Any) -> Any:
+        """Called on the thread that produced `source`, before it is queued:
+        whatever orders the later copy after the producing work (a CUDA event)."""
+
+    def save(self, source: Any, mapping: RegionMapping, extents: Extents,
+             ready: Any = None) -> None:
+        """Copy all bytes of `source` into `extents`, in order, after `ready`;
+        return when landed."""
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         """Copy `extents` into `out` (whose byte size is their total); return `out`."""
+
+
+def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:
+    """Raise ValueError unless `extents` lie in the region and hold `nbytes`."""
+    total = 0
+    for offset, length in extents:
+        mapping.check(offset, length)
+        total += length
+    if total != nbytes:
+        raise ValueError(f"extents hold {total} bytes, the buffer {nbytes}")
 
 
 def get_backend(name: str) -> CopyBackend:

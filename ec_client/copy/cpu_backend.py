@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ec_client.copy import Extents
+from ec_client.copy import Extents, check_extents
 from ec_client.mapping import RegionMapping
 
 
@@ -42,9 +42,13 @@ class Backend:
     def detach(self, mapping: RegionMapping) -> None:
         return None
 
-    def save(self, source: Any, mapping: RegionMapping, extents: Extents) -> None:
+    def prepare_save(self, source: Any) -> None:
+        return None
+
+    def save(self, source: Any, mapping: RegionMapping, extents: Extents,
+             ready: Any = None) -> None:
         data = as_bytes(source)
-        _check(mapping, extents, data.nbytes)
+        check_extents(mapping, extents, data.nbytes)
         region = mapping.view
         done = 0
         for offset, length in extents:
@@ -53,7 +57,7 @@ class Backend:
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         data = as_bytes(out, writable=True)
-        _check(mapping, extents, data.nbytes)
+        check_extents(mapping, extents, data.nbytes)
         region = mapping.view
         done = 0
         for offset, length in extents:
@@ -61,11 +65,3 @@ class Backend:
             done += length
         return out
 
-
-def _check(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:
-    total = 0
-    for offset, length in extents:
-        mapping.check(offset, length)
-        total += length
-    if total != nbytes:
-        raise ValueError(f"extents hold {total} bytes, the buffer {nbytes}")
