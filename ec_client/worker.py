@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from ec_client.copy import describe, empty_host, get_backend
+from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
 from ec_client.protocol import Layout, pb
 from ec_client.scheduler import LoadSpec
@@ -48,7 +48,7 @@ class LoadResult:
 
 class WorkerDelegate:
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, rank: int = 0,
-                 world_size: int = 1, role: str = "both", backend: str = "cpu",
+                 world_size: int = 1, role: str = "both", backend: str | CopyBackend = "cpu",
                  save_rank: int = 0, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "",
                  allocate_out: Callable[[tuple[int, ...], str], Any] = empty_host,
@@ -56,7 +56,7 @@ class WorkerDelegate:
         self.rank = rank
         self.saves_enabled = role in ("producer", "both") and rank == save_rank
         self.transport = Transport(socket, deadline_seconds)
-        self.backend = get_backend(backend)
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.allocate_out = allocate_out
         self.stats: Counter[str] = Counter()
         self._mapping: RegionMapping | None = None

@@ -65,6 +65,22 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise ValueError(f"invalid port {text!r}: use 1..65535, or 0 for off")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(f"invalid value {text!r}: choose one of {', '.join(choices)}")
+        return text.lower()
+
+    return parse
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -96,7 +112,14 @@ SETTINGS: tuple[Setting, ...] = (
             "a session whose stream is silent this long is ended", "S"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
-    Setting("log_level", str, lambda: "INFO", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
+    Setting("metrics_port", _port, lambda: "0",
+            "serve Prometheus metrics on this port (0: off)", "PORT"),
+    Setting("metrics_address", str, lambda: "127.0.0.1",
+            "address of the metrics endpoint (0.0.0.0 to scrape from other hosts)", "ADDR"),
+    Setting("log_level", _choice("debug", "info", "warning", "error"), lambda: "info",
+            "debug, info, warning or error", "LEVEL"),
+    Setting("log_format", _choice("text", "json"), lambda: "text",
+            "text, or json (one object per line)", "FORMAT"),
 )
 
 
@@ -120,7 +143,10 @@ class DaemonConfig:
     page_bytes: int
     lease_seconds: float
     alloc_wait_seconds: float
+    metrics_port: int
+    metrics_address: str
     log_level: str
+    log_format: str
 
 
 def from_namespace(args: argparse.Namespace) -> DaemonConfig:
@@ -138,6 +164,4 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
             f"(--page-bytes {format_size(config.page_bytes)})"
         )
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueError(f"--log-level: unknown level {config.log_level!r}")
     return config

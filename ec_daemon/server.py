@@ -21,10 +21,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from ec_client.protocol import grpc_target, pb, rpc, unix_path
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
+from ec_daemon.metrics import start_exporter
 from ec_daemon.region import Region, RegionError, clean_stale
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
@@ -67,6 +69,22 @@ def prepare_socket(uri: str) -> str:
         path.unlink()
         log.info("removed stale socket %s", path)
     return target
+
+
+def sd_notify(state: str) -> bool:
+    """Tell systemd (Type=notify) about our state; a no-op elsewhere."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError as exc:
+            log.warning("cannot notify systemd at %s: %s", address, exc.strerror)
+            return False
+    return True
 
 
 def _socket_is_live(path: Path) -> bool:
@@ -133,6 +151,9 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     health_service = health.aio.HealthServicer()
     rpc.add_ECDaemonServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -140,15 +161,27 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     expiry = asyncio.ensure_future(service.expire_leases())
+    exporter = None
+    if config.metrics_port:
+        try:
+            exporter = start_exporter(service, loop, config.metrics_port, config.metrics_address)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {config.metrics_address}:"
+                               f"{config.metrics_port}: {exc.strerror}") from None
+        log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
     log.info("ec-daemon serving on %s: region %s, %s in %d pages of %s, generation %016x, "
              "lease %.0fs", config.socket, region.path, format_size(region.size),
              cache.allocator.total_pages, format_size(config.page_bytes), region.generation,
              config.lease_seconds)
+    sd_notify(f"READY=1\nSTATUS=serving {format_size(region.size)} on {config.socket}")
     try:
         await stop.wait()
     finally:
+        sd_notify("STOPPING=1")
         log.info("shutting down: draining calls, ending %d sessions", len(cache.sessions))
         expiry.cancel()
+        if exporter is not None:
+            exporter.shutdown()
         await health_service.enter_graceful_shutdown()
         service.close_streams()
         await server.stop(SHUTDOWN_GRACE_SECONDS)

@@ -27,6 +27,7 @@ from ec_daemon import wire
 from ec_daemon.cache import Cache
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
 from ec_daemon.events import AllocOutcome, Verdict
+from ec_daemon.metrics import rpc_histogram
 from ec_daemon.sessions import Session as ClientSession
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,14 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        started = time.perf_counter()
         try:
             return await handler(self, request, context)
         except CacheError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise AssertionError("unreachable") from exc
+        finally:
+            self.rpc_seconds.labels(handler.__name__).observe(time.perf_counter() - started)
 
     return wrapper
 
@@ -62,6 +66,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.alloc_wait_seconds = alloc_wait_seconds
         self.started = time.monotonic()
         self.closing = False
+        self.rpc_seconds = rpc_histogram()
         self._changed = asyncio.Event()
         cache.on_reclaim = self._notify
         cache.on_pins = lambda session: self._notify()

@@ -99,9 +99,6 @@ class Backend:
         landed.synchronize()
         return out
 
-    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-
     def _unregister(self, chunks: list[tuple[int, int]]) -> None:
         cudart = torch.cuda.cudart()
         for pointer, _ in chunks:

@@ -149,3 +149,27 @@ def test_a_live_daemons_region_is_left_alone(shm_folder):
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def test_systemd_is_notified_when_serving_and_stopping(tmp_path):
+    import socket as socketlib
+
+    folder = short_tmpdir()
+    notify_path = folder / "notify"
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(30)
+    d = Daemon(folder=folder)
+    try:
+        os.environ["NOTIFY_SOCKET"] = str(notify_path)
+        try:
+            d.start()
+        finally:
+            del os.environ["NOTIFY_SOCKET"]
+        ready = listener.recv(4096).decode()
+        assert ready.startswith("READY=1") and "serving 64 MiB" in ready
+        assert d.stop() == 0
+        assert listener.recv(4096).decode() == "STOPPING=1"
+    finally:
+        listener.close()
+        d.cleanup()

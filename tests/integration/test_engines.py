@@ -55,10 +55,8 @@ def procs() -> Iterator[list[Proc]]:
 
 @pytest.fixture
 def big_daemon() -> Iterator[Daemon]:
-    d = Daemon(cpu_bytes="256MiB")
-    d.start()
-    yield d
-    d.cleanup()
+    with Daemon(cpu_bytes="256MiB") as d:
+        yield d
 
 
 def test_engine_b_loads_exactly_what_engine_a_saved(big_daemon, procs):

@@ -208,10 +208,8 @@ def test_detach_releases_pending_saves(daemon):
 
 @pytest.fixture
 def small_daemon():
-    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5"))
-    d.start()
-    yield d
-    d.cleanup()
+    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5")) as d:
+        yield d
 
 
 def test_full_of_pins_refuses_saves_and_evicts_nothing(small_daemon):

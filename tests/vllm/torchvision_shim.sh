@@ -14,8 +14,8 @@
 # those two registrations so they only apply when the ops exist.
 #
 # Idempotent: re-running re-uses an existing install and an applied patch.
-# Environment: PIP (default /work/venvs/vllm/bin/pip), TORCHVISION_VERSION
-# (default 0.28.0).
+# Environment: PIP (default /work/venvs/vllm/bin/pip), PYTHON (for the patch
+# step; default: python beside PIP), TORCHVISION_VERSION (default 0.28.0).
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -24,6 +24,11 @@ if [[ $# -ne 1 ]]; then
 fi
 DEST=$1
 PIP=${PIP:-/work/venvs/vllm/bin/pip}
+# Interpreter for the patch step: $PYTHON, else the one beside $PIP, else python3.
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=$(dirname "$PIP")/python
+    [[ -x "$PYTHON" ]] || PYTHON=python3
+fi
 VERSION=${TORCHVISION_VERSION:-0.28.0}
 META="$DEST/torchvision/_meta_registrations.py"
 MARKER="# ec-daemon tests: nms/qnms guard"
@@ -51,7 +56,7 @@ else
     #     @torch.library.register_fake("torchvision::nms")
     #     def meta_nms(dets, scores, iou_threshold):
     # Replace the decorator with one that is a no-op when the op is missing.
-    python3 - "$META" "$MARKER" <<'EOF'
+    "$PYTHON" - "$META" "$MARKER" <<'EOF'
 import re
 import sys
 

@@ -1,0 +1,30 @@
+"""vLLM contract tests: skipped cleanly where vLLM is not installed (the
+main dev venv); `make test-vllm` runs them in their own venv."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (run `make test-vllm`)")
+
+from tests.integration.daemon import Daemon  # noqa: E402
+from tests.vllm.tiny_model import build_tiny_paligemma  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_paligemma(tmp_path_factory.mktemp("tiny-paligemma"))
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    with Daemon(cpu_bytes="128MiB") as d:
+        yield d

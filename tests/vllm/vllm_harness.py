@@ -1,0 +1,149 @@
+"""Drive ECDaemonConnector the way vLLM's scheduler and model runner do.
+
+Connectors are built through vLLM's own ECConnectorFactory from a real
+VllmConfig; requests are real vLLM Request objects carrying multimodal
+features. Functions here run in the test process or in spawned processes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import ECTransferConfig, VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.engine.arg_utils import EngineArgs
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
+
+IMAGE_TOKENS = 16
+HIDDEN = 128
+
+
+def make_config(model: Path, socket: str, role: str = "ec_both",
+                instance_id: str = "") -> VllmConfig:
+    args = EngineArgs(
+        model=str(model), enforce_eager=True, enable_prefix_caching=False, max_model_len=128,
+        limit_mm_per_prompt={"image": 1},
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="ECDaemonConnector", ec_connector_module_path="ec_client.vllm_connector",
+            ec_role=role, ec_connector_extra_config={"ec_daemon_socket": socket,
+                                                     "ec_daemon_copy_backend": "cpu"}))
+    config = args.create_engine_config()
+    if instance_id:
+        config.instance_id = instance_id
+    return config
+
+
+def connector(config: VllmConfig, role: ECConnectorRole) -> Any:
+    return ECConnectorFactory.create_connector(config, role)
+
+
+def request(request_id: str, mm_hash: str) -> Request:
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=mm_hash,
+                                    mm_position=PlaceholderRange(offset=1,
+                                                                 length=IMAGE_TOKENS))
+    return Request(request_id=request_id, prompt_token_ids=[2] + [5] * IMAGE_TOKENS + [7],
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   mm_features=[feature])
+
+
+def empty_output() -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[])
+
+
+def encoder_output(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(IMAGE_TOKENS, HIDDEN, generator=generator)
+
+
+def wait_attached(conn: Any, timeout: float = 20.0) -> None:
+    delegate = conn._scheduler or conn._worker
+    if delegate.link.wait_attached(timeout) is None:
+        raise RuntimeError(f"connector not attached: {delegate.link.last_error}")
+
+
+def step(scheduler: Any, worker: Any, requests: list[Request],
+         computed: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """One engine step: the scheduler's calls, then the model runner's.
+
+    `computed` holds what the encoder produced this step for items the
+    connector did not have. Returns the worker's encoder cache and the
+    has_cache_item answers."""
+    hits = []
+    for req in requests:
+        for index, feature in enumerate(req.mm_features):
+            hits.append(scheduler.has_cache_item(feature.identifier))
+            scheduler.update_state_after_alloc(req, index)
+    output = empty_output()
+    output.ec_connector_metadata = scheduler.build_connector_meta(output)
+
+    encoder_cache: dict[str, torch.Tensor] = {}
+    worker.bind_connector_metadata(output.ec_connector_metadata)
+    if worker.is_consumer:
+        worker.start_load_caches(encoder_cache)
+    for mm_hash, tensor in computed.items():  # the encoder ran for the misses
+        encoder_cache[mm_hash] = tensor
+        worker.save_caches(encoder_cache, mm_hash)
+    result = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    scheduler.update_connector_output(result)
+    return encoder_cache, hits
+
+
+def wait_until(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def start_engine(model: str, socket: str, role: str, instance_id: str) -> tuple[Any, Any]:
+    """Both connectors of one engine, attached."""
+    config = make_config(Path(model), socket, role, instance_id=instance_id)
+    scheduler = connector(config, ECConnectorRole.SCHEDULER)
+    worker = connector(config, ECConnectorRole.WORKER)
+    wait_attached(scheduler)
+    wait_attached(worker)
+    return scheduler, worker
+
+
+def producer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -> None:
+    """Engine 1 (ec_producer): computes and saves encoder outputs."""
+    scheduler, worker = start_engine(model, socket, "ec_producer", "engine-1")
+    for seed in seeds:
+        step(scheduler, worker, [request(f"p{seed}", f"img-{seed}")],
+             {f"img-{seed}": encoder_output(seed)})
+    assert worker._worker.flush(30)
+    conn.send(dict(worker._worker.stats))
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def consumer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -> None:
+    """Engine 2 (ec_consumer, another process): loads them back."""
+    scheduler, worker = start_engine(model, socket, "ec_consumer", "engine-2")
+    wait_until(lambda: scheduler._scheduler.view.synced)
+    exact = 0
+    all_hits = []
+    for seed in seeds:
+        cache, hits = step(scheduler, worker, [request(f"c{seed}", f"img-{seed}")], {})
+        all_hits += hits
+        got = cache.get(f"img-{seed}")
+        exact += got is not None and torch.equal(got, encoder_output(seed))
+    conn.send({"hits": all_hits, "exact": exact,
+               "unavailable": sorted(scheduler.take_unavailable_requests()),
+               "scheduler_rpcs": scheduler._scheduler.transport.calls_from_this_thread()})
+    scheduler.shutdown()
+    worker.shutdown()
