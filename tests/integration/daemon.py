@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_client.protocol import Layout, pb, rpc
 from ec_daemon.cli import stats_dict
-from ec_daemon.region import PREFIX, SUFFIX
+from ec_daemon.region import PREFIX, SUFFIX, clean_stale
 
 START_TIMEOUT = 30.0
 
@@ -120,8 +120,11 @@ class Daemon:
         self.stop(signal.SIGKILL)
 
     def cleanup(self) -> None:
+        """Stop the daemon; if it was killed, remove what it left, as the
+        next daemon's start would (its region and socket)."""
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
+        clean_stale(self.shm_dir)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> Daemon:

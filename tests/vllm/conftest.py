@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (run `make test-vllm`)")
 
-from tests.integration.daemon import Daemon  # noqa: E402
-from tests.vllm.tiny_model import build_tiny_paligemma  # noqa: E402
+from tests.integration.daemon import Daemon
+from tests.vllm.tiny_model import build_tiny_paligemma
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
