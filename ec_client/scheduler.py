@@ -70,10 +70,12 @@ class _Minting:
 class SchedulerDelegate:
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: str = "both",
                  deadline_seconds: float = DEFAULT_DEADLINE_SECONDS, client_name: str = "",
+                 token_file: str | None = None, tls_ca: str | None = None,
                  start: bool = True) -> None:
         self.role = role
         self.can_load = role in ("consumer", "both")
-        self.transport = Transport(socket, deadline_seconds)
+        self.transport = Transport(socket, deadline_seconds, token_file=token_file,
+                                   tls_ca=tls_ca)
         self.view = ReadyView()
         self._minting: _Minting | None = None
         self._planned: dict[str, tuple[LoadSpec, list[str]]] = {}

@@ -14,7 +14,9 @@ vLLM is imported only in this module.
 Extra-config keys (all optional): `ec_daemon_socket` (else $EC_DAEMON_SOCKET,
 else the daemon's default), `ec_daemon_copy_backend` (auto|torch|cupy|cpu,
 default auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
-(extra text in the layout fingerprint, default "").
+(extra text in the layout fingerprint, default ""), and for a TCP daemon
+`ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE and
+$EC_DAEMON_TLS_CA).
 
 Worker completion reports go to the daemon directly (the worker needs the
 verdict before handing a load to the model, and a scheduler-side relay would
@@ -90,6 +92,8 @@ class ConnectorSettings:
     copy_backend: str
     deadline_seconds: float
     namespace: str
+    token_file: str | None
+    tls_ca: str | None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -100,7 +104,14 @@ class ConnectorSettings:
             deadline_seconds=float(extra.get("ec_daemon_rpc_deadline_s",
                                              DEFAULT_DEADLINE_SECONDS)),
             namespace=str(extra.get("ec_daemon_namespace", "")),
+            token_file=extra.get("ec_daemon_token_file"),
+            tls_ca=extra.get("ec_daemon_tls_ca"),
         )
+
+    @property
+    def transport(self) -> dict[str, Any]:
+        return {"deadline_seconds": self.deadline_seconds, "token_file": self.token_file,
+                "tls_ca": self.tls_ca}
 
 
 def engine_identity(vllm_config: VllmConfig) -> str:
@@ -137,7 +148,7 @@ class ECDaemonConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
-                deadline_seconds=self.settings.deadline_seconds)
+                **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
         else:
@@ -160,8 +171,8 @@ class ECDaemonConnector(ECConnectorBase):
 
         return WorkerDelegate(
             self.settings.socket, engine_id=engine_id, layout=layout, rank=rank,
-            world_size=world, role=self._ec_role, backend=backend,
-            deadline_seconds=self.settings.deadline_seconds, allocate_out=allocate_out)
+            world_size=world, role=self._ec_role, backend=backend, allocate_out=allocate_out,
+            **self.settings.transport)
 
     # ------------------------------------------------------------ worker
 

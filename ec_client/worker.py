@@ -52,10 +52,12 @@ class WorkerDelegate:
                  save_rank: int = 0, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "",
                  allocate_out: Callable[[tuple[int, ...], str], Any] = empty_host,
+                 token_file: str | None = None, tls_ca: str | None = None,
                  start: bool = True) -> None:
         self.rank = rank
         self.saves_enabled = role in ("producer", "both") and rank == save_rank
-        self.transport = Transport(socket, deadline_seconds)
+        self.transport = Transport(socket, deadline_seconds, token_file=token_file,
+                                   tls_ca=tls_ca)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.allocate_out = allocate_out
         self.stats: Counter[str] = Counter()

@@ -22,7 +22,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ec_client.protocol import ROLE_NAMES, default_socket_uri, grpc_target, pb, rpc
+from ec_client.protocol import ROLE_NAMES, default_socket_uri, pb
+from ec_client.transport import Transport
 from ec_daemon import __version__, config
 from ec_daemon.server import SERVICE_NAME, StartupError, serve
 
@@ -82,21 +83,28 @@ def _client_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--socket", default=default_socket_uri(),
                         help="daemon address (env EC_DAEMON_SOCKET; default %(default)s)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    parser.add_argument("--token-file", default=None,
+                        help="token for a TCP daemon (env EC_DAEMON_TOKEN_FILE)")
+    parser.add_argument("--tls-ca", default=None,
+                        help="CA certificate for a TLS daemon (env EC_DAEMON_TLS_CA)")
     return parser
 
 
-def _channel(uri: str) -> grpc.Channel:
-    return grpc.insecure_channel(grpc_target(uri))
+def _transport(args: argparse.Namespace) -> Transport:
+    return Transport(args.socket, args.timeout, token_file=args.token_file, tls_ca=args.tls_ca)
 
 
 def _health(argv: list[str]) -> int:
     args = _client_parser("health", "Exit 0 when the daemon is serving.").parse_args(argv)
     try:
-        with _channel(args.socket) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                               timeout=args.timeout)
-    except ValueError as exc:
+        transport = _transport(args)
+        try:
+            reply = health_pb2_grpc.HealthStub(transport.channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=args.timeout,
+                metadata=transport.metadata)
+        finally:
+            transport.close()
+    except (ValueError, OSError) as exc:
         return _fail(str(exc))
     except grpc.RpcError as exc:
         return _fail(f"daemon at {args.socket} is not reachable: {exc.code().name}", 1)
@@ -112,9 +120,12 @@ def _stats(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
-        with _channel(args.socket) as channel:
-            reply = rpc.ECDaemonStub(channel).Stats(pb.StatsRequest(), timeout=args.timeout)
-    except ValueError as exc:
+        transport = _transport(args)
+        try:
+            reply = transport.call("Stats", pb.StatsRequest())
+        finally:
+            transport.close()
+    except (ValueError, OSError) as exc:
         return _fail(str(exc))
     except grpc.RpcError as exc:
         return _fail(f"daemon at {args.socket} is not reachable: {exc.code().name}", 1)

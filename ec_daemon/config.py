@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_client.protocol import default_socket_uri
+from ec_client.protocol import default_socket_uri, grpc_target
 
 _UNITS = {
     "": 1, "b": 1,
@@ -72,6 +72,17 @@ def _port(text: str) -> int:
     return value
 
 
+def _socket_uri(text: str) -> str:
+    grpc_target(text)  # raises ValueError naming the accepted forms
+    return text
+
+
+def _mode(text: str) -> int:
+    from ec_daemon.auth import parse_mode
+
+    return parse_mode(text)
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text.lower() not in choices:
@@ -102,8 +113,16 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("cpu_bytes", _positive_size, lambda: "1GiB",
             "size of the shared region (the cache capacity)", "SIZE"),
-    Setting("socket", str, default_socket_uri,
+    Setting("socket", _socket_uri, default_socket_uri,
             "where to serve: unix:///path (default) or host:port for TCP", "URI"),
+    Setting("socket_mode", _mode, lambda: "0600",
+            "permissions of the socket and the region (0660 with --group to share)", "MODE"),
+    Setting("group", str, lambda: "",
+            "group owning the socket and the region (a name or gid)", "GROUP"),
+    Setting("token_file", str, lambda: "",
+            "file with a shared token every call must carry (required for TCP)", "FILE"),
+    Setting("tls_cert", str, lambda: "", "TLS certificate (PEM) for a TCP socket", "FILE"),
+    Setting("tls_key", str, lambda: "", "TLS private key (PEM) for a TCP socket", "FILE"),
     Setting("shm_dir", str, lambda: "/dev/shm",
             "directory of the region file (a tmpfs)", "DIR"),
     Setting("page_bytes", _positive_size, lambda: "64KiB",
@@ -139,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None
 class DaemonConfig:
     cpu_bytes: int
     socket: str
+    socket_mode: int
+    group: str
+    token_file: str
+    tls_cert: str
+    tls_key: str
     shm_dir: str
     page_bytes: int
     lease_seconds: float
@@ -164,4 +188,6 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
             f"(--page-bytes {format_size(config.page_bytes)})"
         )
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
     return config

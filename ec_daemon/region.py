@@ -54,6 +54,7 @@ class Region:
 
     @classmethod
     def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
+               gid: int | None = None,
                progress: Callable[[str], None] | None = None) -> Region:
         """Create, lock and pre-fault a region of `size` bytes in `shm_dir`.
 
@@ -75,6 +76,8 @@ class Region:
         path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)  # the umask must not widen or narrow it
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _prefault(fd, size, path, progress)

@@ -24,6 +24,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ec_client.protocol import grpc_target, pb, rpc, unix_path
+from ec_daemon.auth import (
+    AuthError,
+    TokenInterceptor,
+    apply_access,
+    open_folder_to_group,
+    read_token,
+    resolve_group,
+)
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
 from ec_daemon.metrics import start_exporter
@@ -101,16 +109,31 @@ def _socket_is_live(path: Path) -> bool:
 
 async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set). Raises StartupError."""
-    target = prepare_socket(config.socket)
-    server = grpc.aio.server()
     socket_path = unix_path(config.socket)
-    _bind(server, target, config.socket)  # before pre-faulting: fail fast
     try:
+        gid = resolve_group(config.group)
+        token = read_token(config.token_file) if config.token_file else None
+    except AuthError as exc:
+        raise StartupError(str(exc)) from None
+    if socket_path is None and token is None:
+        raise StartupError(f"refusing to listen on TCP {config.socket} without --token-file "
+                           "(every call must carry the token); use a unix:// socket or "
+                           "give a token")
+    if socket_path is not None and config.tls_cert:
+        raise StartupError("--tls-cert/--tls-key apply to TCP sockets only")
+    target = prepare_socket(config.socket)
+    server = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None)
+    _bind(server, target, config)  # before pre-faulting: fail fast
+    try:
+        if socket_path is not None:
+            apply_access(socket_path, config.socket_mode, gid)
+            open_folder_to_group(Path(socket_path).parent, gid)
         for path in clean_stale(config.shm_dir):
             log.info("removed stale region %s of a dead daemon", path)
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
         try:
-            region = Region.create(config.shm_dir, capacity, progress=log.info)
+            region = Region.create(config.shm_dir, capacity, mode=config.socket_mode, gid=gid,
+                                   progress=log.info)
         except (RegionError, OSError) as exc:
             raise StartupError(str(exc)) from None
         with region:
@@ -123,21 +146,28 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                 os.unlink(socket_path)
 
 
-def _bind(server: grpc.aio.Server, target: str, uri: str) -> None:
+def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
+    credentials = None
+    if config.tls_cert:
+        try:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+        except OSError as exc:
+            raise StartupError(f"cannot read TLS key or certificate: {exc}") from None
     old_umask = os.umask(0o177)  # the socket is born owner-only
     try:
-        server.add_insecure_port(target)
+        if credentials is not None:
+            server.add_secure_port(target, credentials)
+        else:
+            server.add_insecure_port(target)
     except RuntimeError:
-        raise StartupError(f"cannot listen on {uri}: address in use or not permitted") \
-            from None
+        raise StartupError(f"cannot listen on {config.socket}: address in use or not "
+                           "permitted") from None
     finally:
         os.umask(old_umask)
-    socket_path = unix_path(uri)
-    if socket_path is not None:
-        os.chmod(socket_path, 0o600)
-    else:
-        log.warning("listening on TCP %s without authentication; prefer a unix:// socket",
-                    target)
+    if unix_path(config.socket) is None:
+        log.info("listening on TCP %s (%s, token required)", target,
+                 "TLS" if credentials is not None else "no TLS")
 
 
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,

@@ -1,3 +1,6 @@
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.integration.daemon import Daemon
@@ -7,3 +10,15 @@ from tests.integration.daemon import Daemon
 def daemon():
     with Daemon(cpu_bytes="64MiB") as d:
         yield d
+
+
+@pytest.fixture
+def shm_folder():
+    """A private folder in /dev/shm, so counting region files sees only ours."""
+    folder = Path(tempfile.mkdtemp(prefix="ecd-test-", dir="/dev/shm"))
+    yield folder
+    leftovers = list(folder.iterdir())
+    for path in leftovers:
+        path.unlink()
+    folder.rmdir()
+    assert not leftovers, f"left in {folder}: {leftovers}"

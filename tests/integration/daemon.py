@@ -23,6 +23,15 @@ from ec_daemon.region import PREFIX, SUFFIX, clean_stale
 START_TIMEOUT = 30.0
 
 
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def short_tmpdir() -> Path:
     """Unix socket paths are limited to 107 bytes: keep them short."""
     return Path(tempfile.mkdtemp(prefix="ecd-", dir="/tmp"))

@@ -8,8 +8,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -23,18 +21,6 @@ REQUIRED_STATS = ("capacity_bytes", "used_bytes", "pinned_bytes", "pending_bytes
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ec_daemon", *args], capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture
-def shm_folder():
-    """A private folder in /dev/shm, so counting region files sees only ours."""
-    folder = Path(tempfile.mkdtemp(prefix="ecd-test-", dir="/dev/shm"))
-    yield folder
-    leftovers = list(folder.iterdir())
-    for path in leftovers:
-        path.unlink()
-    folder.rmdir()
-    assert not leftovers, f"left in {folder}: {leftovers}"
 
 
 def test_health_is_zero_only_while_serving(daemon):

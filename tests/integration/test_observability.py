@@ -17,16 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ec_client.protocol import Layout
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.integration
 LAYOUT = Layout("metrics-model", "float32", {"image": 512})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
