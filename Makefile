@@ -15,8 +15,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # without dependencies and patched to import beside CPU torch.
 TORCHVISION_DIR := $(VLLM_VENV)/torchvision
 
+FUZZ_EXAMPLES ?= 200000
+SOAK_SECONDS ?= 600
+KILL_ITERATIONS ?= 100
+
 .PHONY: install proto run test test-unit test-integration test-vllm install-vllm lint clean \
-	docker-test
+	docker-test fuzz soak
 
 install: $(STAMP)
 
@@ -65,6 +69,15 @@ test-vllm: $(VLLM_STAMP) proto
 lint: $(STAMP) proto
 	$(BIN)/ruff check ec_daemon ec_client tests proto/generate.py
 	$(BIN)/mypy
+
+# Longer runs of the CI suites: many more malformed requests, kills and soak time.
+fuzz: $(STAMP) proto
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/fuzz -s $(PYTEST_ARGS)
+
+soak: $(STAMP) proto
+	KILL_ITERATIONS=$(KILL_ITERATIONS) $(BIN)/python -m pytest tests/integration/test_kills.py -s \
+		$(PYTEST_ARGS)
+	$(BIN)/python -m tests.integration.soak --processes 8 --seconds $(SOAK_SECONDS)
 
 # Needs a Docker engine with a GPU runtime; not part of CI (see README).
 docker-test:

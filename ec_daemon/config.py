@@ -131,6 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a session whose stream is silent this long is ended", "S"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
+    Setting("check_invariants", lambda text: _choice("true", "false")(text) == "true",
+            lambda: "false", "verify the bookkeeping after every call (slow; for testing)",
+            "BOOL"),
     Setting("metrics_port", _port, lambda: "0",
             "serve Prometheus metrics on this port (0: off)", "PORT"),
     Setting("metrics_address", str, lambda: "127.0.0.1",
@@ -167,6 +170,7 @@ class DaemonConfig:
     page_bytes: int
     lease_seconds: float
     alloc_wait_seconds: float
+    check_invariants: bool
     metrics_port: int
     metrics_address: str
     log_level: str

@@ -43,3 +43,9 @@ class ResourceExhausted(CacheError):
     The caller should drop this save (the engine just does not cache it)."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class InvariantViolated(CacheError):
+    """The bookkeeping does not add up (a daemon bug; --check-invariants)."""
+
+    code = "INTERNAL"

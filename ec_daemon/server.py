@@ -177,7 +177,8 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation)
     service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
-                              alloc_wait_seconds=config.alloc_wait_seconds)
+                              alloc_wait_seconds=config.alloc_wait_seconds,
+                              check_invariants=config.check_invariants)
     health_service = health.aio.HealthServicer()
     rpc.add_ECDaemonServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)

@@ -25,7 +25,12 @@ import grpc
 from ec_client.protocol import PROTOCOL_VERSION, ROLES, pb, rpc
 from ec_daemon import wire
 from ec_daemon.cache import Cache
-from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
+from ec_daemon.errors import (
+    CacheError,
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolated,
+)
 from ec_daemon.events import AllocOutcome, Verdict
 from ec_daemon.metrics import rpc_histogram
 from ec_daemon.sessions import Session as ClientSession
@@ -47,8 +52,11 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         started = time.perf_counter()
         try:
-            return await handler(self, request, context)
+            reply = await handler(self, request, context)
+            self.verify()
+            return reply
         except CacheError as exc:
+            self.verify()
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise AssertionError("unreachable") from exc
         finally:
@@ -59,11 +67,12 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
 
 class ECDaemonService(rpc.ECDaemonServicer):
     def __init__(self, cache: Cache, region: Any, *, lease_seconds: float,
-                 alloc_wait_seconds: float) -> None:
+                 alloc_wait_seconds: float, check_invariants: bool = False) -> None:
         self.cache = cache
         self.region = region  # pb.Region
         self.lease_seconds = lease_seconds
         self.alloc_wait_seconds = alloc_wait_seconds
+        self.check_invariants = check_invariants
         self.started = time.monotonic()
         self.closing = False
         self.rpc_seconds = rpc_histogram()
@@ -89,6 +98,18 @@ class ECDaemonService(rpc.ECDaemonServicer):
     def end_session(self, session: ClientSession) -> None:
         self.cache.end_session(session)
         self._notify()
+        self.verify()
+
+    def verify(self) -> None:
+        """With --check-invariants: raise InvariantViolated (INTERNAL) if the
+        bookkeeping does not add up. Tests and fuzzing run with it."""
+        if not self.check_invariants:
+            return
+        try:
+            self.cache.check_invariants()
+        except AssertionError as exc:
+            log.critical("cache invariant violated: %s", exc)
+            raise InvariantViolated(f"cache invariant violated: {exc}") from exc
 
     # -------------------------------------------------------------- unary
 
@@ -263,15 +284,19 @@ class ECDaemonService(rpc.ECDaemonServicer):
             wake.set()
 
     def _apply(self, session: ClientSession, message: Any) -> None:
-        """Pins, then acknowledgements, then the heartbeat, in that order."""
+        """Pins, then acknowledgements, then the heartbeat, in that order
+        (a malformed heartbeat is refused before anything is applied)."""
+        beat = message.heartbeat if message.HasField("heartbeat") else None
+        if beat is not None and beat.hits > beat.lookups:
+            raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
         self.cache.sessions.renew(session)
         for pin in message.pins:
             self.cache.pin(session, pin.transfer_id, pin.mm_hash, pin.entry_id)
         if message.acks:
             self.cache.acknowledge(session, ((a.mm_hash, a.entry_id) for a in message.acks))
-        if message.HasField("heartbeat") and session.is_scheduler:
-            self.cache.record_lookups(session, message.heartbeat.lookups,
-                                      message.heartbeat.hits)
+        if beat is not None and session.is_scheduler:
+            self.cache.record_lookups(session, beat.lookups, beat.hits)
+        self.verify()
 
     # ------------------------------------------------------------ upkeep
 

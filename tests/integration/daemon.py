@@ -47,7 +47,7 @@ class Daemon:
         self.shm_dir = shm_dir
         self.args = [sys.executable, "-m", "ec_daemon", "--cpu-bytes", cpu_bytes,
                      "--page-bytes", page_bytes, "--socket", self.socket, "--shm-dir", shm_dir,
-                     *extra]
+                     "--check-invariants", "true", *extra]
         self.log_path = self.folder / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._channel: grpc.Channel | None = None

@@ -137,12 +137,50 @@ def stuck_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> No
 
 
 def pinning_engine_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
-    """Scheduler side of an engine that dispatches a load, then hangs."""
+    """An engine (scheduler side and a worker) that dispatches a load, then hangs."""
     worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
+    _attached(worker)
+    pinning_scheduler_main(socket, engine_id, mm_hash, conn)
+
+
+def pinning_scheduler_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
+    """The scheduler side alone: dispatches a load, then hangs."""
     scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    _attached(worker, scheduler)
+    _attached(scheduler)
     _wait_synced(scheduler)
     hit = scheduler.has_item(mm_hash)
     scheduler.after_alloc("req", mm_hash)
     conn.send((hit, scheduler.build_step_metadata().loads))
     time.sleep(600)
+
+
+def copying_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
+    """Allocates a save and keeps copying into its extents until killed."""
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="producer")
+    _attached(worker)
+    attachment = worker.link.attachment
+    assert attachment is not None
+    reply = worker.transport.call("Allocate", pb.AllocateRequest(
+        session_id=attachment.session_id, mm_hash=mm_hash, nbytes=4 << 20, shape=[4 << 20],
+        dtype="uint8"))
+    extents = [(e.offset, e.length) for e in reply.extents]
+    data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
+    mapping = worker._mapping
+    assert mapping is not None
+    conn.send(pb.AllocStatus.Name(reply.status))
+    while True:  # mid-save forever
+        worker.backend.save(data, mapping, extents)
+
+
+def copying_loader_main(socket: str, engine_id: str, conn: Any) -> None:
+    """A worker rank that copies a dispatched load over and over until killed."""
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
+    _attached(worker)
+    conn.send("attached")
+    (spec,) = conn.recv()
+    mapping = worker._mapping
+    assert mapping is not None
+    out = np.empty(spec.nbytes, np.uint8)
+    conn.send("copying")
+    while True:  # mid-load forever
+        worker.backend.load(mapping, spec.extents, out)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -272,3 +274,43 @@ def test_lookup_never_shows_pending_entries(daemon):
     assert states == [pb.ABSENT, pb.READY, pb.ABSENT]
     assert code_of(lambda: stub.Lookup(pb.LookupRequest(namespace="", mm_hashes=["p"]))) \
         == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sigterm_lets_in_flight_calls_finish():
+    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "3"))
+    d.start()
+    region_path = d.stats()["region_path"]
+    stub = d.stub
+    writer = attach(stub).session_id
+    for i in range(4):
+        save(stub, writer, f"k{i}")
+    silent = attach(stub, engine="S", rank=None)
+    stream = RawStream(stub, silent.session_id)  # never acknowledges evictions
+    outcome: list[Any] = []
+
+    def allocate() -> None:
+        try:
+            outcome.append(stub.Allocate(pb.AllocateRequest(
+                session_id=writer, mm_hash="late", nbytes=MiB, shape=[MiB], dtype="uint8"),
+                timeout=10))
+        except grpc.RpcError as exc:
+            outcome.append(exc.code())
+
+    try:
+        assert stream.next().ready
+        waiting = threading.Thread(target=allocate)
+        waiting.start()
+        time.sleep(0.3)  # the allocation now waits for the silent view
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        waiting.join(10)
+        assert d.proc.wait(15) == 0
+        # Shutdown ended the silent view's session, which freed the evicted pages:
+        # the waiting call completed instead of being cut off.
+        assert len(outcome) == 1 and not isinstance(outcome[0], grpc.StatusCode), outcome
+        assert outcome[0].status == pb.ALLOCATED
+        assert not d.socket_path.exists()
+        assert not os.path.exists(region_path)
+    finally:
+        stream.close()
+        d.cleanup()
