@@ -26,7 +26,7 @@ from typing import Any
 from ec_client.protocol import TRANSFER_ID_SHIFT, Layout, pb
 from ec_client.session import Attachment, SessionLink
 from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
-from ec_client.view import ReadyView
+from ec_client.view import ReadyView, ViewEntry
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class SchedulerDelegate:
         self._dispatched: dict[int, list[str]] = {}
         self._unavailable: set[str] = set()
         self._lock = threading.Lock()  # guards _dispatched and _unavailable
-        self._lookups = self._hits = 0
-        self._reported_lookups = self._reported_hits = 0
+        self._send_lock = threading.Lock()  # keeps pins ahead of acks on the stream
+        self._hits_this_step: dict[str, tuple[ViewEntry, _Minting | None]] = {}
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -99,10 +99,11 @@ class SchedulerDelegate:
         until this step's `build_step_metadata`."""
         if not self.can_load:
             return False
-        self._lookups += 1
-        if self.view.claim(mm_hash) is None:
+        entry = self.view.claim(mm_hash)
+        if entry is None:
             return False
-        self._hits += 1
+        # What after_alloc will dispatch, even if the link detaches meanwhile.
+        self._hits_this_step[mm_hash] = (entry, self._minting)
         return True
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
@@ -112,10 +113,14 @@ class SchedulerDelegate:
         if planned is not None:
             planned[1].append(request_id)
             return True
-        entry = self.view.get(mm_hash) if self.can_load else None
-        minting = self._minting
-        if entry is None or minting is None:
+        hit = self._hits_this_step.get(mm_hash)
+        if hit is None:
             return False  # computed by the engine (and saved by its worker)
+        entry, minting = hit
+        if minting is None:  # detached as has_item answered: the load cannot be served
+            with self._lock:
+                self._unavailable.add(request_id)
+            return True
         spec = LoadSpec(mm_hash, minting.next_id(), entry.entry_id, minting.attachment.generation,
                         entry.nbytes, entry.shape, entry.dtype, entry.extents)
         self._planned[mm_hash] = (spec, [request_id])
@@ -124,18 +129,24 @@ class SchedulerDelegate:
     def build_step_metadata(self) -> StepMetadata:
         """The step's loads; queues their pins, then the deferred acks."""
         planned, self._planned = self._planned, {}
+        self._hits_this_step.clear()
         message = pb.ClientMessage()
         for spec, _ in planned.values():
             message.pins.add(transfer_id=spec.transfer_id, mm_hash=spec.mm_hash,
                              entry_id=spec.entry_id)
-        message.acks.extend(self.view.end_step())
         loads = [spec for spec, _ in planned.values()]
         if planned:
             with self._lock:
                 for spec, request_ids in planned.values():
                     self._dispatched[spec.transfer_id] = request_ids
                 self._trim_dispatched()
-        if (message.pins or message.acks) and not self.link.send(message):
+        # Releasing the claims and queueing the pins is one step for the link
+        # thread: an eviction it applies in between would be acknowledged
+        # ahead of the pin.
+        with self._send_lock:
+            message.acks.extend(self.view.end_step())
+            sent = not (message.pins or message.acks) or self.link.send(message)
+        if not sent:
             # Detached since has_item: the pins cannot land, the loads fail.
             with self._lock:
                 for _, request_ids in planned.values():
@@ -176,9 +187,10 @@ class SchedulerDelegate:
         self.view.clear()
 
     def _on_message(self, message: Any) -> None:
-        acks = self.view.apply(message)
-        if acks:
-            self.link.send(pb.ClientMessage(acks=acks))
+        with self._send_lock:
+            acks = self.view.apply(message)
+            if acks:
+                self.link.send(pb.ClientMessage(acks=acks))
         if message.pin_failures:
             with self._lock:
                 for failure in message.pin_failures:
@@ -187,11 +199,8 @@ class SchedulerDelegate:
                     self._unavailable.update(self._dispatched.pop(failure.transfer_id, ()))
 
     def _heartbeat(self) -> Any:
-        lookups, hits = self._lookups, self._hits
-        beat = pb.Heartbeat(lookups=lookups - self._reported_lookups,
-                            hits=hits - self._reported_hits)
-        self._reported_lookups, self._reported_hits = lookups, hits
-        return beat
+        lookups, hits = self.view.take_counts()
+        return pb.Heartbeat(lookups=lookups, hits=hits)
 
     def _trim_dispatched(self) -> None:
         while len(self._dispatched) > MAX_DISPATCHED:

@@ -16,6 +16,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from ec_client.transport import Transport
 
 log = logging.getLogger(__name__)
 
+_NOTHING = object()
 BACKOFF_START_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 
@@ -172,14 +174,21 @@ class SessionLink:
             self._on_detached()
 
     def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
+        """The stream's messages: what `send` queued, plus a heartbeat every
+        `interval` whether or not anything else went out."""
+        next_beat = time.monotonic() + interval
         while True:
             try:
-                message = outbox.get(timeout=interval)
+                message = outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
-                message = pb.ClientMessage(heartbeat=self._heartbeat())
+                message = _NOTHING
             if message is None:
                 return
-            yield message
+            if message is not _NOTHING:
+                yield message
+            if time.monotonic() >= next_beat:
+                yield pb.ClientMessage(heartbeat=self._heartbeat())
+                next_beat = time.monotonic() + interval
 
     def _end_stream(self) -> None:
         responses = self._responses

@@ -26,6 +26,8 @@ _OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
+    # The daemon caps its stream messages at ~1 MiB; leave room regardless.
+    ("grpc.max_receive_message_length", 64 << 20),
 ]
 
 

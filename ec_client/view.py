@@ -38,14 +38,24 @@ class ReadyView:
         self._deferred: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         self.synced = False  # the initial snapshot has arrived
+        self._lookups = self._hits = 0  # since the last take_counts
 
     def claim(self, mm_hash: str) -> ViewEntry | None:
         """The entry if ready; it then stays in the view until `end_step`."""
         with self._lock:
             entry = self._entries.get(mm_hash)
+            self._lookups += 1
             if entry is not None:
                 self._claimed.add(mm_hash)
+                self._hits += 1
             return entry
+
+    def take_counts(self) -> tuple[int, int]:
+        """(lookups, hits) since the previous call, read consistently."""
+        with self._lock:
+            counts = (self._lookups, self._hits)
+            self._lookups = self._hits = 0
+            return counts
 
     def get(self, mm_hash: str) -> ViewEntry | None:
         return self._entries.get(mm_hash)

@@ -29,7 +29,7 @@ import grpc
 
 from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
-from ec_client.protocol import Layout, pb
+from ec_client.protocol import RETRYABLE, Layout, pb
 from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
 from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -37,6 +37,8 @@ from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_SAVES = 1024
+# Transfer ids kept for a later report when the daemon could not be told.
+MAX_UNREPORTED = 4096
 
 
 @dataclass
@@ -65,6 +67,8 @@ class WorkerDelegate:
         self._saves: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue(MAX_QUEUED_SAVES)
         self._unfinished = 0
         self._idle = threading.Condition()
+        self._unreported: list[int] = []
+        self._unreported_lock = threading.Lock()
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
             world_size=world_size, client_name=client_name, on_attached=self._on_attached,
@@ -143,7 +147,9 @@ class WorkerDelegate:
         except Exception:
             self._report(attachment, aborted=[mm_hash])
             raise
-        reply = self._report(attachment, saved=[mm_hash])
+        reply = self._report(attachment, saved=[mm_hash], retries=2)
+        if reply is None:  # the entry would stay pending for this session's life
+            self._report(attachment, aborted=[mm_hash])
         accepted = reply is not None and reply.saved[0] == pb.ACCEPTED
         self.stats["saves_done" if accepted else "saves_lost"] += 1
 
@@ -168,8 +174,7 @@ class WorkerDelegate:
                 result.failed.append(spec.transfer_id)
                 self.stats["loads_failed"] += 1
         reported = [spec.transfer_id for spec in specs]
-        reply = self._report(attachment, loaded=reported) if attachment and reported else None
-        verdicts = dict(zip(reported, reply.loaded, strict=True)) if reply is not None else {}
+        verdicts = self._report_loads(attachment, reported)
         for spec, out in copied:
             if verdicts.get(spec.transfer_id) == pb.HELD:
                 result.loaded[spec.mm_hash] = out
@@ -180,17 +185,40 @@ class WorkerDelegate:
                 self.stats["loads_not_held"] += 1
         return result
 
+    def _report_loads(self, attachment: Attachment | None,
+                      transfer_ids: list[int]) -> dict[int, Any]:
+        """Report this rank done with `transfer_ids`, and with any transfers it
+        could not report before (a pin waits for every expected rank: an
+        unreported one would hold its entry until the scheduler's session
+        ends). Returns the verdicts of `transfer_ids`."""
+        with self._unreported_lock:
+            backlog, self._unreported = self._unreported, []
+        everything = backlog + transfer_ids
+        if not everything:
+            return {}
+        reply = self._report(attachment, loaded=everything)
+        if reply is None:
+            with self._unreported_lock:
+                self._unreported = (everything + self._unreported)[-MAX_UNREPORTED:]
+            return {}
+        return dict(zip(everything, reply.loaded, strict=True))
+
     # ------------------------------------------------------------ common
 
-    def _report(self, attachment: Attachment | None, **lists: list[Any]) -> Any:
+    def _report(self, attachment: Attachment | None, retries: int = 0,
+                **lists: list[Any]) -> Any:
         if attachment is None:
             return None
-        try:
-            return self.transport.call(
-                "Report", pb.ReportRequest(session_id=attachment.session_id, **lists))
-        except grpc.RpcError as exc:
-            log.warning("ec-daemon report failed: %s %s", exc.code().name, exc.details())
-            return None
+        request = pb.ReportRequest(session_id=attachment.session_id, **lists)
+        for attempt in range(retries + 1):
+            try:
+                return self.transport.call("Report", request)
+            except grpc.RpcError as exc:
+                if attempt == retries or exc.code() not in RETRYABLE:
+                    log.warning("ec-daemon report failed: %s %s", exc.code().name,
+                                exc.details())
+                    return None
+        return None
 
     def _on_attached(self, attachment: Attachment) -> None:
         old = self._mapping
@@ -203,6 +231,7 @@ class WorkerDelegate:
                 self._unmap(old)
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
                  attachment.index, attachment.generation)
+        self._report_loads(attachment, [])  # what could not be reported while detached
 
     def _on_detached(self) -> None:
         # The daemon may be gone for good: do not pin its memory by mapping it.

@@ -24,6 +24,7 @@ raise a `CacheError` have changed nothing.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -94,6 +95,7 @@ class Transfer:
     entry: Entry
     owner: Session
     expected: set[int]
+    created: float
     reported: set[int] = field(default_factory=set)
 
 
@@ -115,6 +117,9 @@ class Cache:
         self.hidden_pages = 0
         self.ready_entries = 0
         self.hidden_entries = 0
+        # Pages of saves discarded with their session: (reusable at, runs, pages).
+        self._quarantine: deque[tuple[float, list[Run], int]] = deque()
+        self.quarantined_pages = 0
         # namespace -> [visible (ready or hidden) entries, their bytes]
         self.namespace_usage: dict[str, list[int]] = {}
         self.counters: dict[str, int] = dict.fromkeys(
@@ -150,7 +155,7 @@ class Cache:
         self.sessions.remove(session)
         for key in list(session.pending):
             entry = self._namespaces[key[0]][key[1]]
-            self._discard_pending(entry)
+            self._discard_pending(entry, quarantine=True)
         for transfer in list(session.pins.values()):
             self._release(transfer)
         for entry in list(session.awaiting):
@@ -267,9 +272,15 @@ class Cache:
         transfer's reports will be answered NOT_HELD. Pins must arrive in
         transfer-id order (they share the stream with acknowledgements).
         """
-        reason = self._pin_refusal(session, transfer_id, mm_hash)
-        if reason is None:
-            session.max_transfer = transfer_id & COUNTER_MASK
+        counter = transfer_id & COUNTER_MASK
+        ours = transfer_id >> 32 == session.index
+        fresh = ours and counter > session.max_transfer
+        if fresh:  # seen, whatever comes next: its reports stop waiting for it
+            session.max_transfer = counter
+        reason = self._pin_refusal(session, mm_hash, ours, fresh)
+        if reason is None and transfer_id in session.abandoned:
+            session.abandoned.discard(transfer_id)
+            reason = "its load report timed out before the pin arrived"
         entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
         if reason is None and (entry is None or entry.entry_id != entry_id
                                or entry.state is State.PENDING):
@@ -282,7 +293,7 @@ class Cache:
             session.send(PinFailedEvent(transfer_id, reason or "entry is no longer cached"))
             self.on_pins(session)
             return False
-        transfer = Transfer(transfer_id, entry, session, expected)
+        transfer = Transfer(transfer_id, entry, session, expected, self.sessions.clock())
         self._transfers[transfer_id] = transfer
         session.pins[transfer_id] = transfer
         if not entry.pins:
@@ -308,6 +319,36 @@ class Cache:
             if owner is not None and owner.engine_id != session.engine_id:
                 raise PermissionDenied(f"transfer {transfer_id} belongs to another engine")
         return [self._report_one(session, session.rank, t) for t in transfer_ids]
+
+    def abandon(self, transfer_id: int) -> None:
+        """A report waited in vain for this transfer's pin (the worker was told
+        NOT_HELD): refuse the pin if it still comes, or it would wait forever
+        for a report that was already given."""
+        owner = self._transfer_owner(transfer_id)
+        if owner is not None and (transfer_id & COUNTER_MASK) > owner.max_transfer:
+            owner.abandoned.add(transfer_id)
+
+    def expire_transfers(self, max_age: float) -> list[Transfer]:
+        """Release pins older than `max_age` whose ranks never all reported
+        (a backstop: a load takes milliseconds). Late reports get NOT_HELD."""
+        oldest = self.sessions.clock() - max_age
+        stale = [t for t in self._transfers.values() if t.created < oldest]
+        for transfer in stale:
+            self._release(transfer)
+        return stale
+
+    def release_quarantine(self) -> int:
+        """Free the pages of discarded saves whose grace period is over."""
+        now = self.sessions.clock()
+        released = 0
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, runs, pages = self._quarantine.popleft()
+            self.allocator.free(runs)
+            self.quarantined_pages -= pages
+            released += pages
+        if released:
+            self.on_reclaim()
+        return released
 
     def acknowledge(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
         """`session`'s view dropped these evicted entries; stale refs are ignored."""
@@ -353,7 +394,9 @@ class Cache:
                     entry.owner is not None and entry.owner.alive and not entry.pins)
                 for transfer_id in entry.pins:
                     assert self._transfers[transfer_id].owner.alive, "pin of a dead session"
+        used += self.quarantined_pages
         assert used + self.allocator.free_pages == self.allocator.total_pages, "pages leaked"
+        assert self.quarantined_pages == sum(q[2] for q in self._quarantine)
         visible = [e for es in self._namespaces.values() for e in es.values()
                    if e.state is not State.PENDING]
         assert self.ready_entries + self.hidden_entries == len(visible)
@@ -391,12 +434,21 @@ class Cache:
         for view in self.sessions.subscribers(entry.key[0]):
             view.send(event)
 
-    def _discard_pending(self, entry: Entry) -> None:
+    def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
+        """Drop a pending entry. Its writer may still be copying when its
+        session ended without an abort (a hung process resumed, a DMA in
+        flight): those pages are reused only after a grace period."""
         assert entry.state is State.PENDING and entry.owner is not None
         entry.owner.pending.discard(entry.key)
         entry.owner = None
         self.pending_pages -= entry.pages
-        self._free(entry)
+        if not quarantine:
+            self._free(entry)
+            return
+        self._forget(entry)
+        self._quarantine.append((self.sessions.clock() + self.sessions.lease_seconds,
+                                 entry.runs, entry.pages))
+        self.quarantined_pages += entry.pages
 
     def _hide(self, entry: Entry) -> None:
         assert entry.state is State.READY and not entry.pins
@@ -431,11 +483,14 @@ class Cache:
         self.on_reclaim()
 
     def _free(self, entry: Entry) -> None:
+        self._forget(entry)
+        self.allocator.free(entry.runs)
+
+    def _forget(self, entry: Entry) -> None:
         namespace = self._namespaces[entry.key[0]]
         del namespace[entry.key[1]]
         if not namespace:
             del self._namespaces[entry.key[0]]
-        self.allocator.free(entry.runs)
 
     def _release(self, transfer: Transfer) -> None:
         del self._transfers[transfer.transfer_id]
@@ -478,12 +533,13 @@ class Cache:
         owner = self.sessions.by_index(transfer_id >> 32)
         return owner if owner is not None and owner.is_scheduler else None
 
-    def _pin_refusal(self, session: Session, transfer_id: int, mm_hash: str) -> str | None:
+    def _pin_refusal(self, session: Session, mm_hash: str, ours: bool,
+                     fresh: bool) -> str | None:
         if not session.is_scheduler or not session.can_load:
             return f"a {session.role} {session.component} session cannot pin"
-        if transfer_id >> 32 != session.index:
+        if not ours:
             return "transfer id was not minted by this session"
-        if (transfer_id & COUNTER_MASK) <= session.max_transfer:
+        if not fresh:
             return "transfer id is not greater than the previous one"
         if not mm_hash or len(mm_hash.encode()) > MAX_KEY_BYTES:
             return "invalid mm_hash"

@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ec-daemon-"
 SUFFIX = ".region"
+# A region being created has this name until it is locked and pre-faulted,
+# so a daemon starting at the same moment never takes it for a dead one's.
+CREATING_SUFFIX = ".creating"
+# A half-created region untouched this long (pre-faulting keeps touching it)
+# belongs to a daemon that died starting.
+CREATING_STALE_SECONDS = 30
 # Progress lines are printed while pre-faulting regions at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
 _CHUNK_BYTES = 256 << 20
@@ -74,17 +80,20 @@ class Region:
                 "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")
         generation = new_generation()
         path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        creating = folder / f".{PREFIX}{generation:016x}{CREATING_SUFFIX}"
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if gid is not None:
                 os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _prefault(fd, size, path, progress)
+            os.rename(creating, path)  # visible to clients and cleaners only now
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for leftover in (creating, path):
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
             raise
         return cls(path, size, generation, fd)
 
@@ -112,7 +121,10 @@ def clean_stale(shm_dir: str | Path) -> list[Path]:
     folder = Path(shm_dir)
     if not folder.is_dir():
         return removed
-    for path in folder.glob(f"{PREFIX}*{SUFFIX}"):
+    old = time.time() - CREATING_STALE_SECONDS
+    half_created = [p for p in folder.glob(f".{PREFIX}*{CREATING_SUFFIX}")
+                    if _mtime(p) < old]  # checked before locking: never race a creator
+    for path in [*folder.glob(f"{PREFIX}*{SUFFIX}"), *half_created]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -131,6 +143,13 @@ def clean_stale(shm_dir: str | Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def _available_bytes(folder: Path) -> int:

@@ -32,14 +32,20 @@ from ec_daemon.errors import (
     InvariantViolated,
 )
 from ec_daemon.events import AllocOutcome, Verdict
+from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
 from ec_daemon.sessions import Session as ClientSession
 
 log = logging.getLogger(__name__)
 
-REPORT_WAIT_SECONDS = 5.0
+# Below the client's default deadline (5 s), so the worker hears the verdict.
+REPORT_WAIT_SECONDS = 2.0
 OPEN_TIMEOUT_SECONDS = 10.0
 MAX_EVENTS_PER_MESSAGE = 4096
+# Well under gRPC's default 4 MiB receive limit, whatever the events hold.
+MAX_MESSAGE_BYTES = 1 << 20
+# A pin whose ranks never all reported is released after this (a backstop).
+PIN_TTL_SECONDS = 60.0
 
 T = TypeVar("T")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
@@ -158,6 +164,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         loaded = wire.batch(request.loaded, "loaded")
         if (saved or aborted) and session.rank is None:
             raise FailedPrecondition("only worker sessions report saves")
+        for mm_hash in saved + aborted:  # all checks before any change
+            validate_mm_hash(mm_hash)
         verdicts = self.cache.report_loaded(session, loaded) if loaded else []
         reply = pb.ReportReply(
             saved=[wire.REPORT_STATUS[s] for s in self.cache.commit(session, saved)],
@@ -168,6 +176,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             if not session.alive or not await self._wait_change(deadline):
                 for i in waiting:
                     verdicts[i] = Verdict.NOT_HELD
+                    self.cache.abandon(loaded[i])
                 break
             again = self.cache.report_loaded(session, [loaded[i] for i in waiting])
             for i, verdict in zip(waiting, again, strict=True):
@@ -202,6 +211,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             capacity_bytes=cache.capacity_bytes, used_bytes=cache.capacity_bytes - free,
             free_bytes=free, pinned_bytes=cache.pinned_pages * page,
             pending_bytes=cache.pending_pages * page, hidden_bytes=cache.hidden_pages * page,
+            quarantined_bytes=cache.quarantined_pages * page,
             entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
             sessions=len(cache.sessions),
             page_bytes=page, generation=self.region.generation, region_path=self.region.path,
@@ -237,8 +247,12 @@ class ECDaemonService(rpc.ECDaemonServicer):
                     wake.clear()
                 if reader.done():
                     break
-                events = [session.outbox.popleft()
-                          for _ in range(min(len(session.outbox), MAX_EVENTS_PER_MESSAGE))]
+                events: list[Any] = []
+                size = 0
+                while (session.outbox and len(events) < MAX_EVENTS_PER_MESSAGE
+                       and size < MAX_MESSAGE_BYTES):
+                    events.append(session.outbox.popleft())
+                    size += wire.event_size(events[-1])
                 if events:
                     yield wire.daemon_message(events)
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
@@ -265,8 +279,12 @@ class ECDaemonService(rpc.ECDaemonServicer):
             session = self.cache.sessions.get(first.open_session_id)
             if session.streaming:
                 raise FailedPrecondition("this session already has a stream")
+            try:
+                self._apply(session, first)
+            except CacheError:
+                self.end_session(session)  # a session without its stream is dead
+                raise
             session.streaming = True
-            self._apply(session, first)
         except CacheError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         return session
@@ -310,6 +328,11 @@ class ECDaemonService(rpc.ECDaemonServicer):
                             session.index, session.engine_id, session.component,
                             self.lease_seconds)
                 self._notify()
+            for transfer in self.cache.expire_transfers(PIN_TTL_SECONDS):
+                log.warning("released pin %d of %r after %.0fs: ranks %s never reported",
+                            transfer.transfer_id, transfer.entry.mm_hash, PIN_TTL_SECONDS,
+                            sorted(transfer.expected - transfer.reported))
+            self.cache.release_quarantine()
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

@@ -51,6 +51,8 @@ class Session:
     # counter seen on the stream (pins arrive in order).
     pins: dict[int, Transfer] = field(default_factory=dict)
     max_transfer: int = 0
+    # Transfer ids whose report gave up waiting for the pin: refuse the pin.
+    abandoned: set[int] = field(default_factory=set)
     # Hidden entries this session must still acknowledge.
     awaiting: set[Entry] = field(default_factory=set)
     # Worker sessions: keys allocated and not yet reported.

@@ -139,3 +139,15 @@ def daemon_message(events: list[Any]) -> Any:
         elif isinstance(event, SnapshotDoneEvent):
             message.snapshot_done = True
     return message
+
+
+def event_size(event: Any) -> int:
+    """An upper estimate of an event's encoded size, to cap messages."""
+    if isinstance(event, ReadyEvent):
+        return 64 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
+            + 24 * len(event.extents)
+    if isinstance(event, EvictedEvent):
+        return 24 + len(event.mm_hash)
+    if isinstance(event, PinFailedEvent):
+        return 24 + len(event.reason)
+    return 8

@@ -314,3 +314,32 @@ def test_sigterm_lets_in_flight_calls_finish():
     finally:
         stream.close()
         d.cleanup()
+
+
+def test_a_report_with_a_bad_key_changes_nothing(daemon):
+    stub = daemon.stub
+    writer = attach(stub, engine="E").session_id
+    save(stub, writer, "k")
+    view = attach(stub, engine="E", rank=None)
+    stream = RawStream(stub, view.session_id)
+    try:
+        assert stream.next().snapshot_done
+        transfer = (view.session_index << 32) | 1
+        stream.send(pins=[pb.Pin(transfer_id=transfer, mm_hash="k", entry_id=1)])
+        daemon.wait_for(lambda: daemon.lookup(LAYOUT, "k")[0].pins == 1, what="pin")
+        assert code_of(lambda: stub.Report(pb.ReportRequest(
+            session_id=writer, loaded=[transfer], saved=[""]))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert daemon.lookup(LAYOUT, "k")[0].pins == 1  # the load report was not applied
+    finally:
+        stream.close()
+
+
+def test_a_stream_that_fails_to_open_ends_its_session(daemon):
+    stub = daemon.stub
+    session = attach(stub, rank=None).session_id
+    bad_open = pb.ClientMessage(open_session_id=session,
+                                heartbeat=pb.Heartbeat(lookups=1, hits=2))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Session(iter([bad_open])))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert daemon.stats()["sessions"] == 0  # not left half-open until its lease ends

@@ -102,10 +102,16 @@ def test_abort_and_session_end_discard_pending(cache):
     allocate(cache, w, "a", pages=3)
     allocate(cache, w, "b", pages=3)
     assert cache.abort(w, ["a"]) == [ReportStatus.ACCEPTED]
-    assert cache.pending_pages == 3
+    assert cache.pending_pages == 3 and cache.allocator.free_pages == 5  # an abort frees at once
     cache.end_session(w)
-    assert cache.pending_pages == 0 and cache.allocator.free_pages == 8
+    assert cache.pending_pages == 0
     assert states(cache, "a", "b") == [None, None]
+    # The writer may still be copying into b's pages: they wait out a lease.
+    assert cache.quarantined_pages == 3 and cache.allocator.free_pages == 5
+    assert cache.release_quarantine() == 0
+    cache.sessions.clock.now += cache.sessions.lease_seconds
+    assert cache.release_quarantine() == 3
+    assert cache.allocator.free_pages == 8 and cache.quarantined_pages == 0
 
 
 def test_reports_of_others_and_late_reports_change_nothing(cache):
@@ -379,3 +385,43 @@ def test_heartbeat_counters_feed_hit_and_miss_stats(cache):
     assert cache.namespace_counters["ns"] == {"hits": 4, "misses": 6}
     with pytest.raises(InvalidArgument):
         cache.record_lookups(view, 1, 2)
+
+
+# ------------------------------------------------------- review regressions
+
+
+def test_a_pin_arriving_after_its_report_gave_up_is_refused(cache):
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "a")
+    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.WAIT]
+    cache.abandon(tid(view, 1))  # the service answered NOT_HELD after waiting
+    drain(view)
+    assert not cache.pin(view, tid(view, 1), "a", 1)
+    (event,) = drain(view)
+    assert isinstance(event, PinFailedEvent) and "timed out" in event.reason
+    assert cache.pinned_pages == 0  # nothing waits for a report that was given
+
+
+def test_a_refused_pin_does_not_make_reports_wait():
+    cache = make_cache()
+    producer = scheduler(cache, role="producer")
+    w = worker(cache)
+    save(cache, w, "a")
+    assert not cache.pin(producer, tid(producer, 1), "a", 1)  # producers cannot pin
+    assert cache.report_loaded(w, [tid(producer, 1)]) == [Verdict.NOT_HELD]
+
+
+def test_pins_whose_reports_never_come_expire():
+    from tests.unit.cache_helpers import FakeClock
+
+    clock = FakeClock()
+    cache = make_cache(clock=clock)
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "a")
+    cache.pin(view, tid(view, 1), "a", 1)
+    assert cache.expire_transfers(60) == []
+    clock.now += 61
+    (stale,) = cache.expire_transfers(60)
+    assert stale.transfer_id == tid(view, 1) and cache.pinned_pages == 0
+    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
+    cache.check_invariants()

@@ -132,3 +132,59 @@ def test_producers_never_hit():
     d._on_message(ready("a", 1))
     assert not d.has_item("a")
     d.transport.close()
+
+
+def test_a_hit_lost_to_a_detach_before_after_alloc_fails_its_request(delegate):
+    delegate._on_message(ready("a", 1))
+    assert delegate.has_item("a")
+    delegate._on_detached()  # the link drops between has_item and after_alloc
+    assert delegate.after_alloc("r", "a")  # the engine will expect a load ...
+    delegate.link.send = lambda message: False
+    delegate.build_step_metadata()
+    assert delegate.take_unavailable_requests() == {"r"}  # ... so the request fails
+
+
+def test_an_eviction_racing_the_step_end_is_acknowledged_after_the_pin(delegate):
+    import threading
+
+    delegate._on_message(ready("a", 1))
+    delegate.sent.clear()
+    assert delegate.has_item("a")
+    delegate.after_alloc("r", "a")
+    end_step = delegate.view.end_step
+    racer = threading.Thread(target=delegate._on_message, args=(pb.DaemonMessage(
+        evicted=[pb.EntryRef(mm_hash="a", entry_id=1)]),))
+
+    def end_step_with_a_racing_eviction():
+        acks = end_step()
+        racer.start()  # the link thread delivers the eviction right now
+        racer.join(0.2)
+        return acks
+
+    delegate.view.end_step = end_step_with_a_racing_eviction
+    delegate.build_step_metadata()
+    racer.join(5)
+    kinds = [("pin" if m.pins else "") + ("ack" if m.acks else "") for m in delegate.sent]
+    assert kinds == ["pin", "ack"]
+
+
+def test_heartbeat_counts_are_consistent_under_concurrent_lookups(delegate):
+    import threading
+
+    delegate._on_message(ready("a", 1))
+    stop = threading.Event()
+    beats = []
+
+    def beat():
+        while not stop.is_set():
+            beats.append(delegate._heartbeat())
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    for i in range(20000):
+        delegate.has_item("a" if i % 2 else "b")
+    stop.set()
+    thread.join()
+    beats.append(delegate._heartbeat())
+    assert all(b.hits <= b.lookups for b in beats)
+    assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000

@@ -1,0 +1,47 @@
+import fcntl
+import os
+import stat
+import time
+
+import pytest
+
+from ec_daemon.region import PREFIX, Region, RegionError, clean_stale
+
+
+def test_create_locks_prefaults_and_close_removes(tmp_path):
+    region = Region.create(tmp_path, 1 << 20)
+    assert region.path.exists() and region.path.stat().st_size == 1 << 20
+    assert stat.S_IMODE(region.path.stat().st_mode) == 0o600
+    assert clean_stale(tmp_path) == []  # locked: a live daemon's
+    region.close()
+    assert not region.path.exists()
+
+
+def test_dead_regions_and_stale_half_created_ones_are_cleaned(tmp_path):
+    dead = tmp_path / f"{PREFIX}00000000000000aa.region"
+    dead.write_bytes(b"x")
+    fresh = tmp_path / f".{PREFIX}00000000000000bb.creating"
+    fresh.write_bytes(b"x")  # a daemon creating its region right now
+    old = tmp_path / f".{PREFIX}00000000000000cc.creating"
+    old.write_bytes(b"x")
+    long_ago = time.time() - 3600
+    os.utime(old, (long_ago, long_ago))
+    assert sorted(clean_stale(tmp_path)) == sorted([dead, old])
+    assert fresh.exists()
+
+
+def test_a_region_that_does_not_fit_is_refused_cleanly(tmp_path):
+    with pytest.raises(RegionError, match="does not fit"):
+        Region.create(tmp_path, 1 << 60)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_is_held_for_the_daemons_life(tmp_path):
+    region = Region.create(tmp_path, 1 << 16)
+    fd = os.open(region.path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+        region.close()
