@@ -62,6 +62,10 @@ class State(enum.Enum):
     HIDDEN = "hidden"
 
 
+# Never mutated: replaced by a real set on first use.
+_EMPTY: Any = frozenset()
+
+
 class Entry:
     """One cached encoder output. `state` changes only inside Cache."""
 
@@ -79,8 +83,10 @@ class Entry:
         self.pages = sum(n for _, n in runs)
         self.state = State.PENDING
         self.owner: Session | None = owner
-        self.pins: set[int] = set()
-        self.awaiting: set[Session] = set()
+        # Most entries are never pinned nor hidden: share one empty set until
+        # they are (a set costs ~200 bytes, a million entries add up).
+        self.pins: set[int] = _EMPTY
+        self.awaiting: set[Session] = _EMPTY
 
     @property
     def mm_hash(self) -> str:
@@ -300,7 +306,9 @@ class Cache:
             self.pinned_pages += entry.pages
             if entry.state is State.READY:
                 self.policy.remove(entry.key)
-        entry.pins.add(transfer_id)
+            entry.pins = {transfer_id}
+        else:
+            entry.pins.add(transfer_id)
         self.counters["pins"] += 1
         self.on_pins(session)
         return True
@@ -499,6 +507,7 @@ class Cache:
         entry.pins.discard(transfer.transfer_id)
         if entry.pins:
             return
+        entry.pins = _EMPTY
         self.pinned_pages -= entry.pages
         if entry.state is State.READY:
             self.policy.add(entry.key, entry.pages)

@@ -1,0 +1,155 @@
+"""Data-plane and bookkeeping benchmarks, each against a baseline measured
+in the same process: copy throughput, allocator quality, start-up, memory."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ec_client.copy import get_backend
+from ec_client.mapping import RegionMapping
+from ec_daemon.allocator import ExtentAllocator
+from ec_daemon.region import Region
+
+MiB = 1 << 20
+
+
+def _best_of(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def copy_throughput(sizes: tuple[int, ...] = (64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+                    ) -> list[dict[str, Any]]:
+    """cpu backend save/load through a real /dev/shm mapping, against
+    np.copyto of the same bytes between the same buffers."""
+    rows = []
+    backend = get_backend("cpu")
+    region_size = max(sizes)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-") as f:
+        os.posix_fallocate(f.fileno(), 0, region_size)
+        mapping = RegionMapping(f.name, region_size, generation=1)
+        region = np.frombuffer(mapping.view, dtype=np.uint8)
+        try:
+            for size in sizes:
+                source = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+                out = np.empty_like(source)
+                extents = [(0, size)]  # what the allocator gives at p50: one extent
+                repeat = max(3, min(50, (256 * MiB) // size))
+                target = region[:size]
+                save = _best_of(lambda: backend.save(source, mapping, extents), repeat)
+                load = _best_of(lambda: backend.load(mapping, extents, out), repeat)
+                np_in = _best_of(lambda: np.copyto(target, source), repeat)
+                np_out = _best_of(lambda: np.copyto(out, target), repeat)
+                rows.append({"bytes": size, "save_gbps": size / save / 1e9,
+                             "load_gbps": size / load / 1e9,
+                             "numpy_gbps": size / min(np_in, np_out) / 1e9,
+                             "save_ratio": np_in / save, "load_ratio": np_out / load})
+        finally:
+            del region, target
+            gc.collect()
+            mapping.close()
+    return rows
+
+
+def allocator_quality(pages: int = 1 << 16, occupancy: float = 0.9,
+                      operations: int = 200_000) -> dict[str, Any]:
+    """Extents per entry under random churn at `occupancy`, entry sizes of
+    1..64 pages (64 KiB .. 4 MiB with the default page)."""
+    rng = random.Random(0)
+    allocator = ExtentAllocator(pages)
+    held: list[list[tuple[int, int]]] = []
+    extents: list[int] = []
+    for _ in range(operations):
+        used = pages - allocator.free_pages
+        if used < occupancy * pages:
+            runs = allocator.allocate(rng.randint(1, 64))
+            if runs is not None:
+                held.append(runs)
+                extents.append(len(runs))
+        else:
+            allocator.free(held.pop(rng.randrange(len(held))))
+    tail = sorted(extents[len(extents) // 5:])  # after the fill phase
+    return {"entries": len(tail), "extents_p50": tail[len(tail) // 2],
+            "extents_p99": tail[int(len(tail) * 0.99)], "extents_max": tail[-1],
+            "free_runs": allocator.free_runs, "occupancy": occupancy}
+
+
+def startup(size: int = 2 << 30, repeat: int = 3) -> dict[str, Any]:
+    """Region.create (posix_fallocate, locked, renamed) against creating a
+    tmpfs file of the same size and mapping it with MAP_POPULATE."""
+    folder = tempfile.mkdtemp(prefix="bench-", dir="/dev/shm")
+    try:
+        ours, populate = [], []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            region = Region.create(folder, size)
+            ours.append(time.perf_counter() - started)
+            region.close()
+            path = os.path.join(folder, "populate")
+            started = time.perf_counter()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            populate.append(time.perf_counter() - started)
+            mapped.close()
+            os.close(fd)
+            os.unlink(path)
+    finally:
+        os.rmdir(folder)
+    return {"bytes": size, "ours_s": statistics.median(ours),
+            "map_populate_s": statistics.median(populate),
+            "ratio": statistics.median(ours) / statistics.median(populate)}
+
+
+_MEMORY_SCRIPT = """
+import resource, sys
+from ec_daemon.cache import Cache
+from ec_daemon.sessions import SessionTable
+n = int(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cache = Cache(capacity_bytes=n * 4096, page_bytes=4096, sessions=SessionTable(10))
+view = cache.attach(engine_id="e", role="both", rank=None, world_size=1, namespace="ns",
+                    client_name="bench")
+worker = cache.attach(engine_id="e", role="both", rank=0, world_size=1, namespace="ns",
+                      client_name="bench")
+for i in range(n):
+    key = f"{i:064x}"  # a sha256-sized mm_hash
+    cache.allocate(worker, key, 4096, (2, 1024), "float16")
+    cache.commit(worker, [key])
+    view.outbox.clear()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before * 1024, after * 1024, cache.ready_entries)
+"""
+
+
+def memory(entries: int = 1_000_000) -> dict[str, Any]:
+    """Bookkeeping memory of the daemon's core with `entries` ready entries
+    (the region is shared memory, not counted): peak RSS growth."""
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(entries)], check=True,
+                         capture_output=True, text=True).stdout.split()
+    before, after, ready = (int(x) for x in out)
+    return {"entries": ready, "rss_mib": after / MiB, "growth_mib": (after - before) / MiB,
+            "bytes_per_entry": (after - before) / ready,
+            "build_s": time.perf_counter() - started}
+
+
+def self_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

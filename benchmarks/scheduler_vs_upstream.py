@@ -1,0 +1,585 @@
+"""Scheduler-side step cost: ECDaemonConnector against vLLM's ECCPUScheduler.
+
+Both run in this process, on real vLLM objects (a VllmConfig of a tiny
+PaliGemma, `Request`s carrying `MultiModalFeatureSpec`s), driven through the
+calls vLLM's scheduler makes per engine step, per request in order:
+`has_cache_item` for each of its items (`_try_schedule_encoder_inputs`),
+`update_state_after_alloc` for each (`_allocate_encoder_inputs`, hits and
+misses), then once `build_connector_meta`, `update_connector_output` with what
+the workers returned (`update_from_output`) and `take_unavailable_requests`.
+
+- ours: `ECDaemonConnector` (SCHEDULER role, built by vLLM's factory)
+  attached to a real daemon subprocess. Hits were saved beforehand by another
+  engine's `WorkerDelegate` (in a forked process) into the connector's
+  namespace; a `WorkerDelegate` of this engine loads and reports the
+  dispatched transfers every few steps, outside the timed region, so pins do
+  not pile up. Workers report `ECDaemonWorkerMetadata(done=<loads>)`.
+- upstream: `ECCPUScheduler` (ec_both, no NIXL), instantiated directly (so
+  without the ECCPUConnector forwarding layer ours goes through). Hits were
+  saved in a warm-up step and marked ready by a `completed_saves` report.
+  Workers report `ECCPUWorkerMetadata` with the saves and loads of the step.
+
+Worker reports arrive one step late (the copies of step k are reported in
+step k+1). Misses are fresh identifiers every step. Upstream allocates blocks
+for every miss (it is its own producer), so its region is sized to hold all
+of a case's misses without evicting, which caps the steps of the large
+all-miss cases. Ours saves nothing for misses in those cases (workers save,
+not the scheduler); the eviction case runs the full steady state: the misses
+are saved (by the other process), the daemon evicts, and ready and evicted
+events flow into the connector's view, with acknowledgements. Its cache, like
+upstream's, holds the hits plus ~7 steps of misses.
+
+Measured per step on the calling thread, around the calls above only: wall
+time (perf_counter), thread CPU time (thread_time), blocking RPCs made on the
+thread (ours: the transport's per-thread count; upstream has no transport
+without NIXL, so 0), and the pickled size of the step's connector metadata
+(what vLLM ships to workers). The two implementations run interleaved in
+blocks of steps; medians and p99 are over all steps of a case.
+
+Rows are hidden x dtype bytes of the tiny model (128 x bfloat16 = 256 B);
+upstream's block is one row, so its cost depends on the row count, not the
+width; ours carries extents (64 KiB daemon pages).
+
+    PYTHONPATH=<torchvision shim> /work/venvs/vllm/bin/python \\
+        -m benchmarks.scheduler_vs_upstream --json OUT.json [--scale 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.cpu.common import (
+    ECCPUConnectorMetadata,
+    ECCPUWorkerMetadata,
+)
+from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler import ECCPUScheduler
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
+
+from ec_client.protocol import Layout
+from ec_client.scheduler import LoadSpec
+from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
+from ec_client.worker import WorkerDelegate
+from tests.integration.daemon import Daemon
+from tests.vllm.tiny_model import build_tiny_paligemma
+from tests.vllm.vllm_harness import connector, empty_output, make_config, wait_until
+
+# (items, rows, steps) per step; steps before --scale.
+MATRIX = ((1, 256, 2000), (8, 256, 1000), (8, 1024, 600), (32, 1024, 300))
+HIT_RATIOS = (0.0, 0.5, 1.0)
+EVICTION_CASE = (8, 1024, 0.5, 600)
+EVICTION_CACHE_STEPS = 7  # the small caches hold the hits plus this many steps of misses
+WARMUP_STEPS = 20
+BLOCK_STEPS = 25  # steps per interleaved block
+LOAD_EVERY = 8  # ours: the engine's worker reports loads every this many steps
+UPSTREAM_REGION_CAP = 3 << 29  # 1.5 GiB of populated /dev/shm at most
+MAIN_DAEMON_BYTES = "256MiB"
+
+
+@dataclass(frozen=True)
+class Case:
+    items: int
+    rows: int
+    hit_ratio: float
+    steps: int
+    evictions: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.items}x{self.rows}"
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}-h{round(self.hit_ratio * 100)}{'-ev' if self.evictions else ''}"
+
+    @property
+    def max_hits(self) -> int:
+        return math.ceil(self.items * self.hit_ratio)
+
+    @property
+    def max_misses(self) -> int:
+        return self.items - math.floor(self.items * self.hit_ratio)
+
+    def hits_at(self, step: int) -> int:
+        """Hits in `step`, spread so the ratio holds over steps (1 item, 50%:
+        every other step)."""
+        share = self.items * self.hit_ratio
+        return math.floor((step + 1) * share) - math.floor(step * share)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    wall: float
+    cpu: float
+    rpcs: int
+    meta_bytes: int
+
+
+# ------------------------------------------------------------ requests
+
+def make_request(request_id: str, mm_hash: str, rows: int) -> Request:
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=mm_hash,
+                                    mm_position=PlaceholderRange(offset=1, length=rows))
+    return Request(request_id=request_id, prompt_token_ids=[2] + [5] * rows + [7],
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   mm_features=[feature])
+
+
+def spread(hits: list[str], misses: list[str]) -> list[str]:
+    """Hits and misses alternating, the rest at the end."""
+    pairs = itertools.zip_longest(hits, misses)
+    return [h for pair in pairs for h in pair if h is not None]
+
+
+# ------------------------------------------------- the other engine (saves)
+
+class Saver:
+    """Another engine's worker, in a forked process (as workers are): saves
+    items into a daemon's namespace. Forked before this process opens any
+    gRPC channel."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(target=_saver_main, args=(child,), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def save(self, socket: str, layout: Layout, ids: list[str], shape: tuple[int, int]) -> None:
+        self._conn.send(("save", socket, layout, ids, shape))
+
+    def flush(self, socket: str) -> None:
+        self._conn.send(("flush", socket))
+        if not self._conn.recv():
+            raise RuntimeError("the saver did not finish its saves")
+
+    def detach(self, socket: str) -> None:
+        self._conn.send(("close", socket))
+        self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join(10)
+
+
+def _saver_main(conn: Connection) -> None:
+    workers: dict[str, WorkerDelegate] = {}
+    while (message := conn.recv()) is not None:
+        kind, socket, *args = message
+        if kind == "save":
+            layout, ids, shape = args
+            worker = workers.get(socket) or _saver_worker(workers, socket, layout)
+            output = torch.zeros(shape, dtype=getattr(torch, layout.dtype))
+            for mm_hash in ids:
+                worker.save(mm_hash, output)
+        elif kind == "flush":
+            conn.send(socket not in workers or workers[socket].flush(60))
+        else:
+            worker = workers.pop(socket, None)
+            if worker is not None:
+                worker.close()
+            conn.send(True)
+
+
+def _saver_worker(workers: dict[str, WorkerDelegate], socket: str,
+                  layout: Layout) -> WorkerDelegate:
+    worker = WorkerDelegate(socket, engine_id="bench-other-engine", layout=layout)
+    if worker.link.wait_attached(20) is None:
+        raise RuntimeError(f"saver not attached: {worker.link.last_error}")
+    workers[socket] = worker
+    return worker
+
+
+# ----------------------------------------------------------- ec-daemon
+
+class ReusedBuffers:
+    """allocate_out for the loading worker: one buffer per shape, reused."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+    def __call__(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        key = (shape, dtype)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, dtype=getattr(torch, dtype))
+        return self._buffers[key]
+
+
+@dataclass
+class DaemonEngine:
+    """Our side of one engine: the scheduler connector and a worker of the
+    same engine (whose attachment lets pins succeed), on one daemon."""
+
+    daemon: Daemon
+    connector: Any
+    loader: WorkerDelegate
+    saver: Saver
+    layout: Layout
+
+    @classmethod
+    def start(cls, daemon: Daemon, config: VllmConfig, saver: Saver) -> DaemonEngine:
+        assert config.ec_transfer_config is not None
+        config.ec_transfer_config.ec_connector_extra_config["ec_daemon_socket"] = daemon.socket
+        scheduler = connector(config, ECConnectorRole.SCHEDULER)
+        loader = WorkerDelegate(daemon.socket, engine_id=engine_identity(config),
+                                layout=layout_of(config), allocate_out=ReusedBuffers())
+        for link in (scheduler._scheduler.link, loader.link):
+            if link.wait_attached(20) is None:
+                raise RuntimeError(f"not attached: {link.last_error}")
+        wait_until(lambda: scheduler._scheduler.view.synced)
+        return cls(daemon, scheduler, loader, saver, layout_of(config))
+
+    def close(self) -> None:
+        self.saver.detach(self.daemon.socket)
+        self.connector.shutdown()
+        self.loader.close()
+
+
+# -------------------------------------------------------------- drivers
+
+class Driver:
+    """Runs one implementation's scheduler side through the step sequence."""
+
+    impl = ""
+
+    def __init__(self, case: Case, scheduler: Any) -> None:
+        self.case = case
+        self.scheduler = scheduler
+        self.tag = f"{case.tag}-{self.impl}"
+        self.hit_ids = [f"{self.tag}-hit-{i}" for i in range(case.max_hits)]
+        self.samples: list[Sample] = []
+        self.hits = self.lookups = self.unavailable = 0
+        self._step = 0
+        self._reply = ECConnectorOutput()
+        self._output = empty_output()
+
+    # hooks
+    def rpcs(self) -> int:
+        return 0
+
+    def worker_meta(self, meta: Any) -> Any:
+        raise NotImplementedError
+
+    def after_step(self, meta: Any, misses: list[str]) -> None:
+        """Outside the timed region: what workers would do with `meta`."""
+
+    def end_block(self) -> None:
+        """Outside the timed region, after each block of steps."""
+
+    def close(self) -> None:
+        """Release what the driver holds."""
+
+    # the steps
+    def run(self, steps: int, timed: bool = True) -> None:
+        for _ in range(steps):
+            hits = self.case.hits_at(self._step)
+            misses = [f"{self.tag}-{self._step}-miss-{i}" for i in range(self.case.items - hits)]
+            ids = spread(self.hit_ids[:hits], misses)
+            requests = [make_request(f"{self.tag}-{self._step}-{i}", mm_hash, self.case.rows)
+                        for i, mm_hash in enumerate(ids)]
+            meta = self.step(requests, timed)
+            self._reply = ECConnectorOutput(ec_connector_worker_meta=self.worker_meta(meta))
+            self.after_step(meta, misses)
+            self._step += 1
+        self.end_block()
+
+    def step(self, requests: list[Request], timed: bool = True) -> Any:
+        scheduler, rpcs = self.scheduler, self.rpcs()
+        hits = 0
+        cpu, wall = time.thread_time(), time.perf_counter()
+        for request in requests:
+            for feature in request.mm_features:
+                hits += scheduler.has_cache_item(feature.identifier)
+            for index in range(len(request.mm_features)):
+                scheduler.update_state_after_alloc(request, index)
+        meta = scheduler.build_connector_meta(self._output)
+        scheduler.update_connector_output(self._reply)
+        unavailable = scheduler.take_unavailable_requests()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        if timed:
+            self.samples.append(Sample(wall, cpu, self.rpcs() - rpcs, len(pickle.dumps(meta))))
+            self.hits += hits
+            self.lookups += len(requests)
+            self.unavailable += len(unavailable)
+        return meta
+
+
+class UpstreamDriver(Driver):
+    impl = "upstream"
+
+    def __init__(self, case: Case, config: VllmConfig, capacity_rows: int) -> None:
+        super().__init__(case, upstream_scheduler(config, capacity_rows))
+        assert self.scheduler._transport is None and not self.scheduler._nixl_enabled
+        self.capacity_rows = capacity_rows
+        self.saved_rows = 0
+        # Hits: saved in a step, then reported saved by the workers.
+        meta = self.step([make_request(f"{self.tag}-seed-{i}", h, case.rows)
+                          for i, h in enumerate(self.hit_ids)], timed=False)
+        self.scheduler.update_connector_output(ECConnectorOutput(
+            ec_connector_worker_meta=self.worker_meta(meta)))
+
+    def worker_meta(self, meta: ECCPUConnectorMetadata) -> ECCPUWorkerMetadata | None:
+        if not (meta.saves or meta.loads):
+            return None
+        self.saved_rows += sum(len(blocks) for blocks in meta.saves.values())
+        return ECCPUWorkerMetadata(completed_saves=list(meta.saves),
+                                   completed_loads=[tid for tid, _, _ in meta.loads.values()])
+
+    def evicted(self) -> bool:
+        return self.saved_rows > self.capacity_rows
+
+    def close(self) -> None:
+        self.scheduler.shutdown()  # unlinks its region
+
+
+def upstream_scheduler(config: VllmConfig, capacity_rows: int) -> ECCPUScheduler:
+    ec = config.ec_transfer_config
+    assert ec is not None
+    row_bytes = config.model_config.get_inputs_embeds_size() * config.model_config.dtype.itemsize
+    ec.ec_connector_extra_config["ec_cpu_bytes"] = capacity_rows * row_bytes
+    ec.mm_encoder_output_widths = {"image": config.model_config.get_inputs_embeds_size()}
+    config.instance_id = f"ecbench-{os.getpid()}-{time.monotonic_ns()}"  # the region's name
+    return ECCPUScheduler(config)
+
+
+class DaemonDriver(Driver):
+    impl = "ec-daemon"
+
+    def __init__(self, case: Case, engine: DaemonEngine) -> None:
+        super().__init__(case, engine.connector)
+        self.engine = engine
+        self._delegate = engine.connector._scheduler
+        self._pending: list[LoadSpec] = []
+        self._pending_steps = 0
+        self.failed_loads = 0
+        self._save(self.hit_ids)
+        engine.saver.flush(engine.daemon.socket)
+        wait_until(lambda: all(self._delegate.view.get(h) for h in self.hit_ids), 60)
+
+    def _save(self, ids: list[str]) -> None:
+        width = self.engine.layout.row_bytes["embeds"] // torch.tensor(
+            [], dtype=getattr(torch, self.engine.layout.dtype)).element_size()
+        self.engine.saver.save(self.engine.daemon.socket, self.engine.layout, ids,
+                               (self.case.rows, width))
+
+    def rpcs(self) -> int:
+        return int(self._delegate.transport.calls_from_this_thread())
+
+    def worker_meta(self, meta: Any) -> ECDaemonWorkerMetadata | None:
+        if not meta.loads:
+            return None
+        return ECDaemonWorkerMetadata(done=[spec.transfer_id for spec in meta.loads])
+
+    def after_step(self, meta: Any, misses: list[str]) -> None:
+        self._pending.extend(meta.loads)
+        self._pending_steps += 1
+        if self._pending_steps >= LOAD_EVERY:
+            self._load()
+        if self.case.evictions and misses:
+            self._save(misses)
+
+    def end_block(self) -> None:
+        self._load()
+        if self.case.evictions:
+            self.engine.saver.flush(self.engine.daemon.socket)
+
+    def _load(self) -> None:
+        if self._pending:
+            self.failed_loads += len(self.engine.loader.load(self._pending).failed)
+        self._pending, self._pending_steps = [], 0
+
+
+# ---------------------------------------------------------------- cases
+
+def steps_for(case: Case, row_bytes: int) -> tuple[Case, int]:
+    """The case with its steps capped so upstream's region holds every miss
+    (or, for the eviction case, a few steps of them); and that capacity in rows."""
+    hit_rows = case.max_hits * case.rows
+    miss_rows = case.max_misses * case.rows
+    if case.evictions:
+        return case, hit_rows + EVICTION_CACHE_STEPS * miss_rows
+    cap_rows = UPSTREAM_REGION_CAP // row_bytes
+    steps = case.steps
+    if miss_rows:
+        steps = max(BLOCK_STEPS, min(steps, (cap_rows - hit_rows) // miss_rows - WARMUP_STEPS - 1))
+    capacity = hit_rows + (WARMUP_STEPS + steps + 1) * miss_rows
+    return Case(case.items, case.rows, case.hit_ratio, steps, case.evictions), capacity
+
+
+def run_case(case: Case, config: VllmConfig, engine: DaemonEngine) -> list[dict[str, Any]]:
+    case, capacity = steps_for(case, layout_of(config).row_bytes["embeds"])
+    ours = DaemonDriver(case, engine)
+    upstream = UpstreamDriver(case, config, capacity)
+    try:
+        drivers: list[Driver] = [ours, upstream]
+        for driver in drivers:
+            driver.run(WARMUP_STEPS, timed=False)
+        with frozen_gc():
+            for block, start in enumerate(range(0, case.steps, BLOCK_STEPS)):
+                for driver in drivers if block % 2 == 0 else drivers[::-1]:
+                    driver.run(min(BLOCK_STEPS, case.steps - start))
+        check(case, ours, upstream)
+        return [summarize(case, driver) for driver in drivers]
+    finally:
+        upstream.close()
+
+
+def check(case: Case, ours: DaemonDriver, upstream: UpstreamDriver) -> None:
+    for driver in (ours, upstream):
+        ratio = driver.hits / driver.lookups
+        if abs(ratio - case.hit_ratio) > 0.01 or driver.unavailable:
+            raise AssertionError(f"{driver.tag}: hit ratio {ratio:.3f}, "
+                                 f"{driver.unavailable} unavailable requests")
+    if ours.failed_loads:
+        raise AssertionError(f"{ours.tag}: {ours.failed_loads} loads failed")
+    if upstream.evicted() != case.evictions:
+        raise AssertionError(f"{upstream.tag}: evictions {upstream.evicted()}")
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """As vLLM's engine core does after start-up: long-lived objects out of
+    the collector's way."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(case: Case, driver: Driver) -> dict[str, Any]:
+    samples = driver.samples
+    walls = [s.wall * 1e6 for s in samples]
+    return {"case": case.name, "items": case.items, "rows": case.rows,
+            "hit_ratio": case.hit_ratio, "evictions": case.evictions, "impl": driver.impl,
+            "steps": len(samples),
+            "blocking_rpcs_per_step": sum(s.rpcs for s in samples) / len(samples),
+            "median_us": statistics.median(walls), "p99_us": quantile(walls, 0.99),
+            "cpu_us_per_step": statistics.median(s.cpu * 1e6 for s in samples),
+            "meta_bytes": statistics.median(s.meta_bytes for s in samples)}
+
+
+# ---------------------------------------------------------------- output
+
+COLUMNS = ("median_us", "p99_us", "cpu_us_per_step", "meta_bytes")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'case':<8}{'hit':>5}{'evict':>6}  {'impl':<10}{'steps':>6}{'rpc/step':>9}"
+          f"{'median us':>11}{'p99 us':>10}{'cpu us':>10}{'meta B':>10}")
+    for ours, upstream in zip(rows[::2], rows[1::2], strict=True):
+        for row in (ours, upstream):
+            print(f"{row['case']:<8}{row['hit_ratio']:>5.1f}{'yes' if row['evictions'] else '':>6}"
+                  f"  {row['impl']:<10}{row['steps']:>6}{row['blocking_rpcs_per_step']:>9.2f}"
+                  f"{row['median_us']:>11.1f}{row['p99_us']:>10.1f}"
+                  f"{row['cpu_us_per_step']:>10.1f}{row['meta_bytes']:>10.0f}")
+        ratios = "".join(f"{ratio(ours[c], upstream[c]):>{w}}"
+                         for c, w in zip(COLUMNS, (11, 10, 10, 10), strict=True))
+        print(f"{'':<21}{'ours/up':<10}{'':>15}{ratios}")
+
+
+def ratio(ours: float, upstream: float) -> str:
+    return f"{ours / upstream:.2f}x" if upstream else "-"
+
+
+# ------------------------------------------------------------------ main
+
+def bench_config(folder: Path) -> VllmConfig:
+    model = build_tiny_paligemma(folder / "model")
+    return make_config(model, "unix:///nonexistent")  # the socket is set per daemon
+
+
+def cases(scale: float) -> list[Case]:
+    def scaled(steps: int) -> int:
+        return max(BLOCK_STEPS, round(steps * scale))
+
+    matrix = [Case(items, rows, hit, scaled(steps)) for items, rows, steps in MATRIX
+              for hit in HIT_RATIOS]
+    items, rows, hit, steps = EVICTION_CASE
+    return [*matrix, Case(items, rows, hit, scaled(steps), evictions=True)]
+
+
+def run_all(scale: float, saver: Saver, folder: Path) -> list[dict[str, Any]]:
+    config = bench_config(folder)
+    row_bytes = layout_of(config).row_bytes["embeds"]
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, DaemonEngine] = {}
+        for case in cases(scale):
+            capacity = steps_for(case, row_bytes)[1] * row_bytes
+            size = f"{-(-capacity >> 20)}MiB" if case.evictions else MAIN_DAEMON_BYTES
+            if size not in engines:
+                engines[size] = stack.enter_context(daemon_engine(size, config, saver))
+            rows += run_case(case, config, engines[size])
+            report_daemon(case, engines[size].daemon)
+    return rows
+
+
+@contextlib.contextmanager
+def daemon_engine(cpu_bytes: str, config: VllmConfig, saver: Saver) -> Iterator[DaemonEngine]:
+    with Daemon(cpu_bytes=cpu_bytes, extra=("--check-invariants", "false")) as daemon:
+        engine = DaemonEngine.start(daemon, config, saver)
+        try:
+            yield engine
+        finally:
+            engine.close()
+
+
+def report_daemon(case: Case, daemon: Daemon) -> None:
+    stats = daemon.stats()
+    print(f"  {case.tag}: daemon {stats['evictions']} evictions, {stats['saves']} saves, "
+          f"{stats['refused_saves']} refused saves, {stats['loads']} loads",
+          file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply step counts")
+    args = parser.parse_args()
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    started = time.monotonic()
+    saver = Saver()  # forked first: no gRPC channel exists yet
+    try:
+        with tempfile.TemporaryDirectory(prefix="ecbench-") as folder:
+            rows = run_all(args.scale, saver, Path(folder))
+    finally:
+        saver.close()
+    print_table(rows)
+    print(f"total {time.monotonic() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
