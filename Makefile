@@ -20,7 +20,7 @@ SOAK_SECONDS ?= 600
 KILL_ITERATIONS ?= 100
 
 .PHONY: install proto run test test-unit test-integration test-vllm install-vllm lint clean \
-	docker-test fuzz soak
+	docker-test fuzz soak bench
 
 install: $(STAMP)
 
@@ -78,6 +78,11 @@ soak: $(STAMP) proto
 	KILL_ITERATIONS=$(KILL_ITERATIONS) $(BIN)/python -m pytest tests/integration/test_kills.py -s \
 		$(PYTEST_ARGS)
 	$(BIN)/python -m tests.integration.soak --processes 8 --seconds $(SOAK_SECONDS)
+
+# Benchmarks with same-run baselines; prints tables, writes results/bench-*.json.
+bench: $(STAMP) $(VLLM_STAMP) proto
+	$(BIN)/python -m benchmarks.run --vllm-python $(VLLM_BIN)/python \
+		--torchvision $(abspath $(TORCHVISION_DIR))
 
 # Needs a Docker engine with a GPU runtime; not part of CI (see README).
 docker-test:

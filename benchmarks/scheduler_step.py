@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    with Daemon(cpu_bytes="1GiB") as daemon:
+    with Daemon(cpu_bytes="1GiB", check_invariants=False) as daemon:
         print(f"{'case':<16}{'median us':>11}{'p99 us':>9}{'RPCs/step':>11}{'meta B':>8}")
         for items, rows in ((1, 256), (8, 256), (8, 1024), (32, 1024)):
             for hit in (False, True):

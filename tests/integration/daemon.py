@@ -40,14 +40,14 @@ def short_tmpdir() -> Path:
 class Daemon:
     def __init__(self, *, cpu_bytes: str = "64MiB", page_bytes: str = "64KiB",
                  extra: tuple[str, ...] = (), folder: Path | None = None,
-                 shm_dir: str = "/dev/shm") -> None:
+                 shm_dir: str = "/dev/shm", check_invariants: bool = True) -> None:
         self.folder = folder or short_tmpdir()
         self.socket = f"unix://{self.folder}/ec.sock"
         self.socket_path = self.folder / "ec.sock"
         self.shm_dir = shm_dir
         self.args = [sys.executable, "-m", "ec_daemon", "--cpu-bytes", cpu_bytes,
                      "--page-bytes", page_bytes, "--socket", self.socket, "--shm-dir", shm_dir,
-                     "--check-invariants", "true", *extra]
+                     "--check-invariants", str(check_invariants).lower(), *extra]
         self.log_path = self.folder / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._channel: grpc.Channel | None = None

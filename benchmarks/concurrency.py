@@ -1,0 +1,142 @@
+"""Eight engines stepping at 100 steps/s against one daemon.
+
+Each engine process runs the scheduler side and a worker (the delegates the
+connector uses) and steps on a fixed cadence: lookups, dispatch of hits,
+loads and saves (the worker part is off the timed path, as in vLLM). A probe
+process saves a fresh key every 20 ms; every engine's view records when the
+ready event arrives, so the lag is measured from just before the probe's
+report to arrival in each view (an upper bound: it includes that RPC).
+The daemon's CPU time over the run comes from /proc.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+
+from ec_client.protocol import Layout, pb
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from tests.integration.daemon import Daemon
+
+LAYOUT = Layout("concurrency-model", "uint8", {"image": 1024})
+STEP_SECONDS = 0.01  # 100 steps/s
+KEYS = 300
+
+
+def _engine(socket: str, index: int, seconds: float, conn: Any) -> None:
+    scheduler = SchedulerDelegate(socket, engine_id=f"engine-{index}", layout=LAYOUT)
+    worker = WorkerDelegate(socket, engine_id=f"engine-{index}", layout=LAYOUT)
+    assert scheduler.link.wait_attached(20) and worker.link.wait_attached(20)
+    arrivals: dict[str, float] = {}
+    apply = scheduler.view.apply
+
+    def timed_apply(message: Any) -> list[Any]:
+        now = time.monotonic()
+        for info in message.ready:
+            if info.mm_hash.startswith("probe-"):
+                arrivals.setdefault(info.mm_hash, now)
+        return apply(message)
+
+    scheduler.view.apply = timed_apply  # type: ignore[method-assign]
+    conn.send("ready")
+    conn.recv()
+    rng = random.Random(index)
+    step_us: list[float] = []
+    deadline = time.monotonic() + seconds
+    next_step = time.monotonic()
+    request = 0
+    while time.monotonic() < deadline:
+        keys = [f"k{rng.randrange(KEYS)}" for _ in range(4)]
+        started = time.perf_counter()
+        misses = []
+        for key in keys:
+            request += 1
+            if not scheduler.has_item(key):
+                misses.append(key)
+            scheduler.after_alloc(f"r{request}", key)
+        meta = scheduler.build_step_metadata()
+        step_us.append((time.perf_counter() - started) * 1e6)
+        result = worker.load(meta.loads)  # the worker's part, off the scheduler's path
+        scheduler.apply_worker_output(result.done, result.failed)
+        for key in misses:
+            worker.save(key, np.zeros((64 + int(key[1:]) % 192, 1024), np.uint8))
+        next_step += STEP_SECONDS
+        time.sleep(max(0.0, next_step - time.monotonic()))
+    conn.send({"step_us": step_us, "arrivals": arrivals,
+               "rpcs": scheduler.transport.calls_from_this_thread()})
+    scheduler.close()
+    worker.close()
+
+
+def _probe(socket: str, seconds: float, conn: Any) -> None:
+    worker = WorkerDelegate(socket, engine_id="probe", layout=LAYOUT, role="producer")
+    attachment = worker.link.wait_attached(20)
+    assert attachment is not None
+    conn.send("ready")
+    conn.recv()
+    sent: dict[str, float] = {}
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        key = f"probe-{i}"
+        reply = worker.transport.call("Allocate", pb.AllocateRequest(
+            session_id=attachment.session_id, mm_hash=key, nbytes=1024, shape=[1024],
+            dtype="uint8"))
+        if reply.status == pb.ALLOCATED:
+            sent[key] = time.monotonic()
+            worker.transport.call("Report", pb.ReportRequest(
+                session_id=attachment.session_id, saved=[key]))
+        i += 1
+        time.sleep(0.02)
+    conn.send(sent)
+    worker.close()
+
+
+def run(engines: int = 8, seconds: float = 15.0) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with Daemon(cpu_bytes="256MiB", check_invariants=False) as daemon:
+        assert daemon.proc is not None
+        daemon_proc = psutil.Process(daemon.proc.pid)
+        pipes = []
+        procs = []
+        for target, args in [*((_engine, (i,)) for i in range(engines)), (_probe, ())]:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(daemon.socket, *args, seconds, child),
+                               daemon=True)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        for parent in pipes:
+            assert parent.poll(60) and parent.recv() == "ready"
+        cpu_before = sum(daemon_proc.cpu_times()[:2])
+        started = time.monotonic()
+        for parent in pipes:
+            parent.send("go")
+        results = [parent.recv() for parent in pipes]
+        wall = time.monotonic() - started
+        cpu = sum(daemon_proc.cpu_times()[:2]) - cpu_before
+        for proc in procs:
+            proc.join(30)
+    sent = results[-1]
+    steps = sorted(t for r in results[:-1] for t in r["step_us"])
+    lags = sorted((r["arrivals"][k] - t) * 1e3 for r in results[:-1]
+                  for k, t in sent.items() if k in r["arrivals"])
+    expected = len(sent) * engines
+    return {"engines": engines, "seconds": seconds, "steps": len(steps),
+            "step_p50_us": steps[len(steps) // 2], "step_p99_us": steps[int(len(steps) * .99)],
+            "blocking_rpcs_per_step": sum(r["rpcs"] for r in results[:-1]) / len(steps),
+            "event_lag_p50_ms": statistics.median(lags),
+            "event_lag_p99_ms": lags[int(len(lags) * 0.99)],
+            "events_seen": len(lags), "events_expected": expected,
+            "daemon_cpu_percent": 100 * cpu / wall}
+
+
+if __name__ == "__main__":
+    print(run())
