@@ -9,11 +9,11 @@ misses), then once `build_connector_meta`, `update_connector_output` with what
 the workers returned (`update_from_output`) and `take_unavailable_requests`.
 
 - ours: `ECDaemonConnector` (SCHEDULER role, built by vLLM's factory)
-  attached to a real daemon subprocess. Hits were saved beforehand by another
-  engine's `WorkerDelegate` (in a forked process) into the connector's
-  namespace; a `WorkerDelegate` of this engine loads and reports the
-  dispatched transfers every few steps, outside the timed region, so pins do
-  not pile up. Workers report `ECDaemonWorkerMetadata(done=<loads>)`.
+  attached to a real daemon subprocess. Workers live in a forked process, as
+  vLLM's do: another engine's `WorkerDelegate` saved the hits beforehand into
+  the connector's namespace, and this engine's `WorkerDelegate` loads and
+  reports the dispatched transfers every few steps, outside the timed region,
+  so pins do not pile up. Workers report `ECDaemonWorkerMetadata(done=<loads>)`.
 - upstream: `ECCPUScheduler` (ec_both, no NIXL), instantiated directly (so
   without the ECCPUConnector forwarding layer ours goes through). Hits were
   saved in a warm-up step and marked ready by a `completed_saves` report.
@@ -34,7 +34,8 @@ time (perf_counter), thread CPU time (thread_time), blocking RPCs made on the
 thread (ours: the transport's per-thread count; upstream has no transport
 without NIXL, so 0), and the pickled size of the step's connector metadata
 (what vLLM ships to workers). The two implementations run interleaved in
-blocks of steps; medians and p99 are over all steps of a case.
+blocks of steps; reported: median wall and CPU time per step, p99 of wall
+time and median metadata size, over all steps of a case.
 
 Rows are hidden x dtype bytes of the tiny model (128 x bfloat16 = 256 B);
 upstream's block is one row, so its cost depends on the row count, not the
@@ -60,8 +61,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -154,66 +155,84 @@ def spread(hits: list[str], misses: list[str]) -> list[str]:
     return [h for pair in pairs for h in pair if h is not None]
 
 
-# ------------------------------------------------- the other engine (saves)
+# ------------------------------------------------------ ec-daemon workers
 
-class Saver:
-    """Another engine's worker, in a forked process (as workers are): saves
-    items into a daemon's namespace. Forked before this process opens any
-    gRPC channel."""
+OTHER_ENGINE = "bench-other-engine"
+
+
+class Workers:
+    """ec-daemon workers in a forked process, as vLLM's workers are not in
+    the scheduler's process: another engine's (saves the hits, and the
+    misses in the eviction case) and this engine's (its attachment lets pins
+    succeed; it loads and reports the dispatched transfers). Forked before
+    this process opens any gRPC channel."""
 
     def __init__(self) -> None:
         context = multiprocessing.get_context("fork")
         self._conn, child = context.Pipe()
-        self._proc = context.Process(target=_saver_main, args=(child,), daemon=True)
+        self._proc = context.Process(target=_workers_main, args=(child,), daemon=True)
         self._proc.start()
         child.close()
 
-    def save(self, socket: str, layout: Layout, ids: list[str], shape: tuple[int, int]) -> None:
-        self._conn.send(("save", socket, layout, ids, shape))
-
-    def flush(self, socket: str) -> None:
-        self._conn.send(("flush", socket))
-        if not self._conn.recv():
-            raise RuntimeError("the saver did not finish its saves")
-
-    def detach(self, socket: str) -> None:
-        self._conn.send(("close", socket))
-        self._conn.recv()
+    def call(self, *command: Any) -> Any:
+        self._conn.send(command)
+        reply = self._conn.recv()
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"worker process: {command[0]} failed") from reply
+        return reply
 
     def close(self) -> None:
         self._conn.send(None)
         self._proc.join(10)
 
 
-def _saver_main(conn: Connection) -> None:
-    workers: dict[str, WorkerDelegate] = {}
-    while (message := conn.recv()) is not None:
-        kind, socket, *args = message
-        if kind == "save":
-            layout, ids, shape = args
-            worker = workers.get(socket) or _saver_worker(workers, socket, layout)
-            output = torch.zeros(shape, dtype=getattr(torch, layout.dtype))
-            for mm_hash in ids:
-                worker.save(mm_hash, output)
-        elif kind == "flush":
-            conn.send(socket not in workers or workers[socket].flush(60))
-        else:
-            worker = workers.pop(socket, None)
-            if worker is not None:
-                worker.close()
-            conn.send(True)
+def _workers_main(conn: Connection) -> None:
+    workers: dict[tuple[str, str], WorkerDelegate] = {}
+    while (command := conn.recv()) is not None:
+        kind, *args = command
+        try:
+            conn.send(COMMANDS[kind](workers, *args))
+        except Exception as exc:
+            conn.send(exc)
+    for worker in workers.values():
+        worker.close()
 
 
-def _saver_worker(workers: dict[str, WorkerDelegate], socket: str,
-                  layout: Layout) -> WorkerDelegate:
-    worker = WorkerDelegate(socket, engine_id="bench-other-engine", layout=layout)
+def _attach(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id: str,
+            layout: Layout) -> bool:
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=layout,
+                            allocate_out=ReusedBuffers())
     if worker.link.wait_attached(20) is None:
-        raise RuntimeError(f"saver not attached: {worker.link.last_error}")
-    workers[socket] = worker
-    return worker
+        raise RuntimeError(f"worker not attached: {worker.link.last_error}")
+    workers[socket, engine_id] = worker
+    return True
 
 
-# ----------------------------------------------------------- ec-daemon
+def _save(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id: str,
+          ids: list[str], shape: tuple[int, int], dtype: str) -> bool:
+    """Save zeros as `ids` and wait until they landed."""
+    worker = workers[socket, engine_id]
+    output = torch.zeros(shape, dtype=getattr(torch, dtype))
+    for mm_hash in ids:
+        worker.save(mm_hash, output)
+    return worker.flush(60)
+
+
+def _load(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id: str,
+          specs: list[LoadSpec]) -> int:
+    """Load and report `specs`; returns how many failed."""
+    return len(workers[socket, engine_id].load(specs).failed)
+
+
+def _detach(workers: dict[tuple[str, str], WorkerDelegate], socket: str) -> bool:
+    for key in [key for key in workers if key[0] == socket]:
+        workers.pop(key).close()
+    return True
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "attach": _attach, "save": _save, "load": _load, "detach": _detach}
+
 
 class ReusedBuffers:
     """allocate_out for the loading worker: one buffer per shape, reused."""
@@ -230,32 +249,43 @@ class ReusedBuffers:
 
 @dataclass
 class DaemonEngine:
-    """Our side of one engine: the scheduler connector and a worker of the
-    same engine (whose attachment lets pins succeed), on one daemon."""
+    """Our side of one engine on one daemon: the scheduler connector here,
+    the workers (this engine's and another's) in the worker process."""
 
     daemon: Daemon
     connector: Any
-    loader: WorkerDelegate
-    saver: Saver
+    workers: Workers
+    engine_id: str
     layout: Layout
 
     @classmethod
-    def start(cls, daemon: Daemon, config: VllmConfig, saver: Saver) -> DaemonEngine:
+    def start(cls, daemon: Daemon, config: VllmConfig, workers: Workers) -> DaemonEngine:
         assert config.ec_transfer_config is not None
         config.ec_transfer_config.ec_connector_extra_config["ec_daemon_socket"] = daemon.socket
+        engine_id, layout = engine_identity(config), layout_of(config)
+        for worker_engine in (engine_id, OTHER_ENGINE):
+            workers.call("attach", daemon.socket, worker_engine, layout)
         scheduler = connector(config, ECConnectorRole.SCHEDULER)
-        loader = WorkerDelegate(daemon.socket, engine_id=engine_identity(config),
-                                layout=layout_of(config), allocate_out=ReusedBuffers())
-        for link in (scheduler._scheduler.link, loader.link):
-            if link.wait_attached(20) is None:
-                raise RuntimeError(f"not attached: {link.last_error}")
+        if scheduler._scheduler.link.wait_attached(20) is None:
+            raise RuntimeError(f"not attached: {scheduler._scheduler.link.last_error}")
         wait_until(lambda: scheduler._scheduler.view.synced)
-        return cls(daemon, scheduler, loader, saver, layout_of(config))
+        return cls(daemon, scheduler, workers, engine_id, layout)
+
+    def save(self, ids: list[str], rows: int) -> None:
+        """Another engine saves `ids` (rows x the layout's width) and waits."""
+        dtype = self.layout.dtype
+        width = self.layout.row_bytes["embeds"] // getattr(torch, dtype).itemsize
+        if not self.workers.call("save", self.daemon.socket, OTHER_ENGINE, ids, (rows, width),
+                                 dtype):
+            raise RuntimeError("saves did not land")
+
+    def load(self, specs: list[LoadSpec]) -> int:
+        """This engine's worker loads and reports `specs`; returns failures."""
+        return int(self.workers.call("load", self.daemon.socket, self.engine_id, specs))
 
     def close(self) -> None:
-        self.saver.detach(self.daemon.socket)
         self.connector.shutdown()
-        self.loader.close()
+        self.workers.call("detach", self.daemon.socket)
 
 
 # -------------------------------------------------------------- drivers
@@ -375,15 +405,8 @@ class DaemonDriver(Driver):
         self._pending: list[LoadSpec] = []
         self._pending_steps = 0
         self.failed_loads = 0
-        self._save(self.hit_ids)
-        engine.saver.flush(engine.daemon.socket)
+        engine.save(self.hit_ids, case.rows)
         wait_until(lambda: all(self._delegate.view.get(h) for h in self.hit_ids), 60)
-
-    def _save(self, ids: list[str]) -> None:
-        width = self.engine.layout.row_bytes["embeds"] // torch.tensor(
-            [], dtype=getattr(torch, self.engine.layout.dtype)).element_size()
-        self.engine.saver.save(self.engine.daemon.socket, self.engine.layout, ids,
-                               (self.case.rows, width))
 
     def rpcs(self) -> int:
         return int(self._delegate.transport.calls_from_this_thread())
@@ -399,16 +422,16 @@ class DaemonDriver(Driver):
         if self._pending_steps >= LOAD_EVERY:
             self._load()
         if self.case.evictions and misses:
-            self._save(misses)
+            # Saved as they are computed (a backlog would push the hits out
+            # of the daemon's LRU, which steady state does not).
+            self.engine.save(misses, self.case.rows)
 
     def end_block(self) -> None:
         self._load()
-        if self.case.evictions:
-            self.engine.saver.flush(self.engine.daemon.socket)
 
     def _load(self) -> None:
         if self._pending:
-            self.failed_loads += len(self.engine.loader.load(self._pending).failed)
+            self.failed_loads += self.engine.load(self._pending)
         self._pending, self._pending_steps = [], 0
 
 
@@ -528,7 +551,7 @@ def cases(scale: float) -> list[Case]:
     return [*matrix, Case(items, rows, hit, scaled(steps), evictions=True)]
 
 
-def run_all(scale: float, saver: Saver, folder: Path) -> list[dict[str, Any]]:
+def run_all(scale: float, workers: Workers, folder: Path) -> list[dict[str, Any]]:
     config = bench_config(folder)
     row_bytes = layout_of(config).row_bytes["embeds"]
     rows: list[dict[str, Any]] = []
@@ -538,16 +561,16 @@ def run_all(scale: float, saver: Saver, folder: Path) -> list[dict[str, Any]]:
             capacity = steps_for(case, row_bytes)[1] * row_bytes
             size = f"{-(-capacity >> 20)}MiB" if case.evictions else MAIN_DAEMON_BYTES
             if size not in engines:
-                engines[size] = stack.enter_context(daemon_engine(size, config, saver))
+                engines[size] = stack.enter_context(daemon_engine(size, config, workers))
             rows += run_case(case, config, engines[size])
             report_daemon(case, engines[size].daemon)
     return rows
 
 
 @contextlib.contextmanager
-def daemon_engine(cpu_bytes: str, config: VllmConfig, saver: Saver) -> Iterator[DaemonEngine]:
+def daemon_engine(cpu_bytes: str, config: VllmConfig, workers: Workers) -> Iterator[DaemonEngine]:
     with Daemon(cpu_bytes=cpu_bytes, extra=("--check-invariants", "false")) as daemon:
-        engine = DaemonEngine.start(daemon, config, saver)
+        engine = DaemonEngine.start(daemon, config, workers)
         try:
             yield engine
         finally:
@@ -569,12 +592,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("vllm").setLevel(logging.WARNING)
     started = time.monotonic()
-    saver = Saver()  # forked first: no gRPC channel exists yet
+    workers = Workers()  # forked first: no gRPC channel exists yet
     try:
         with tempfile.TemporaryDirectory(prefix="ecbench-") as folder:
-            rows = run_all(args.scale, saver, Path(folder))
+            rows = run_all(args.scale, workers, Path(folder))
     finally:
-        saver.close()
+        workers.close()
     print_table(rows)
     print(f"total {time.monotonic() - started:.0f} s")
     if args.json:
