@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ec_client.protocol import TRANSFER_ID_SHIFT, Layout, pb
 from ec_client.session import Attachment, SessionLink
@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 MAX_DISPATCHED = 65536
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
+class LoadSpec(NamedTuple):
     """One load for the workers: copy `extents` of region `generation` into
-    an output of `shape`/`dtype`, then report `transfer_id`."""
+    an output of `shape`/`dtype`, then report `transfer_id`. (A NamedTuple:
+    built once per hit on the scheduler's path, and cheap to pickle.)"""
 
     mm_hash: str
     transfer_id: int
@@ -129,11 +129,10 @@ class SchedulerDelegate:
     def build_step_metadata(self) -> StepMetadata:
         """The step's loads; queues their pins, then the deferred acks."""
         planned, self._planned = self._planned, {}
-        self._hits_this_step.clear()
-        message = pb.ClientMessage()
-        for spec, _ in planned.values():
-            message.pins.add(transfer_id=spec.transfer_id, mm_hash=spec.mm_hash,
-                             entry_id=spec.entry_id)
+        if self._hits_this_step:
+            self._hits_this_step = {}
+        # Plain tuples here; the link thread builds the protobuf message.
+        pins = [(spec.transfer_id, spec.mm_hash, spec.entry_id) for spec, _ in planned.values()]
         loads = [spec for spec, _ in planned.values()]
         if planned:
             with self._lock:
@@ -144,8 +143,8 @@ class SchedulerDelegate:
         # thread: an eviction it applies in between would be acknowledged
         # ahead of the pin.
         with self._send_lock:
-            message.acks.extend(self.view.end_step())
-            sent = not (message.pins or message.acks) or self.link.send(message)
+            acks = self.view.end_step()
+            sent = not (pins or acks) or self.link.send_parts(pins, acks)
         if not sent:
             # Detached since has_item: the pins cannot land, the loads fail.
             with self._lock:
@@ -190,7 +189,7 @@ class SchedulerDelegate:
         with self._send_lock:
             acks = self.view.apply(message)
             if acks:
-                self.link.send(pb.ClientMessage(acks=acks))
+                self.link.send_parts([], acks)
         if message.pin_failures:
             with self._lock:
                 for failure in message.pin_failures:

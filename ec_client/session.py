@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -29,6 +29,16 @@ from ec_client.transport import Transport
 log = logging.getLogger(__name__)
 
 _NOTHING = object()
+
+
+class _Parts(NamedTuple):
+    pins: list[tuple[int, str, int]]
+    acks: list[tuple[str, int]]
+
+    def to_message(self) -> Any:
+        return pb.ClientMessage(
+            pins=[pb.Pin(transfer_id=t, mm_hash=h, entry_id=e) for t, h, e in self.pins],
+            acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks])
 BACKOFF_START_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 
@@ -103,6 +113,12 @@ class SessionLink:
             return False
         outbox.put(message)
         return True
+
+    def send_parts(self, pins: list[tuple[int, str, int]], acks: list[tuple[str, int]]) -> bool:
+        """Queue pins (transfer_id, mm_hash, entry_id) then acknowledgements
+        (mm_hash, entry_id) as one message, built on the link's thread so the
+        caller pays for a queue put only. False (dropped) while detached."""
+        return self.send(_Parts(pins, acks))
 
     def stop(self, timeout: float = 2.0) -> None:
         """Flush the last heartbeat and half-close the stream: the daemon
@@ -184,7 +200,9 @@ class SessionLink:
                 message = _NOTHING
             if message is None:
                 return
-            if message is not _NOTHING:
+            if isinstance(message, _Parts):
+                yield message.to_message()
+            elif message is not _NOTHING:
                 yield message
             if time.monotonic() >= next_beat:
                 yield pb.ClientMessage(heartbeat=self._heartbeat())

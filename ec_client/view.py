@@ -19,8 +19,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ec_client.protocol import pb
-
 
 @dataclass(frozen=True, slots=True)
 class ViewEntry:
@@ -60,8 +58,8 @@ class ReadyView:
     def get(self, mm_hash: str) -> ViewEntry | None:
         return self._entries.get(mm_hash)
 
-    def apply(self, message: Any) -> list[Any]:
-        """Apply a DaemonMessage; returns the EntryRefs to acknowledge now."""
+    def apply(self, message: Any) -> list[tuple[str, int]]:
+        """Apply a DaemonMessage; returns the (mm_hash, entry_id) to acknowledge now."""
         acks = []
         with self._lock:
             for info in message.ready:
@@ -73,20 +71,23 @@ class ReadyView:
                     self._deferred.append((ref.mm_hash, ref.entry_id))
                 else:
                     self._drop(ref.mm_hash, ref.entry_id)
-                    acks.append(ref)
+                    acks.append((ref.mm_hash, ref.entry_id))
             if message.snapshot_done:
                 self.synced = True
         return acks
 
-    def end_step(self) -> list[Any]:
+    def end_step(self) -> list[tuple[str, int]]:
         """Step boundary: release claims, apply deferred evictions; returns
-        the acknowledgements to send (after this step's pins)."""
+        the (mm_hash, entry_id) to acknowledge (after this step's pins)."""
         with self._lock:
-            self._claimed.clear()
+            if self._claimed:
+                self._claimed.clear()
+            if not self._deferred:
+                return []
             deferred, self._deferred = self._deferred, []
             for mm_hash, entry_id in deferred:
                 self._drop(mm_hash, entry_id)
-            return [pb.EntryRef(mm_hash=h, entry_id=i) for h, i in deferred]
+            return deferred
 
     def clear(self) -> None:
         """Forget everything (the session is gone: nothing here is valid)."""

@@ -23,7 +23,9 @@ def delegate():
     d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E",
                           layout=Layout("m", "float16", {"image": 2}), start=False)
     sent = []
-    d.link.send = lambda message: sent.append(message) or True
+    # What would go on the stream, as the link thread builds it.
+    d.link.send = lambda message: sent.append(
+        message.to_message() if hasattr(message, "to_message") else message) or True
     d.sent = sent
     d._on_attached(ATTACHMENT)
     yield d
