@@ -20,7 +20,7 @@ SOAK_SECONDS ?= 600
 KILL_ITERATIONS ?= 100
 
 .PHONY: install proto run test test-unit test-integration test-vllm install-vllm lint clean \
-	docker-test fuzz soak bench
+	docker-test fuzz soak bench gpu-bench gpu-test
 
 install: $(STAMP)
 
@@ -83,6 +83,13 @@ soak: $(STAMP) proto
 bench: $(STAMP) $(VLLM_STAMP) proto
 	$(BIN)/python -m benchmarks.run --vllm-python $(VLLM_BIN)/python \
 		--torchvision $(abspath $(TORCHVISION_DIR))
+
+# CUDA machines only: GPU copy-backend tests and throughput against cudaMemcpy.
+gpu-test: $(STAMP) proto
+	$(BIN)/python -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+
+gpu-bench: $(STAMP) proto
+	$(BIN)/python -m benchmarks.gpu
 
 # Needs a Docker engine with a GPU runtime; not part of CI (see README).
 docker-test:
