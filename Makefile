@@ -67,7 +67,7 @@ test-vllm: $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 lint: $(STAMP) proto
-	$(BIN)/ruff check ec_daemon ec_client tests proto/generate.py
+	$(BIN)/ruff check ec_daemon ec_client tests benchmarks proto/generate.py
 	$(BIN)/mypy
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
