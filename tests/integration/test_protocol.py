@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -141,7 +142,10 @@ def test_duplicate_allocation_is_told_not_duplicated(daemon):
     assert daemon.stats()["used_bytes"] == MiB
 
 
-def test_reports_for_another_engines_transfer_are_denied(daemon):
+@contextlib.contextmanager
+def pinned_entry(daemon: Daemon) -> Iterator[tuple[Any, str, int]]:
+    """Entry "k" saved by engine E's worker and pinned by E's view:
+    yields (stub, the worker's session id, the transfer id)."""
     stub = daemon.stub
     writer = attach(stub, engine="E").session_id
     save(stub, writer, "k")
@@ -152,6 +156,13 @@ def test_reports_for_another_engines_transfer_are_denied(daemon):
         transfer = (view.session_index << 32) | 1
         stream.send(pins=[pb.Pin(transfer_id=transfer, mm_hash="k", entry_id=1)])
         daemon.wait_for(lambda: daemon.lookup(LAYOUT, "k")[0].pins == 1, what="pin")
+        yield stub, writer, transfer
+    finally:
+        stream.close()
+
+
+def test_reports_for_another_engines_transfer_are_denied(daemon):
+    with pinned_entry(daemon) as (stub, writer, transfer):
         intruder = attach(stub, engine="X").session_id
         assert code_of(lambda: stub.Report(pb.ReportRequest(session_id=intruder,
                                                             loaded=[transfer]))) \
@@ -160,8 +171,6 @@ def test_reports_for_another_engines_transfer_are_denied(daemon):
         reply = stub.Report(pb.ReportRequest(session_id=writer, loaded=[transfer]))
         assert list(reply.loaded) == [pb.HELD]
         assert daemon.lookup(LAYOUT, "k")[0].pins == 0
-    finally:
-        stream.close()
 
 
 def test_stream_must_open_a_known_session_once(daemon):
@@ -317,21 +326,10 @@ def test_sigterm_lets_in_flight_calls_finish():
 
 
 def test_a_report_with_a_bad_key_changes_nothing(daemon):
-    stub = daemon.stub
-    writer = attach(stub, engine="E").session_id
-    save(stub, writer, "k")
-    view = attach(stub, engine="E", rank=None)
-    stream = RawStream(stub, view.session_id)
-    try:
-        assert stream.next().snapshot_done
-        transfer = (view.session_index << 32) | 1
-        stream.send(pins=[pb.Pin(transfer_id=transfer, mm_hash="k", entry_id=1)])
-        daemon.wait_for(lambda: daemon.lookup(LAYOUT, "k")[0].pins == 1, what="pin")
+    with pinned_entry(daemon) as (stub, writer, transfer):
         assert code_of(lambda: stub.Report(pb.ReportRequest(
             session_id=writer, loaded=[transfer], saved=[""]))) == grpc.StatusCode.INVALID_ARGUMENT
         assert daemon.lookup(LAYOUT, "k")[0].pins == 1  # the load report was not applied
-    finally:
-        stream.close()
 
 
 def test_a_stream_that_fails_to_open_ends_its_session(daemon):
