@@ -71,7 +71,9 @@ def test_a_load_that_cannot_be_served_fails_the_request_not_the_engine(engine, d
     worker.clear_connector_metadata()
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
     assert scheduler.take_unavailable_requests() == {"doomed"}
-    assert not scheduler.has_cache_item("img-2")  # the view went with the session
+    # The view goes with the session, as soon as the link notices the daemon died.
+    h.wait_until(lambda: scheduler._scheduler.view.get("img-2") is None, timeout=10)
+    assert not scheduler.has_cache_item("img-2")
 
 
 def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
