@@ -166,9 +166,6 @@ class SchedulerDelegate:
             taken, self._unavailable = self._unavailable, set()
         return taken
 
-    def request_finished(self, request_id: str) -> None:
-        """Nothing to release: pins belong to transfers, not requests."""
-
     def close(self) -> None:
         self.link.stop()
         self.transport.close()

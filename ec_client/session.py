@@ -90,7 +90,6 @@ class SessionLink:
         self._attached = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"ec-session-{engine_id}",
                                         daemon=True)
-        self.attach_count = 0
         self.last_error = ""
 
     @property
@@ -169,7 +168,6 @@ class SessionLink:
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             responses.cancel()
             return
-        self.attach_count += 1
         with self._attached:
             self._outbox = outbox
             self._attachment = attachment

@@ -10,7 +10,7 @@ available, cpu otherwise.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ec_client.mapping import RegionMapping
@@ -49,6 +49,15 @@ def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None
         total += length
     if total != nbytes:
         raise ValueError(f"extents hold {total} bytes, the buffer {nbytes}")
+
+
+def spans(extents: Extents) -> Iterator[tuple[int, int, int]]:
+    """(region offset, length, offset in the buffer) of each extent: the
+    buffer holds the extents' bytes back to back, in order."""
+    done = 0
+    for offset, length in extents:
+        yield offset, length, done
+        done += length
 
 
 def get_backend(name: str) -> CopyBackend:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ec_client.copy import Extents, check_extents
+from ec_client.copy import Extents, check_extents, spans
 from ec_client.mapping import RegionMapping
 
 
@@ -50,18 +50,14 @@ class Backend:
         data = as_bytes(source)
         check_extents(mapping, extents, data.nbytes)
         region = mapping.view
-        done = 0
-        for offset, length in extents:
+        for offset, length, done in spans(extents):
             region[offset:offset + length] = data[done:done + length]
-            done += length
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         data = as_bytes(out, writable=True)
         check_extents(mapping, extents, data.nbytes)
         region = mapping.view
-        done = 0
-        for offset, length in extents:
+        for offset, length, done in spans(extents):
             data[done:done + length] = region[offset:offset + length]
-            done += length
         return out
 

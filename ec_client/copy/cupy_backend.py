@@ -13,7 +13,7 @@ from typing import Any
 
 import cupy
 
-from ec_client.copy import Extents, check_extents
+from ec_client.copy import Extents, check_extents, spans
 from ec_client.mapping import RegionMapping
 
 REGISTER_CHUNK_BYTES = 1 << 30
@@ -79,11 +79,9 @@ class Backend:
         base = self._bases[id(mapping)]
         if ready is not None:
             ready.synchronize()
-        done = 0
-        for offset, length in extents:
+        for offset, length, done in spans(extents):
             cupy.cuda.runtime.memcpyAsync(base + offset, pointer + done, length, _D2H,
                                           self._stream.ptr)
-            done += length
         self._stream.synchronize()
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
@@ -91,11 +89,9 @@ class Backend:
         check_extents(mapping, extents, nbytes)
         base = self._bases[id(mapping)]
         _consumer_synchronize(out)  # `out` may reuse memory still read there
-        done = 0
-        for offset, length in extents:
+        for offset, length, done in spans(extents):
             cupy.cuda.runtime.memcpyAsync(pointer + done, base + offset, length, _H2D,
                                           self._stream.ptr)
-            done += length
         self._stream.synchronize()
         return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ec_client.copy import Extents, check_extents
+from ec_client.copy import Extents, check_extents, spans
 from ec_client.mapping import RegionMapping
 
 REGISTER_CHUNK_BYTES = 1 << 30
@@ -72,10 +72,8 @@ class Backend:
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
-            done = 0
-            for offset, length in extents:
+            for offset, length, done in spans(extents):
                 host[offset:offset + length].copy_(data[done:done + length], non_blocking=True)
-                done += length
             data.record_stream(self._stream)
             landed = torch.cuda.Event()
             landed.record(self._stream)
@@ -88,10 +86,8 @@ class Backend:
         consumer = torch.cuda.current_stream(out.device)
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(consumer)  # `out` was allocated there
-            done = 0
-            for offset, length in extents:
+            for offset, length, done in spans(extents):
                 flat[done:done + length].copy_(host[offset:offset + length], non_blocking=True)
-                done += length
             landed = torch.cuda.Event()
             landed.record(self._stream)
         out.record_stream(self._stream)

@@ -123,15 +123,22 @@ def worker_rank_main(socket: str, engine_id: str, rank: int, world: int, conn: A
     worker.close()
 
 
-def stuck_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
-    """Allocates a save, then hangs before copying (killed by the test)."""
+def _allocated(socket: str, engine_id: str, mm_hash: str,
+               nbytes: int) -> tuple[WorkerDelegate, Any]:
+    """A producer worker that has allocated a save of `nbytes` (not copied)."""
     worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="producer")
     _attached(worker)
     attachment = worker.link.attachment
     assert attachment is not None
     reply = worker.transport.call("Allocate", pb.AllocateRequest(
-        session_id=attachment.session_id, mm_hash=mm_hash, nbytes=1 << 20, shape=[1 << 20],
+        session_id=attachment.session_id, mm_hash=mm_hash, nbytes=nbytes, shape=[nbytes],
         dtype="uint8"))
+    return worker, reply
+
+
+def stuck_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
+    """Allocates a save, then hangs before copying (killed by the test)."""
+    _, reply = _allocated(socket, engine_id, mm_hash, 1 << 20)
     conn.send(pb.AllocStatus.Name(reply.status))
     time.sleep(600)
 
@@ -156,13 +163,7 @@ def pinning_scheduler_main(socket: str, engine_id: str, mm_hash: str, conn: Any)
 
 def copying_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
     """Allocates a save and keeps copying into its extents until killed."""
-    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="producer")
-    _attached(worker)
-    attachment = worker.link.attachment
-    assert attachment is not None
-    reply = worker.transport.call("Allocate", pb.AllocateRequest(
-        session_id=attachment.session_id, mm_hash=mm_hash, nbytes=4 << 20, shape=[4 << 20],
-        dtype="uint8"))
+    worker, reply = _allocated(socket, engine_id, mm_hash, 4 << 20)
     extents = [(e.offset, e.length) for e in reply.extents]
     data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
     mapping = worker._mapping
