@@ -12,13 +12,19 @@ is empty; the link re-attaches in the background and the view refills from
 the new session's snapshot. Loads that cannot be served end up in
 `take_unavailable_requests` (a failed pin, or a worker's failed copy), so the
 engine fails those requests, never itself.
+
+Threads: vLLM makes every per-step call from its one scheduling thread, so
+the delegate's own state (planned, dispatched and unavailable loads) is that
+thread's alone and takes no lock; the link thread hands pin failures over
+through a deque. The only lock on a step is the view's, taken once at the
+step boundary and only when the step looked anything up.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -81,8 +87,7 @@ class SchedulerDelegate:
         self._planned: dict[str, tuple[LoadSpec, list[str]]] = {}
         self._dispatched: dict[int, list[str]] = {}
         self._unavailable: set[str] = set()
-        self._lock = threading.Lock()  # guards _dispatched and _unavailable
-        self._send_lock = threading.Lock()  # keeps pins ahead of acks on the stream
+        self._pin_failures: deque[int] = deque()  # from the link thread
         self._hits_this_step: dict[str, tuple[ViewEntry, _Minting | None]] = {}
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
@@ -118,8 +123,7 @@ class SchedulerDelegate:
             return False  # computed by the engine (and saved by its worker)
         entry, minting = hit
         if minting is None:  # detached as has_item answered: the load cannot be served
-            with self._lock:
-                self._unavailable.add(request_id)
+            self._unavailable.add(request_id)
             return True
         spec = LoadSpec(mm_hash, minting.next_id(), entry.entry_id, minting.attachment.generation,
                         entry.nbytes, entry.shape, entry.dtype, entry.extents)
@@ -131,39 +135,38 @@ class SchedulerDelegate:
         planned, self._planned = self._planned, {}
         if self._hits_this_step:
             self._hits_this_step = {}
+        if not planned:
+            self.view.end_step(self._send_acks)
+            return StepMetadata([])
         # Plain tuples here; the link thread builds the protobuf message.
         pins = [(spec.transfer_id, spec.mm_hash, spec.entry_id) for spec, _ in planned.values()]
-        loads = [spec for spec, _ in planned.values()]
-        if planned:
-            with self._lock:
-                for spec, request_ids in planned.values():
-                    self._dispatched[spec.transfer_id] = request_ids
-                self._trim_dispatched()
-        # Releasing the claims and queueing the pins is one step for the link
-        # thread: an eviction it applies in between would be acknowledged
-        # ahead of the pin.
-        with self._send_lock:
-            acks = self.view.end_step()
-            sent = not (pins or acks) or self.link.send_parts(pins, acks)
-        if not sent:
+        for spec, request_ids in planned.values():
+            self._dispatched[spec.transfer_id] = request_ids
+        if len(self._dispatched) > MAX_DISPATCHED:
+            self._trim_dispatched()
+        # Releasing the claims and queueing the pins ahead of the deferred
+        # acks is one step under the view's lock (see view.py).
+        if not self.view.end_step(lambda acks: self.link.send_parts(pins, acks)):
             # Detached since has_item: the pins cannot land, the loads fail.
-            with self._lock:
-                for _, request_ids in planned.values():
-                    self._unavailable.update(request_ids)
-        return StepMetadata(loads)
+            for _, request_ids in planned.values():
+                self._unavailable.update(request_ids)
+        return StepMetadata([spec for spec, _ in planned.values()])
 
     def apply_worker_output(self, done: Iterable[int] = (), failed: Iterable[int] = ()) -> None:
         """Worker reports of this step: transfers finished, transfers whose
         copy must be discarded (their requests become unavailable)."""
-        with self._lock:
-            for transfer_id in failed:
-                self._unavailable.update(self._dispatched.pop(transfer_id, ()))
-            for transfer_id in done:
-                self._dispatched.pop(transfer_id, None)
+        for transfer_id in failed:
+            self._unavailable.update(self._dispatched.pop(transfer_id, ()))
+        for transfer_id in done:
+            self._dispatched.pop(transfer_id, None)
 
     def take_unavailable_requests(self) -> set[str]:
-        with self._lock:
-            taken, self._unavailable = self._unavailable, set()
+        failures = self._pin_failures
+        while failures:
+            self._unavailable.update(self._dispatched.pop(failures.popleft(), ()))
+        if not self._unavailable:
+            return set()
+        taken, self._unavailable = self._unavailable, set()
         return taken
 
     def close(self) -> None:
@@ -183,16 +186,13 @@ class SchedulerDelegate:
         self.view.clear()
 
     def _on_message(self, message: Any) -> None:
-        with self._send_lock:
-            acks = self.view.apply(message)
-            if acks:
-                self.link.send_parts([], acks)
-        if message.pin_failures:
-            with self._lock:
-                for failure in message.pin_failures:
-                    log.warning("ec-daemon refused pin %d: %s", failure.transfer_id,
-                                failure.reason)
-                    self._unavailable.update(self._dispatched.pop(failure.transfer_id, ()))
+        self.view.apply(message, self._send_acks)
+        for failure in message.pin_failures:
+            log.warning("ec-daemon refused pin %d: %s", failure.transfer_id, failure.reason)
+            self._pin_failures.append(failure.transfer_id)
+
+    def _send_acks(self, acks: list[tuple[str, int]]) -> bool:
+        return not acks or self.link.send_parts([], acks)
 
     def _heartbeat(self) -> Any:
         lookups, hits = self.view.take_counts()

@@ -9,15 +9,23 @@ what lets the daemon reuse its pages.
 One subtlety: between `has_item` saying yes and the engine dispatching that
 load later in the same step, an eviction must not slip in. Entries looked up
 since the last step boundary are "claimed": their evictions are deferred to
-`end_step`, which runs after the step's pins were queued, so each pin still
-precedes its acknowledgement on the stream.
+`end_step`, which queues the step's pins before those acknowledgements.
+
+`claim` is on the engine's hot path and takes no lock. It marks the hash
+claimed, then reads the entry; `apply` hides an evicted entry, then checks
+for a claim. Each of those is one dict or set operation, which CPython
+performs atomically and in program order, so one of the two threads sees the
+other's first write: either the claim misses, or the eviction is deferred.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,62 +40,70 @@ class ViewEntry:
 class ReadyView:
     def __init__(self) -> None:
         self._entries: dict[str, ViewEntry] = {}
-        self._claimed: set[str] = set()
-        self._deferred: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
+        self._claimed: set[str] = set()  # written by the engine's thread only
+        self._deferred: Refs = []
+        self._lock = threading.Lock()  # apply / end_step / clear, and what they send
         self.synced = False  # the initial snapshot has arrived
-        self._lookups = self._hits = 0  # since the last take_counts
+        # (lookups, hits) since start, replaced whole by the engine's thread
+        # so a reader never sees one without the other.
+        self._counts = (0, 0)
+        self._taken = (0, 0)
 
     def claim(self, mm_hash: str) -> ViewEntry | None:
-        """The entry if ready; it then stays in the view until `end_step`."""
-        with self._lock:
-            entry = self._entries.get(mm_hash)
-            self._lookups += 1
-            if entry is not None:
-                self._claimed.add(mm_hash)
-                self._hits += 1
-            return entry
+        """The entry if ready; it then stays loadable until `end_step`.
+        Engine thread only; lock-free (see the module docstring)."""
+        self._claimed.add(mm_hash)
+        entry = self._entries.get(mm_hash)
+        lookups, hits = self._counts
+        self._counts = (lookups + 1, hits + (entry is not None))
+        return entry
 
     def take_counts(self) -> tuple[int, int]:
-        """(lookups, hits) since the previous call, read consistently."""
-        with self._lock:
-            counts = (self._lookups, self._hits)
-            self._lookups = self._hits = 0
-            return counts
+        """(lookups, hits) since the previous call (one caller thread)."""
+        counts, taken = self._counts, self._taken
+        self._taken = counts
+        return counts[0] - taken[0], counts[1] - taken[1]
 
     def get(self, mm_hash: str) -> ViewEntry | None:
         return self._entries.get(mm_hash)
 
-    def apply(self, message: Any) -> list[tuple[str, int]]:
-        """Apply a DaemonMessage; returns the (mm_hash, entry_id) to acknowledge now."""
-        acks = []
+    def apply(self, message: Any, send_acks: Callable[[Refs], Any]) -> None:
+        """Apply a DaemonMessage; evictions of unclaimed entries are
+        acknowledged at once through `send_acks`, under the view's lock."""
+        acks: Refs = []
         with self._lock:
             for info in message.ready:
                 self._entries[info.mm_hash] = ViewEntry(
                     info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
                     tuple((e.offset, e.length) for e in info.extents))
             for ref in message.evicted:
-                if ref.mm_hash in self._claimed:
-                    self._deferred.append((ref.mm_hash, ref.entry_id))
-                else:
-                    self._drop(ref.mm_hash, ref.entry_id)
-                    acks.append((ref.mm_hash, ref.entry_id))
+                mm_hash = ref.mm_hash
+                entry = self._entries.get(mm_hash)
+                if entry is not None and entry.entry_id == ref.entry_id:
+                    del self._entries[mm_hash]  # hidden first, then the claim check
+                    if mm_hash in self._claimed:
+                        self._deferred.append((mm_hash, ref.entry_id))
+                        continue
+                # Unclaimed, or not the entry the view shows (the daemon
+                # still awaits the acknowledgement).
+                acks.append((mm_hash, ref.entry_id))
             if message.snapshot_done:
                 self.synced = True
-        return acks
+            if acks:
+                send_acks(acks)
 
-    def end_step(self) -> list[tuple[str, int]]:
-        """Step boundary: release claims, apply deferred evictions; returns
-        the (mm_hash, entry_id) to acknowledge (after this step's pins)."""
+    def end_step(self, send: Callable[[Refs], bool]) -> bool:
+        """Step boundary (engine thread): release the claims and call
+        `send(acks)` with the deferred evictions' acknowledgements, under
+        the view's lock so no eviction is acknowledged in between. Returns
+        what `send` returned (True when it was not needed)."""
+        if not self._claimed:
+            # Nothing claimed since the last boundary, so nothing deferred.
+            return send([])
         with self._lock:
-            if self._claimed:
-                self._claimed.clear()
-            if not self._deferred:
-                return []
+            self._claimed.clear()
             deferred, self._deferred = self._deferred, []
-            for mm_hash, entry_id in deferred:
-                self._drop(mm_hash, entry_id)
-            return deferred
+            return send(deferred)
 
     def clear(self) -> None:
         """Forget everything (the session is gone: nothing here is valid)."""
@@ -96,12 +112,6 @@ class ReadyView:
             self._claimed.clear()
             self._deferred.clear()
             self.synced = False
-
-    def _drop(self, mm_hash: str, entry_id: int) -> None:
-        # An unknown ref is acknowledged all the same: the daemon awaits it.
-        entry = self._entries.get(mm_hash)
-        if entry is not None and entry.entry_id == entry_id:
-            del self._entries[mm_hash]
 
     def __len__(self) -> int:
         return len(self._entries)

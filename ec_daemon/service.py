@@ -8,7 +8,10 @@ each session stream costs a coroutine, not a thread.
 Two calls may wait without blocking the loop: an allocation whose victims
 await acknowledgements (until pages come back or `alloc_wait_seconds`), and a
 load report that overtook its pin on the scheduler's stream (until the pin
-arrives, the owner ends, or `REPORT_WAIT_SECONDS`).
+arrives, the owner ends, or `REPORT_WAIT_SECONDS`). Waits are keyed (space,
+or one scheduler session's pins): every step of every engine lands a pin, and
+waking every waiter on each of them cost more CPU than all the rest of the
+daemon's work with eight engines.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 import grpc
 
-from ec_client.protocol import PROTOCOL_VERSION, ROLES, pb, rpc
+from ec_client.protocol import PROTOCOL_VERSION, ROLES, TRANSFER_ID_SHIFT, pb, rpc
 from ec_daemon import wire
 from ec_daemon.cache import Cache
 from ec_daemon.errors import (
@@ -71,6 +74,47 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
     return wrapper
 
 
+SPACE = "space"  # the Wakeups key of pages coming back
+
+
+class Wakeups:
+    """One-shot wakeups by key, each wait bounded by a deadline."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[Hashable, set[asyncio.Future[bool]]] = {}
+
+    async def wait(self, key: Hashable, deadline: float) -> bool:
+        """Until `wake(key)` or `wake_all()`: True; False at the deadline."""
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        expiry = loop.call_later(timeout, _settle, future, False)
+        waiters = self._waiters.setdefault(key, set())
+        waiters.add(future)
+        try:
+            return await future
+        finally:
+            expiry.cancel()
+            waiters.discard(future)
+            if not waiters and self._waiters.get(key) is waiters:
+                del self._waiters[key]
+
+    def wake(self, key: Hashable) -> None:
+        for future in self._waiters.pop(key, ()):
+            _settle(future, True)
+
+    def wake_all(self) -> None:
+        for key in list(self._waiters):
+            self.wake(key)
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class ECDaemonService(rpc.ECDaemonServicer):
     def __init__(self, cache: Cache, region: Any, *, lease_seconds: float,
                  alloc_wait_seconds: float, check_invariants: bool = False) -> None:
@@ -82,28 +126,13 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.started = time.monotonic()
         self.closing = False
         self.rpc_seconds = rpc_histogram()
-        self._changed = asyncio.Event()
-        cache.on_reclaim = self._notify
-        cache.on_pins = lambda session: self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _wait_change(self, deadline: float) -> bool:
-        """Wait for the next reclaim, pin or session end; False on timeout."""
-        timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            return False
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        self.wakeups = Wakeups()
+        cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
+        cache.on_pins = lambda session: self.wakeups.wake(("pins", session.index))
 
     def end_session(self, session: ClientSession) -> None:
         self.cache.end_session(session)
-        self._notify()
+        self.wakeups.wake_all()  # its pins, pending pages and reports are gone
         self.verify()
 
     def verify(self) -> None:
@@ -153,7 +182,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
                                          request.dtype)
             if result.outcome is not AllocOutcome.WAIT:
                 return wire.alloc_reply(result)
-            if not await self._wait_change(deadline):
+            if not await self.wakeups.wait(SPACE, deadline):
                 raise self.cache.refuse_waited_save(request.nbytes)
 
     @grpc_errors
@@ -173,7 +202,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         deadline = time.monotonic() + REPORT_WAIT_SECONDS
         while Verdict.WAIT in verdicts:
             waiting = [i for i, v in enumerate(verdicts) if v is Verdict.WAIT]
-            if not session.alive or not await self._wait_change(deadline):
+            owner = ("pins", loaded[waiting[0]] >> TRANSFER_ID_SHIFT)
+            if not session.alive or not await self.wakeups.wait(owner, deadline):
                 for i in waiting:
                     verdicts[i] = Verdict.NOT_HELD
                     self.cache.abandon(loaded[i])
@@ -327,7 +357,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
                 log.warning("session %d expired (engine %r %s): no message for %.1fs",
                             session.index, session.engine_id, session.component,
                             self.lease_seconds)
-                self._notify()
+                self.wakeups.wake_all()
             for transfer in self.cache.expire_transfers(PIN_TTL_SECONDS):
                 log.warning("released pin %d of %r after %.0fs: ranks %s never reported",
                             transfer.transfer_id, transfer.entry.mm_hash, PIN_TTL_SECONDS,

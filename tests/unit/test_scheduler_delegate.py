@@ -153,21 +153,63 @@ def test_an_eviction_racing_the_step_end_is_acknowledged_after_the_pin(delegate)
     delegate.sent.clear()
     assert delegate.has_item("a")
     delegate.after_alloc("r", "a")
-    end_step = delegate.view.end_step
     racer = threading.Thread(target=delegate._on_message, args=(pb.DaemonMessage(
         evicted=[pb.EntryRef(mm_hash="a", entry_id=1)]),))
+    send = delegate.link.send
 
-    def end_step_with_a_racing_eviction():
-        acks = end_step()
-        racer.start()  # the link thread delivers the eviction right now
-        racer.join(0.2)
-        return acks
+    def send_with_a_racing_eviction(message):
+        if not racer.is_alive() and racer.ident is None:
+            racer.start()  # the link thread delivers the eviction right now
+            racer.join(0.2)
+        return send(message)
 
-    delegate.view.end_step = end_step_with_a_racing_eviction
+    delegate.link.send = send_with_a_racing_eviction
     delegate.build_step_metadata()
     racer.join(5)
     kinds = [("pin" if m.pins else "") + ("ack" if m.acks else "") for m in delegate.sent]
     assert kinds == ["pin", "ack"]
+
+
+@pytest.mark.parametrize("moment", ["before the claim", "between claim and read",
+                                    "after the read"])
+def test_an_eviction_racing_a_lookup_is_either_a_miss_or_deferred(delegate, moment):
+    """Lookups take no lock: the link thread's eviction can land between any
+    two of their operations. Whichever it is, a hit's pin must be queued
+    before the eviction is acknowledged."""
+    view = delegate.view
+    delegate._on_message(ready("a", 1))
+    delegate.sent.clear()
+
+    pending = [pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash="a", entry_id=1)])]
+
+    def evict():
+        if pending:
+            delegate._on_message(pending.pop())
+
+    class Claims(set):
+        def add(self, item):
+            if moment == "before the claim":
+                evict()
+            super().add(item)
+            if moment == "between claim and read":
+                evict()
+
+    class Entries(dict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if moment == "after the read" and key == "a" and value is not None:
+                evict()
+            return value
+
+    view._claimed, view._entries = Claims(), Entries(view._entries)
+    hit = delegate.has_item("a")
+    if hit:
+        delegate.after_alloc("r", "a")
+    delegate.build_step_metadata()
+    order = [("pin" if m.pins else "") + ("ack" if m.acks else "") for m in delegate.sent]
+    assert order == (["pinack"] if hit else ["ack"])
+    assert hit == (moment == "after the read")
+    assert not delegate.has_item("a")
 
 
 def test_heartbeat_counts_are_consistent_under_concurrent_lookups(delegate):
