@@ -425,3 +425,20 @@ def test_pins_whose_reports_never_come_expire():
     assert stale.transfer_id == tid(view, 1) and cache.pinned_pages == 0
     assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
     cache.check_invariants()
+
+
+def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
+    """Every eviction round costs each view an event message and an
+    acknowledgement: one round makes room for several saves, not one."""
+    cache = make_cache(pages=256)
+    view, w = scheduler(cache), worker(cache)
+    for i in range(256):
+        save(cache, w, f"k{i}")
+    drain(view)
+    assert allocate(cache, w, "new0").outcome is AllocOutcome.WAIT  # the view must ack
+    evicted = [e for e in drain(view) if isinstance(e, EvictedEvent)]
+    assert [e.mm_hash for e in evicted] == ["k0", "k1", "k2", "k3"]  # 256 // 64, oldest first
+    cache.acknowledge(view, [(e.mm_hash, e.entry_id) for e in evicted])
+    for n in range(4):  # room for the next saves without another round
+        assert allocate(cache, w, f"new{n}").outcome is AllocOutcome.ALLOCATED
+    assert drain(view) == [] and cache.counters["evictions"] == 4
