@@ -104,11 +104,15 @@ class SchedulerDelegate:
         until this step's `build_step_metadata`."""
         if not self.can_load:
             return False
+        # The minting first: a re-attach clears the view before it publishes
+        # the new minting, so a new session's minting never meets an entry
+        # of the old one (the other way round, the pin is refused).
+        minting = self._minting
         entry = self.view.claim(mm_hash)
         if entry is None:
             return False
         # What after_alloc will dispatch, even if the link detaches meanwhile.
-        self._hits_this_step[mm_hash] = (entry, self._minting)
+        self._hits_this_step[mm_hash] = (entry, minting)
         return True
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:

@@ -59,9 +59,10 @@ class ReadyView:
         return entry
 
     def take_counts(self) -> tuple[int, int]:
-        """(lookups, hits) since the previous call (one caller thread)."""
-        counts, taken = self._counts, self._taken
-        self._taken = counts
+        """(lookups, hits) since the previous call (heartbeats: any thread)."""
+        with self._lock:
+            counts, taken = self._counts, self._taken
+            self._taken = counts
         return counts[0] - taken[0], counts[1] - taken[1]
 
     def get(self, mm_hash: str) -> ViewEntry | None:

@@ -425,8 +425,10 @@ class Cache:
         # Hidden entries are on their way out (after acks, and loads if pinned).
         shortfall = pages - self.allocator.free_pages - self.hidden_pages
         if shortfall > 0:
-            shortfall = max(shortfall, self.allocator.total_pages // EVICTION_BATCH_DIVISOR)
-            for key in self.policy.choose(shortfall):
+            # A whole batch where there is one; never less than the shortfall.
+            batch = min(self.allocator.total_pages // EVICTION_BATCH_DIVISOR,
+                        self.policy.evictable_pages)
+            for key in self.policy.choose(max(shortfall, batch)):
                 namespace, mm_hash = cast(Key, key)
                 self._hide(self._namespaces[namespace][mm_hash])
         return self.allocator.allocate(pages)
@@ -493,11 +495,11 @@ class Cache:
         usage[0] -= 1
         usage[1] -= entry.nbytes
         self._free(entry)
-        self.on_reclaim()
 
     def _free(self, entry: Entry) -> None:
         self._forget(entry)
         self.allocator.free(entry.runs)
+        self.on_reclaim()  # an allocation may be waiting for these pages
 
     def _forget(self, entry: Entry) -> None:
         namespace = self._namespaces[entry.key[0]]

@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -83,23 +83,25 @@ class Wakeups:
     def __init__(self) -> None:
         self._waiters: dict[Hashable, set[asyncio.Future[bool]]] = {}
 
-    async def wait(self, key: Hashable, deadline: float) -> bool:
-        """Until `wake(key)` or `wake_all()`: True; False at the deadline."""
+    async def wait(self, keys: Iterable[Hashable], deadline: float) -> bool:
+        """Until `wake` of any of `keys` or `wake_all()`: True; False at the deadline."""
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             return False
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         expiry = loop.call_later(timeout, _settle, future, False)
-        waiters = self._waiters.setdefault(key, set())
-        waiters.add(future)
+        sets = [self._waiters.setdefault(key, set()) for key in keys]
+        for waiters in sets:
+            waiters.add(future)
         try:
             return await future
         finally:
             expiry.cancel()
-            waiters.discard(future)
-            if not waiters and self._waiters.get(key) is waiters:
-                del self._waiters[key]
+            for key, waiters in zip(keys, sets, strict=True):
+                waiters.discard(future)
+                if not waiters and self._waiters.get(key) is waiters:
+                    del self._waiters[key]
 
     def wake(self, key: Hashable) -> None:
         for future in self._waiters.pop(key, ()):
@@ -182,7 +184,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
                                          request.dtype)
             if result.outcome is not AllocOutcome.WAIT:
                 return wire.alloc_reply(result)
-            if not await self.wakeups.wait(SPACE, deadline):
+            if not await self.wakeups.wait((SPACE,), deadline):
                 raise self.cache.refuse_waited_save(request.nbytes)
 
     @grpc_errors
@@ -202,8 +204,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         deadline = time.monotonic() + REPORT_WAIT_SECONDS
         while Verdict.WAIT in verdicts:
             waiting = [i for i, v in enumerate(verdicts) if v is Verdict.WAIT]
-            owner = ("pins", loaded[waiting[0]] >> TRANSFER_ID_SHIFT)
-            if not session.alive or not await self.wakeups.wait(owner, deadline):
+            owners = list({("pins", loaded[i] >> TRANSFER_ID_SHIFT) for i in waiting})
+            if not session.alive or not await self.wakeups.wait(owners, deadline):
                 for i in waiting:
                     verdicts[i] = Verdict.NOT_HELD
                     self.cache.abandon(loaded[i])

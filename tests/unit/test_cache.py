@@ -442,3 +442,14 @@ def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
     for n in range(4):  # room for the next saves without another round
         assert allocate(cache, w, f"new{n}").outcome is AllocOutcome.ALLOCATED
     assert drain(view) == [] and cache.counters["evictions"] == 4
+
+
+def test_a_small_shortfall_is_met_even_when_less_than_a_batch_is_evictable():
+    cache = make_cache(pages=128)  # a batch is 2 pages
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "pinned", pages=127)
+    save(cache, w, "cold", pages=1)
+    assert cache.pin(view, tid(view, 1), "pinned", cache.lookup("ns", ["pinned"])[0].entry_id)
+    drain(view)
+    assert allocate(cache, w, "new", pages=1).outcome is AllocOutcome.WAIT  # "cold" hidden
+    assert states(cache, "cold") == [State.HIDDEN]

@@ -232,3 +232,27 @@ def test_heartbeat_counts_are_consistent_under_concurrent_lookups(delegate):
     beats.append(delegate._heartbeat())
     assert all(b.hits <= b.lookups for b in beats)
     assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000
+
+
+def test_a_reattach_during_a_lookup_never_pairs_an_old_entry_with_the_new_session(delegate):
+    """The view's entry and the transfer id must come from one session: an
+    old entry's extents under a new session's transfer id could be pinned
+    there (entry ids restart with the daemon) and load the wrong bytes."""
+    delegate._on_message(ready("a", 1))
+
+    class Entries(dict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if key == "a" and value is not None and value.entry_id == 1:
+                # The link detaches and re-attaches to a restarted daemon
+                # right after the lookup read the old entry.
+                delegate._on_detached()
+                delegate._on_attached(Attachment(**{**ATTACHMENT.__dict__, "index": 8}))
+                delegate._on_message(ready("a", 1))
+            return value
+
+    delegate.view._entries = Entries(delegate.view._entries)
+    assert delegate.has_item("a")
+    delegate.after_alloc("r", "a")
+    (spec,) = delegate.build_step_metadata().loads
+    assert spec.transfer_id >> 32 == 7  # the old session's: the new daemon refuses the pin

@@ -16,8 +16,8 @@ def test_a_wake_reaches_only_its_key():
     async def scenario():
         wakeups = Wakeups()
         deadline = time.monotonic() + 0.3
-        a = asyncio.ensure_future(wakeups.wait(("pins", 1), deadline))
-        b = asyncio.ensure_future(wakeups.wait(("pins", 2), deadline))
+        a = asyncio.ensure_future(wakeups.wait([("pins", 1)], deadline))
+        b = asyncio.ensure_future(wakeups.wait([("pins", 2)], deadline))
         await asyncio.sleep(0.01)
         wakeups.wake(("pins", 1))
         await asyncio.sleep(0.01)
@@ -33,13 +33,13 @@ def test_wake_all_ends_every_wait_and_past_deadlines_return_at_once():
     async def scenario():
         wakeups = Wakeups()
         deadline = time.monotonic() + 5
-        waits = [asyncio.ensure_future(wakeups.wait(key, deadline)) for key in ("space", 7, 8)]
+        waits = [asyncio.ensure_future(wakeups.wait([key], deadline)) for key in ("space", 7, 8)]
         await asyncio.sleep(0.01)
         started = time.monotonic()
         wakeups.wake_all()
         assert await asyncio.gather(*waits) == [True, True, True]
         assert time.monotonic() - started < 1
-        assert await wakeups.wait("space", time.monotonic() - 1) is False
+        assert await wakeups.wait(["space"], time.monotonic() - 1) is False
         assert wakeups._waiters == {}
 
     run(scenario())
@@ -48,7 +48,7 @@ def test_wake_all_ends_every_wait_and_past_deadlines_return_at_once():
 def test_a_cancelled_wait_leaves_nothing_behind():
     async def scenario():
         wakeups = Wakeups()
-        wait = asyncio.ensure_future(wakeups.wait("space", time.monotonic() + 5))
+        wait = asyncio.ensure_future(wakeups.wait(["space", ("pins", 3)], time.monotonic() + 5))
         await asyncio.sleep(0.01)
         wait.cancel()  # the RPC was cancelled
         await asyncio.gather(wait, return_exceptions=True)
@@ -56,3 +56,53 @@ def test_a_cancelled_wait_leaves_nothing_behind():
         wakeups.wake("space")  # no stale future to settle
 
     run(scenario())
+
+
+def test_a_report_waiting_on_two_schedulers_hears_either_ones_pin(monkeypatch):
+    """A worker's report can hold transfers of two scheduler sessions of its
+    engine (around a re-attach): a pin of the second must resolve its own."""
+    from ec_client.protocol import pb
+    from ec_daemon import service
+    from tests.unit.cache_helpers import make_cache, save, scheduler, tid, worker
+
+    monkeypatch.setattr(service, "REPORT_WAIT_SECONDS", 0.5)
+    cache = make_cache(pages=16)
+    old, new, w = scheduler(cache), scheduler(cache), worker(cache)  # one engine
+    save(cache, w, "a")
+    b = save(cache, w, "b")
+    daemon = service.ECDaemonService(cache, None, lease_seconds=10, alloc_wait_seconds=1)
+
+    async def scenario():
+        report = asyncio.ensure_future(daemon.Report(
+            pb.ReportRequest(session_id=w.session_id, loaded=[tid(old, 1), tid(new, 1)]), None))
+        await asyncio.sleep(0.05)
+        assert cache.pin(new, tid(new, 1), "b", b.entry_id)  # lands while the report waits
+        return await report
+
+    reply = run(scenario())
+    assert list(reply.loaded) == [pb.NOT_HELD, pb.HELD]  # "a" was never pinned
+    assert cache.pinned_pages == 0  # the held load was counted and released
+
+
+def test_an_allocation_waiting_for_space_wakes_when_a_pending_save_is_aborted():
+    from ec_client.protocol import pb
+    from ec_daemon import service
+    from tests.unit.cache_helpers import PAGE, allocate, drain, make_cache, save, scheduler, worker
+
+    cache = make_cache(pages=16)
+    view, w = scheduler(cache), worker(cache)
+    allocate(cache, w, "pending", pages=8)
+    save(cache, w, "ready", pages=8)
+    drain(view)
+    daemon = service.ECDaemonService(cache, None, lease_seconds=10, alloc_wait_seconds=5)
+
+    async def scenario():
+        request = pb.AllocateRequest(session_id=w.session_id, mm_hash="new", nbytes=8 * PAGE,
+                                     shape=[8, PAGE], dtype="uint8")
+        allocation = asyncio.ensure_future(daemon.Allocate(request, None))
+        await asyncio.sleep(0.05)
+        assert not allocation.done()  # "ready" is hidden, awaiting the view's ack
+        cache.abort(w, ["pending"])  # its pages come free: no ack needed
+        return await asyncio.wait_for(allocation, 1)
+
+    assert run(scenario()).status == pb.ALLOCATED
