@@ -6,8 +6,11 @@ steps on a fixed cadence: lookups, dispatch of hits, loads and saves (the
 worker part is off the timed path, as in vLLM). A probe process saves a fresh
 key every 20 ms; every engine's view records when the ready event arrives,
 so the lag is measured from just before the probe's report to arrival in
-each view (an upper bound: it includes that RPC). The daemon's CPU time over
-the run comes from /proc, the host's from psutil.
+each view (an upper bound: it includes that RPC reaching the daemon). Two
+more figures take that RPC out: the lag from the probe's reply (the daemon
+queues the events before it replies), and the spread between the first and
+the last view to get each event. The daemon's CPU time over the run comes
+from /proc, the host's from psutil.
 
 The cache starts warm: the probe saves the 200 hot keys before the run.
 A step with items looks up 3 hot keys and one fresh key (a miss its worker
@@ -15,7 +18,7 @@ computes and saves), so in steady state 3 of 4 items hit and the fresh saves
 keep the 64 MiB cache evicting: ready and evicted events both flow.
 
 Three mixes, run one after the other: `every step` carries items (every step
-pins and every worker reports loads: about 2,400 loads/s on the host);
+pins and every worker reports loads: 2,400 loads/s asked of the host);
 `1 step in 10` does (a busy multimodal engine: 40 items/s each); `no items`
 steps without lookups, the control plane's floor.
 """
@@ -113,6 +116,7 @@ def _probe(socket: str, seconds: float, conn: Any) -> None:
     conn.send("ready")
     conn.recv()
     sent: dict[str, float] = {}
+    replied: dict[str, float] = {}
     deadline = time.monotonic() + seconds
     i = 0
     while time.monotonic() < deadline:
@@ -124,9 +128,10 @@ def _probe(socket: str, seconds: float, conn: Any) -> None:
             sent[key] = time.monotonic()
             worker.transport.call("Report", pb.ReportRequest(
                 session_id=attachment.session_id, saved=[key]))
+            replied[key] = time.monotonic()
         i += 1
         time.sleep(0.02)
-    conn.send(sent)
+    conn.send((sent, replied))
     worker.close()
 
 
@@ -165,10 +170,16 @@ def run(engines: int = 8, seconds: float = 10.0, mix: str = "every step") -> dic
         host_busy = psutil.cpu_percent()
         for proc in procs:
             proc.join(30)
-    sent = results[-1]
+    sent, replied = results[-1]
+    views = [r["arrivals"] for r in results[:-1]]
     steps = sorted(t for r in results[:-1] for t in r["step_us"])
-    lags = sorted((r["arrivals"][k] - t) * 1e3 for r in results[:-1]
-                  for k, t in sent.items() if k in r["arrivals"])
+    lags = sorted((view[k] - t) * 1e3 for view in views for k, t in sent.items() if k in view)
+    # The same events from the probe's reply on: without the probe's own
+    # call reaching the daemon (the daemon sends the events as it replies).
+    after_reply = sorted((view[k] - t) * 1e3 for view in views for k, t in replied.items()
+                         if k in view)
+    spread = sorted((max(times) - min(times)) * 1e3 for times in
+                    ([view[k] for view in views if k in view] for k in sent) if times)
     expected = len(sent) * engines
     return {"mix": mix, "engines": engines, "seconds": seconds,
             "steps_per_s_each": len(steps) / wall / engines,
@@ -177,6 +188,8 @@ def run(engines: int = 8, seconds: float = 10.0, mix: str = "every step") -> dic
             "blocking_rpcs_per_step": sum(r["rpcs"] for r in results[:-1]) / len(steps),
             "event_lag_p50_ms": statistics.median(lags),
             "event_lag_p99_ms": lags[int(len(lags) * 0.99)],
+            "lag_after_reply_p99_ms": after_reply[int(len(after_reply) * 0.99)],
+            "fanout_spread_p99_ms": spread[int(len(spread) * 0.99)],
             "events_seen": len(lags), "events_expected": expected,
             "daemon_cpu_percent": 100 * cpu / wall, "host_cpu_busy_percent": host_busy}
 

@@ -120,7 +120,8 @@ def main() -> None:
                 results["concurrency"],
                 ["mix", "steps_per_s_each", "loads_per_s_host", "step_p50_us", "step_p99_us",
                  "blocking_rpcs_per_step", "event_lag_p50_ms", "event_lag_p99_ms",
-                 "lag_p99_vs_floor", "daemon_cpu_percent", "host_cpu_busy_percent"]))
+                 "lag_p99_vs_floor", "lag_after_reply_p99_ms", "fanout_spread_p99_ms",
+                 "daemon_cpu_percent", "host_cpu_busy_percent"]))
     print()
     for name in ("allocator", "startup", "memory"):
         print(table(f"{name}", [results[name]], list(results[name])))
