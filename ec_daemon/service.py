@@ -9,9 +9,9 @@ Two calls may wait without blocking the loop: an allocation whose victims
 await acknowledgements (until pages come back or `alloc_wait_seconds`), and a
 load report that overtook its pin on the scheduler's stream (until the pin
 arrives, the owner ends, or `REPORT_WAIT_SECONDS`). Waits are keyed (space,
-or one scheduler session's pins): every step of every engine lands a pin, and
-waking every waiter on each of them cost more CPU than all the rest of the
-daemon's work with eight engines.
+or the pins of the scheduler sessions a report waits on): every step of every
+engine lands a pin, and one shared event would wake every waiting report of
+every engine for each of them.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class Wakeups:
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             return False
+        keys = tuple(keys)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         expiry = loop.call_later(timeout, _settle, future, False)
@@ -204,7 +205,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         deadline = time.monotonic() + REPORT_WAIT_SECONDS
         while Verdict.WAIT in verdicts:
             waiting = [i for i, v in enumerate(verdicts) if v is Verdict.WAIT]
-            owners = list({("pins", loaded[i] >> TRANSFER_ID_SHIFT) for i in waiting})
+            owners = {("pins", loaded[i] >> TRANSFER_ID_SHIFT) for i in waiting}
             if not session.alive or not await self.wakeups.wait(owners, deadline):
                 for i in waiting:
                     verdicts[i] = Verdict.NOT_HELD
