@@ -5,7 +5,19 @@ registered afterwards."""
 import asyncio
 import time
 
+from ec_client.protocol import pb
+from ec_daemon import service
 from ec_daemon.service import Wakeups
+from tests.unit.cache_helpers import (
+    PAGE,
+    allocate,
+    drain,
+    make_cache,
+    save,
+    scheduler,
+    tid,
+    worker,
+)
 
 
 def run(coro):
@@ -61,10 +73,6 @@ def test_a_cancelled_wait_leaves_nothing_behind():
 def test_a_report_waiting_on_two_schedulers_hears_either_ones_pin(monkeypatch):
     """A worker's report can hold transfers of two scheduler sessions of its
     engine (around a re-attach): a pin of the second must resolve its own."""
-    from ec_client.protocol import pb
-    from ec_daemon import service
-    from tests.unit.cache_helpers import make_cache, save, scheduler, tid, worker
-
     monkeypatch.setattr(service, "REPORT_WAIT_SECONDS", 0.5)
     cache = make_cache(pages=16)
     old, new, w = scheduler(cache), scheduler(cache), worker(cache)  # one engine
@@ -85,10 +93,6 @@ def test_a_report_waiting_on_two_schedulers_hears_either_ones_pin(monkeypatch):
 
 
 def test_an_allocation_waiting_for_space_wakes_when_a_pending_save_is_aborted():
-    from ec_client.protocol import pb
-    from ec_daemon import service
-    from tests.unit.cache_helpers import PAGE, allocate, drain, make_cache, save, scheduler, worker
-
     cache = make_cache(pages=16)
     view, w = scheduler(cache), worker(cache)
     allocate(cache, w, "pending", pages=8)
