@@ -10,7 +10,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY ec_daemon ./ec_daemon
-COPY ec_client ./ec_client
+COPY ec_protocol ./ec_protocol
 # The package build generates the protocol stubs (grpcio-tools, build-time only).
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -67,7 +67,7 @@ test-vllm: $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 lint: $(STAMP) proto
-	$(BIN)/ruff check ec_daemon ec_client tests benchmarks proto/generate.py
+	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py
 	$(BIN)/mypy
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
@@ -96,4 +96,4 @@ docker-test:
 	bash deploy/docker-test.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) ec_client/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ class BuildWithProto(build_py):
         generate = runpy.run_path(str(Path(__file__).parent / "proto" / "generate.py"))
         generate["generate"]()
         # The stub packages did not exist when setuptools listed packages.
-        for pkg in ("ec_client._proto", "ec_client._proto.ec_daemon", "ec_client._proto.ec_daemon.v1"):
+        for pkg in ("ec_protocol._proto", "ec_protocol._proto.ec_daemon", "ec_protocol._proto.ec_daemon.v1"):
             if self.packages is not None and pkg not in self.packages:
                 self.packages.append(pkg)
         super().run()

@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from ec_client.protocol import Layout
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 
 LAYOUT = Layout("bench-model", "bfloat16", {"image": 2048})

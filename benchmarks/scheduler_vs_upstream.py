@@ -80,10 +80,10 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
-from ec_client.protocol import Layout
 from ec_client.scheduler import LoadSpec
 from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 from tests.vllm.tiny_model import build_tiny_paligemma
 from tests.vllm.vllm_harness import connector, empty_output, make_config, wait_until

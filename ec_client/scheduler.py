@@ -29,10 +29,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ec_client.protocol import TRANSFER_ID_SHIFT, Layout, pb
 from ec_client.session import Attachment, SessionLink
-from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
 from ec_client.view import ReadyView, ViewEntry
+from ec_protocol.protocol import TRANSFER_ID_SHIFT, Layout, pb
+from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from ec_client.protocol import PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
-from ec_client.transport import Transport
+from ec_protocol.protocol import PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
+from ec_protocol.transport import Transport
 
 log = logging.getLogger(__name__)
 

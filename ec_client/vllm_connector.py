@@ -48,9 +48,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
-from ec_client.protocol import SOCKET_ENV, Layout, default_socket_uri
 from ec_client.scheduler import LoadSpec, SchedulerDelegate
-from ec_client.transport import DEFAULT_DEADLINE_SECONDS
+from ec_protocol.protocol import SOCKET_ENV, Layout, default_socket_uri
+from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -29,10 +29,10 @@ import grpc
 
 from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
-from ec_client.protocol import RETRYABLE, Layout, pb
 from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
-from ec_client.transport import DEFAULT_DEADLINE_SECONDS, Transport
+from ec_protocol.protocol import RETRYABLE, Layout, pb
+from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ec_client.protocol import ROLE_NAMES, default_socket_uri, pb
-from ec_client.transport import Transport
 from ec_daemon import __version__, config
 from ec_daemon.server import SERVICE_NAME, StartupError, serve
+from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb
+from ec_protocol.transport import Transport
 
 COMMANDS = ("serve", "health", "stats")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_client.protocol import default_socket_uri, grpc_target
+from ec_protocol.protocol import default_socket_uri, grpc_target
 
 _UNITS = {
     "": 1, "b": 1,

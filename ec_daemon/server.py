@@ -23,7 +23,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ec_client.protocol import grpc_target, pb, rpc, unix_path
 from ec_daemon.auth import (
     AuthError,
     TokenInterceptor,
@@ -38,6 +37,7 @@ from ec_daemon.metrics import start_exporter
 from ec_daemon.region import Region, RegionError, clean_stale
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
+from ec_protocol.protocol import grpc_target, pb, rpc, unix_path
 
 log = logging.getLogger("ec_daemon")
 

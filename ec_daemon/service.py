@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ec_client.protocol import PROTOCOL_VERSION, ROLES, TRANSFER_ID_SHIFT, pb, rpc
 from ec_daemon import wire
 from ec_daemon.cache import Cache
 from ec_daemon.errors import (
@@ -38,6 +37,7 @@ from ec_daemon.events import AllocOutcome, Verdict
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
 from ec_daemon.sessions import Session as ClientSession
+from ec_protocol.protocol import PROTOCOL_VERSION, ROLES, TRANSFER_ID_SHIFT, pb, rpc
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ec_client.protocol import ROLE_NAMES, pb
 from ec_daemon.cache import Cache, Entry
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.events import (
@@ -23,6 +22,7 @@ from ec_daemon.events import (
     Verdict,
 )
 from ec_daemon.limits import DTYPE_RE
+from ec_protocol.protocol import ROLE_NAMES, pb
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512

@@ -1,4 +1,4 @@
-"""Generate the Python stubs of proto/ into ec_client/_proto (one module for
+"""Generate the Python stubs of proto/ into ec_protocol/_proto (one module for
 both packages). Run by `make proto` and by the package build (setup.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 # Stubs import each other by this package path, so protoc sees the sources
 # under it (a virtual include path); no hand edits of generated code.
-PACKAGE_PATH = "ec_client/_proto"
+PACKAGE_PATH = "ec_protocol/_proto"
 
 
 def generate(out_root: Path = ROOT) -> list[Path]:

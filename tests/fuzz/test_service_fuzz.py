@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ec_client.protocol import PROTOCOL_VERSION, Layout, pb, rpc, unix_path
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb, rpc, unix_path
 from tests.integration.daemon import Daemon
 
 pytestmark = pytest.mark.integration

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ec_client.protocol import Layout, pb, rpc
 from ec_daemon.cli import stats_dict
 from ec_daemon.region import PREFIX, SUFFIX, clean_stale
+from ec_protocol.protocol import Layout, pb, rpc
 
 START_TIMEOUT = 30.0
 

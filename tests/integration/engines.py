@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ec_client.protocol import Layout, pb
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("test-model", "mixed", {"image": 2048})
 ATTACH_TIMEOUT = 20.0

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import psutil
 
-from ec_client.protocol import Layout
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 
 LAYOUT = Layout("soak-model", "uint8", {"image": 1024})

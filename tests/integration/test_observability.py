@@ -14,9 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from ec_client.protocol import Layout
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.integration

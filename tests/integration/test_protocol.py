@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
-from ec_client.protocol import PROTOCOL_VERSION, Layout, pb
 from ec_client.scheduler import SchedulerDelegate
+from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration.daemon import Daemon
 
 pytestmark = pytest.mark.integration

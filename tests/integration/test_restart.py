@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ec_client.protocol import Layout
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon, short_tmpdir
 
 pytestmark = pytest.mark.integration

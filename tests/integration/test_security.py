@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ec_client.protocol import Layout, pb
 from ec_client.scheduler import SchedulerDelegate
-from ec_client.transport import Transport
+from ec_protocol.protocol import Layout, pb
+from ec_protocol.transport import Transport
 from tests.integration.daemon import Daemon, free_port, short_tmpdir
 
 pytestmark = pytest.mark.integration

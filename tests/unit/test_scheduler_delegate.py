@@ -3,9 +3,9 @@ is replaced by a list, so every message it would send is visible."""
 
 import pytest
 
-from ec_client.protocol import Layout, pb
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.session import Attachment
+from ec_protocol.protocol import Layout, pb
 
 ATTACHMENT = Attachment(session_id="s", index=7, namespace="ns", region_path="/dev/null",
                         region_size=1 << 20, page_bytes=4096, generation=42, lease_ms=10000,

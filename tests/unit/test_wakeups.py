@@ -5,9 +5,9 @@ registered afterwards."""
 import asyncio
 import time
 
-from ec_client.protocol import pb
 from ec_daemon import service
 from ec_daemon.service import Wakeups
+from ec_protocol.protocol import pb
 from tests.unit.cache_helpers import (
     PAGE,
     allocate,

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 
 try:
-    from ec_client._proto.ec_daemon.v1 import ec_daemon_pb2 as pb
-    from ec_client._proto.ec_daemon.v1 import ec_daemon_pb2_grpc as rpc
+    from ec_protocol._proto.ec_daemon.v1 import ec_daemon_pb2 as pb
+    from ec_protocol._proto.ec_daemon.v1 import ec_daemon_pb2_grpc as rpc
 except ImportError as exc:  # a source checkout that was never built
     raise ImportError(
         "ec_client's protocol stubs are missing: run `make proto` (or reinstall the package)"

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from ec_client.protocol import grpc_target, rpc
+from ec_protocol.protocol import grpc_target, rpc
 
 DEFAULT_DEADLINE_SECONDS = 5.0
 _OPTIONS = [
