@@ -15,7 +15,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # without dependencies and patched to import beside CPU torch.
 TORCHVISION_DIR := $(VLLM_VENV)/torchvision
 
+# `make fuzz`: each fuzz test stops at FUZZ_EXAMPLES cases or after FUZZ_SECONDS
+# (whole seconds), whichever comes first; `make test` uses the tests' own caps.
 FUZZ_EXAMPLES ?= 200000
+FUZZ_SECONDS ?= 1800
 SOAK_SECONDS ?= 600
 KILL_ITERATIONS ?= 100
 
@@ -72,7 +75,8 @@ lint: $(STAMP) proto
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
 fuzz: $(STAMP) proto
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/fuzz -s $(PYTEST_ARGS)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest tests/fuzz \
+		-s --timeout $$(( $(FUZZ_SECONDS) + 600 )) $(PYTEST_ARGS)
 
 soak: $(STAMP) proto
 	KILL_ITERATIONS=$(KILL_ITERATIONS) $(BIN)/python -m pytest tests/integration/test_kills.py -s \

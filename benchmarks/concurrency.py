@@ -2,25 +2,37 @@
 
 Each engine process runs the scheduler side and a worker (the delegates the
 connector uses, in one process as vLLM's single-GPU executor has them) and
-steps on a fixed cadence: lookups, dispatch of hits, loads and saves (the
-worker part is off the timed path, as in vLLM). A probe process saves a fresh
-key every 20 ms; every engine's view records when the ready event arrives,
-so the lag is measured from just before the probe's report to arrival in
-each view (an upper bound: it includes that RPC reaching the daemon). Two
-more figures take that RPC out: the lag from the probe's reply (the daemon
-queues the events before it replies), and the spread between the first and
-the last view to get each event. The daemon's CPU time over the run comes
-from /proc, the host's from psutil.
+steps on a fixed cadence. The scheduler's part is timed: lookups, dispatch
+of hits (`build_step_metadata`) and the previous step's worker output
+(`apply_worker_output(done, failed)`, as vLLM applies step k's in step
+k+1). The worker's part is not: loads (`WorkerDelegate.load`: copy and
+stamp check, no RPC) and saves of the misses (queued for the saver thread).
+
+A probe process saves a fresh key every 20 ms; every engine's view records
+when the ready event arrives, so the lag is measured from just before the
+probe's report to arrival in each view (an upper bound: it includes that
+RPC reaching the daemon). Two more figures take that RPC out: the lag from
+the probe's reply (the daemon queues the events before it replies), and the
+spread between the first and the last view to get each event. The daemon's
+CPU time over the run comes from /proc, the host's from psutil.
 
 The cache starts warm: the probe saves the 200 hot keys before the run.
 A step with items looks up 3 hot keys and one fresh key (a miss its worker
 computes and saves), so in steady state 3 of 4 items hit and the fresh saves
 keep the 64 MiB cache evicting: ready and evicted events both flow.
 
-Three mixes, run one after the other: `every step` carries items (every step
-pins and every worker reports loads: 2,400 loads/s asked of the host);
+Three mixes, run one after the other: `every step` carries items (3,200
+lookups/s asked of the host, 3 of 4 hits: 2,400 loads/s with no daemon
+message of their own, their touches ride on the heartbeats; 800 saves/s);
 `1 step in 10` does (a busy multimodal engine: 40 items/s each); `no items`
 steps without lookups, the control plane's floor.
+
+Per engine: steps/s reached against the 100 asked (each engine's own count
+over its own run time), blocking RPCs on the scheduler's thread per step,
+messages its scheduler queued on the session stream per step (acks released
+at step boundaries; heartbeats are timed, not per step), and blocking RPCs
+on the load path (the worker's calls made on the engine's thread: saves run
+on the saver thread).
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ from __future__ import annotations
 import multiprocessing
 import random
 import statistics
+import threading
 import time
 from typing import Any
 
 import numpy as np
 import psutil
 
+from benchmarks.scheduler_step import count_sends
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, pb
@@ -64,12 +78,17 @@ def _engine(socket: str, index: int, items_every: int, seconds: float,
     conn.send("ready")
     conn.recv()
     rng = random.Random(index)
+    sent = count_sends(scheduler.link)
+    me = threading.get_ident()
     step_us: list[float] = []
-    deadline = time.monotonic() + seconds
+    started_at = time.monotonic()
+    deadline = started_at + seconds
     # Engines are not phase-locked: each starts its cadence at its own offset.
     next_step = time.monotonic() + STEP_SECONDS * rng.random()
     time.sleep(max(0.0, next_step - time.monotonic()))
-    request = loads = 0
+    request = loads = failed = 0
+    done: list[int] = []
+    failures: list[int] = []
     while time.monotonic() < deadline:
         count = len(step_us)
         keys = [*(hot_key(rng.randrange(HOT_KEYS)) for _ in range(3)), f"f{index}-{count}"] \
@@ -82,17 +101,25 @@ def _engine(socket: str, index: int, items_every: int, seconds: float,
                 misses.append(key)
             scheduler.after_alloc(f"r{request}", key)
         meta = scheduler.build_step_metadata()
+        scheduler.apply_worker_output(done, failures)  # the previous step's
         step_us.append((time.perf_counter() - started) * 1e6)
-        if meta.loads:  # the worker's part, off the scheduler's path
-            loads += len(meta.loads)
-            result = worker.load(meta.loads)
-            scheduler.apply_worker_output(result.done, result.failed)
+        # The worker's part, off the scheduler's path.
+        result = worker.load(meta.loads, meta.regions)
+        loads += len(meta.loads)
+        done, failures = result.done, list(result.failed)
+        failed += len(failures)
         for key in misses:
             worker.save(key, entry(rng.randrange(192)))
         next_step += STEP_SECONDS
         time.sleep(max(0.0, next_step - time.monotonic()))
-    conn.send({"step_us": step_us, "arrivals": arrivals, "loads": loads,
-               "rpcs": scheduler.transport.calls_from_this_thread()})
+    elapsed = time.monotonic() - started_at
+    scheduler.apply_worker_output(done, failures)
+    lookups, hits = scheduler.view.counts()
+    conn.send({"step_us": step_us, "arrivals": arrivals, "loads": loads, "failed": failed,
+               "lookups": lookups, "hits": hits,
+               "elapsed": elapsed, "rpcs": scheduler.transport.calls_from_this_thread(),
+               "msgs": sent.get(me, 0),
+               "worker_rpcs": worker.transport.calls_from_this_thread()})
     scheduler.close()
     worker.close()
 
@@ -171,8 +198,10 @@ def run(engines: int = 8, seconds: float = 10.0, mix: str = "every step") -> dic
         for proc in procs:
             proc.join(30)
     sent, replied = results[-1]
-    views = [r["arrivals"] for r in results[:-1]]
-    steps = sorted(t for r in results[:-1] for t in r["step_us"])
+    engine_results = results[:-1]
+    views = [r["arrivals"] for r in engine_results]
+    steps = sorted(t for r in engine_results for t in r["step_us"])
+    reached = [len(r["step_us"]) / r["elapsed"] for r in engine_results]
     lags = sorted((view[k] - t) * 1e3 for view in views for k, t in sent.items() if k in view)
     # The same events from the probe's reply on: without the probe's own
     # call reaching the daemon (the daemon sends the events as it replies).
@@ -182,10 +211,18 @@ def run(engines: int = 8, seconds: float = 10.0, mix: str = "every step") -> dic
                     ([view[k] for view in views if k in view] for k in sent) if times)
     expected = len(sent) * engines
     return {"mix": mix, "engines": engines, "seconds": seconds,
-            "steps_per_s_each": len(steps) / wall / engines,
-            "loads_per_s_host": sum(r["loads"] for r in results[:-1]) / wall,
+            "steps_per_s_asked": 1 / STEP_SECONDS,
+            "steps_per_s_each": statistics.mean(reached),
+            "steps_per_s_min": min(reached),
+            "steps_reached_ratio": statistics.mean(reached) * STEP_SECONDS,
+            "loads_per_s_host": sum(r["loads"] for r in engine_results) / wall,
+            "loads_failed": sum(r["failed"] for r in engine_results),
+            "hit_ratio": sum(r["hits"] for r in engine_results)
+            / max(1, sum(r["lookups"] for r in engine_results)),
             "step_p50_us": steps[len(steps) // 2], "step_p99_us": p99(steps),
-            "blocking_rpcs_per_step": sum(r["rpcs"] for r in results[:-1]) / len(steps),
+            "blocking_rpcs_per_step": sum(r["rpcs"] for r in engine_results) / len(steps),
+            "msgs_per_step": sum(r["msgs"] for r in engine_results) / len(steps),
+            "worker_rpcs_per_step": sum(r["worker_rpcs"] for r in engine_results) / len(steps),
             "event_lag_p50_ms": statistics.median(lags),
             "event_lag_p99_ms": p99(lags),
             "lag_after_reply_p99_ms": p99(after_reply),

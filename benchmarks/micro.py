@@ -1,5 +1,6 @@
 """Data-plane and bookkeeping benchmarks, each against a baseline measured
-in the same process: copy throughput, allocator quality, start-up, memory."""
+in the same process: copy throughput, the stamp check every load pays,
+allocator quality, start-up, memory."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ec_client.copy import get_backend
 from ec_client.mapping import RegionMapping
 from ec_daemon.allocator import ExtentAllocator
 from ec_daemon.region import Region
+from ec_protocol.stamps import StampTable, table_bytes
 
 MiB = 1 << 20
 
@@ -74,6 +76,47 @@ def _copy_row(backend: Any, mapping: RegionMapping, size: int) -> dict[str, Any]
     return {"bytes": size, "save_gbps": size / save / 1e9, "load_gbps": size / load / 1e9,
             "numpy_in_gbps": size / np_in / 1e9, "numpy_out_gbps": size / np_out / 1e9,
             "save_ratio": np_in / save, "load_ratio": np_out / load}
+
+
+def stamp_check(rows: int = 1024, row_bytes: tuple[int, ...] = (256, 2048, 8192),
+                page_bytes: int = 64 << 10, repeat: int = 200) -> list[dict[str, Any]]:
+    """`StampTable.holds` over a `rows`-row entry's extents (what every load
+    checks after its copy) against the copy itself (the cpu backend's load
+    from a real /dev/shm mapping), for rows of `row_bytes` (256 B: the bench
+    model's bfloat16 x 128; 8 KiB: bfloat16 x 4096), with the entry in one
+    extent (the allocator's p50) and in one extent per page (the worst case)."""
+    backend = get_backend("cpu")
+    largest = rows * max(row_bytes)
+    pages = -(-largest // page_bytes)
+    data_offset = table_bytes(pages, page_bytes)
+    size = data_offset + pages * page_bytes
+    out = []
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-") as f:
+        os.posix_fallocate(f.fileno(), 0, size)
+        mapping = RegionMapping(f.name, size, generation=1)
+        stamps = StampTable(mapping.view[:data_offset], page_bytes, data_offset)
+        try:
+            for width in row_bytes:
+                nbytes = rows * width
+                used = -(-nbytes // page_bytes)
+                stamps.write([(0, used)], 7)
+                whole = [(data_offset, nbytes)]
+                per_page = [(data_offset + p * page_bytes, min(page_bytes, nbytes - p * page_bytes))
+                            for p in range(used)]
+                target = np.empty(nbytes, np.uint8)
+                for extents in (whole, per_page):
+                    assert stamps.holds(extents, 7) and not stamps.holds(extents, 8)
+                    check, copy = _best_of_pair(
+                        lambda e=extents: stamps.holds(e, 7),
+                        lambda e=extents, t=target: backend.load(mapping, e, t), repeat)
+                    out.append({"entry_bytes": nbytes, "pages": used, "extents": len(extents),
+                                "check_us": check * 1e6, "copy_us": copy * 1e6,
+                                "ratio": check / copy})
+        finally:
+            gc.collect()
+            stamps.release()
+            mapping.close()
+    return out
 
 
 def allocator_quality(pages: int = 1 << 16, occupancy: float = 0.9,

@@ -2,11 +2,16 @@
 process tree, printed as tables and written to results/bench-<time>.json.
 
 1. scheduler step cost of ECDaemonConnector vs vLLM's ECCPUScheduler
-   (in the vLLM venv: benchmarks/scheduler_vs_upstream.py);
-2. cpu copy backend vs numpy copies; 3. allocator extents under churn;
-4. start-up vs a MAP_POPULATE mmap; 5. eight engines at 100 steps/s;
-6. daemon bookkeeping memory with 1M entries.
-This machine is noisy: ratios hold, absolute times do not.
+   (in the vLLM venv: benchmarks/scheduler_vs_upstream.py), with the
+   messages our scheduler queues per hit and the RPCs our worker makes per
+   step on the load path;
+2. cpu copy backend vs numpy copies; 3. the stamp check vs the copy it
+   follows; 4. allocator extents under churn; 5. start-up vs a MAP_POPULATE
+   mmap; 6. eight engines at 100 steps/s; 7. daemon bookkeeping memory with
+   1M entries.
+`--quick` shrinks every benchmark (a couple of minutes in all) to check that
+they run; its numbers are not results. This machine is noisy: ratios hold,
+absolute times do not.
 """
 
 from __future__ import annotations
@@ -18,20 +23,34 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks import concurrency, micro
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {
-    "copy_ratio_min (>= 1 MiB)": 0.9, "extents_p50": 1, "extents_p99": 4,
-    "startup_ratio": 1.2, "step_p99_us (8 engines)": 2000, "event_lag_p99_ms": 10,
-}
+MiB = 1 << 20
+
+
+class Sizes:
+    """How much each benchmark runs: the full run, or `--quick`."""
+
+    def __init__(self, quick: bool) -> None:
+        self.upstream_scale = 0.01 if quick else 1.0
+        self.copy_sizes = (64 << 10, MiB, 16 * MiB) if quick else (
+            64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+        self.stamp_repeat = 20 if quick else 200
+        self.allocator = {"pages": 1 << 14, "operations": 20_000} if quick else {}
+        self.startup = {"size": 256 * MiB, "repeat": 1} if quick else {}
+        self.concurrency_seconds = 1.5 if quick else 10.0
+        self.memory_entries = 50_000 if quick else 1_000_000
 
 
 def table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
     def cell(value: Any) -> str:
+        if value is None:
+            return "-"
         if isinstance(value, float):
             return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
         return str(value)
@@ -43,7 +62,7 @@ def table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def upstream_comparison(vllm_python: str, torchvision: str) -> list[dict[str, Any]]:
+def upstream_comparison(vllm_python: str, torchvision: str, scale: float) -> list[dict[str, Any]]:
     if not Path(vllm_python).exists():
         print(f"!! {vllm_python} missing: run `make install-vllm`; skipping the upstream table")
         return []
@@ -51,9 +70,13 @@ def upstream_comparison(vllm_python: str, torchvision: str) -> list[dict[str, An
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), torchvision)
                                                           if p))
         subprocess.run([vllm_python, "-m", "benchmarks.scheduler_vs_upstream", "--json",
-                        out.name], cwd=ROOT, env=env, check=True)
+                        out.name, "--scale", str(scale)], cwd=ROOT, env=env, check=True)
         rows: list[dict[str, Any]] = json.loads(Path(out.name).read_text())
     return with_ratios(rows)
+
+
+OURS_ONLY = ("msgs_per_hit", "msgs_per_step", "worker_rpcs_per_step", "heartbeats_per_s",
+             "touches_per_load")
 
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,6 +90,8 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name in ("blocking_rpcs_per_step", "median_us", "p99_us", "cpu_us_per_step",
                      "meta_bytes"):
             entry[f"{prefix}_{name}"] = row[name]
+        if prefix == "ours":
+            entry.update({name: row.get(name) for name in OURS_ONLY})
     for entry in merged.values():
         for name in ("median_us", "p99_us", "cpu_us_per_step", "meta_bytes"):
             theirs = entry.get(f"upstream_{name}")
@@ -81,55 +106,135 @@ def with_floor(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "lag_p99_vs_floor": r["event_lag_p99_ms"] / floor} for r in rows]
 
 
+# ---------------------------------------------------------------- targets
+
+Check = Callable[[dict[str, Any]], list[float]]
+
+
+def _scheduler(field: str, hits: float | None = None) -> Check:
+    return lambda r: [row[field] for row in r["scheduler"]
+                      if row.get(field) is not None and (hits is None or row["hits"] == hits)]
+
+
+def _mix(field: str, mix: str | None = None) -> Check:
+    return lambda r: [row[field] for row in r["concurrency"] if mix is None or row["mix"] == mix]
+
+
+# (what, the worst measured value must be <= this (or >= for "min"), values)
+TARGETS: list[tuple[str, str, float, Check]] = [
+    ("all-hit step median, ours / upstream (every size)", "max", 1.0,
+     _scheduler("ratio_median_us", hits=1.0)),
+    ("blocking RPCs per step on the scheduler's thread", "max", 0,
+     _scheduler("ours_blocking_rpcs_per_step")),
+    ("messages queued on the session stream per hit", "max", 0, _scheduler("msgs_per_hit")),
+    ("worker RPCs per step on the load path", "max", 0, _scheduler("worker_rpcs_per_step")),
+    ("all-miss 32x1024 step median, ours / upstream", "max", 0.1,
+     lambda r: [row["ratio_median_us"] for row in r["scheduler"]
+                if row["case"] == "32x1024" and row["hits"] == 0.0 and "ratio_median_us" in row]),
+    ("copy ratio, entries >= 1 MiB (save and load)", "min", 0.9,
+     lambda r: [row[k] for row in r["copy"] if row["bytes"] >= MiB
+                for k in ("save_ratio", "load_ratio")]),
+    ("allocator extents p50", "max", 1, lambda r: [r["allocator"]["extents_p50"]]),
+    ("allocator extents p99", "max", 4, lambda r: [r["allocator"]["extents_p99"]]),
+    ("start-up / MAP_POPULATE", "max", 1.2, lambda r: [r["startup"]["ratio"]]),
+    ("event lag p99 from the producer's report, every step has items (ms)", "max", 10,
+     _mix("event_lag_p99_ms", "every step")),
+    ("event lag p99 from the producer's report, every mix (ms)", "max", 10,
+     _mix("event_lag_p99_ms")),
+    ("steps/s reached / asked, every engine of every mix", "min", 0.98,
+     lambda r: [row["steps_per_s_min"] / row["steps_per_s_asked"] for row in r["concurrency"]]),
+    ("step p99, 8 engines (us)", "max", 2000, _mix("step_p99_us")),
+    ("blocking RPCs per step, 8 engines (scheduler and load path)", "max", 0,
+     lambda r: [row[k] for row in r["concurrency"]
+                for k in ("blocking_rpcs_per_step", "worker_rpcs_per_step")]),
+    ("failed loads, 8 engines", "max", 0, _mix("loads_failed")),
+]
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for what, kind, limit, values_of in TARGETS:
+        values = values_of(results)
+        if not values:
+            rows.append({"target": what, "limit": limit, "measured": None, "met": "not run"})
+            continue
+        worst = max(values) if kind == "max" else min(values)
+        met = worst <= limit if kind == "max" else worst >= limit
+        rows.append({"target": what, "limit": f"{'<=' if kind == 'max' else '>='} {limit}",
+                     "measured": worst, "met": "yes" if met else "NO"})
+    return rows
+
+
+# ------------------------------------------------------------------ main
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--torchvision", default=str(ROOT / ".venv-vllm" / "torchvision"))
     parser.add_argument("--skip-upstream", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="shrink every benchmark: checks they run, measures nothing")
     args = parser.parse_args()
+    sizes = Sizes(args.quick)
     started = time.monotonic()
-    results: dict[str, Any] = {}
-    print(">> 1/6 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+    results: dict[str, Any] = {"quick": args.quick}
+    print(">> 1/7 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
     results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
-        args.vllm_python, args.torchvision)
-    print(">> 2/6 copy throughput", flush=True)
-    results["copy"] = micro.copy_throughput()
-    print(">> 3/6 allocator quality", flush=True)
-    results["allocator"] = micro.allocator_quality()
-    print(">> 4/6 start-up", flush=True)
-    results["startup"] = micro.startup()
-    print(">> 5/6 eight engines at 100 steps/s (three mixes, 10 s each)", flush=True)
-    results["concurrency"] = with_floor(concurrency.run_all())
-    print(">> 6/6 memory with 1M entries", flush=True)
-    results["memory"] = micro.memory()
+        args.vllm_python, args.torchvision, sizes.upstream_scale)
+    print(">> 2/7 copy throughput", flush=True)
+    results["copy"] = micro.copy_throughput(sizes.copy_sizes)
+    print(">> 3/7 stamp check", flush=True)
+    results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
+    print(">> 4/7 allocator quality", flush=True)
+    results["allocator"] = micro.allocator_quality(**sizes.allocator)
+    print(">> 5/7 start-up", flush=True)
+    results["startup"] = micro.startup(**sizes.startup)
+    print(f">> 6/7 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
+          "each)", flush=True)
+    results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
+    print(">> 7/7 memory", flush=True)
+    results["memory"] = micro.memory(sizes.memory_entries)
+    results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
     print()
+    if args.quick:
+        print("!! --quick: every benchmark shrunk; these numbers are not results\n")
     if results["scheduler"]:
-        print(table("1. scheduler step (us; ratio = ours / upstream)", results["scheduler"],
+        print(table("1. scheduler step (us; ratio = ours / upstream; msgs/hit and worker "
+                    "RPCs/step: ours)", results["scheduler"],
                     ["case", "hits", "evict", "ours_blocking_rpcs_per_step", "ours_median_us",
                      "upstream_median_us", "ratio_median_us", "ours_p99_us", "upstream_p99_us",
                      "ratio_p99_us", "ratio_cpu_us_per_step", "ours_meta_bytes",
-                     "upstream_meta_bytes", "ratio_meta_bytes"]))
+                     "upstream_meta_bytes", "ratio_meta_bytes", "msgs_per_hit",
+                     "worker_rpcs_per_step"]))
         print()
     print(table("2. copy (GB/s; ratio = cpu backend / numpy)", results["copy"],
                 ["bytes", "save_gbps", "numpy_in_gbps", "save_ratio", "load_gbps",
                  "numpy_out_gbps", "load_ratio"]))
     print()
-    print(table("5. eight engines at 100 steps/s (floor = the `no items` mix)",
-                results["concurrency"],
-                ["mix", "steps_per_s_each", "loads_per_s_host", "step_p50_us", "step_p99_us",
-                 "blocking_rpcs_per_step", "event_lag_p50_ms", "event_lag_p99_ms",
-                 "lag_p99_vs_floor", "lag_after_reply_p99_ms", "fanout_spread_p99_ms",
-                 "daemon_cpu_percent", "host_cpu_busy_percent"]))
+    print(table("3. stamp check after a load (us; ratio = check / copy)", results["stamps"],
+                ["entry_bytes", "pages", "extents", "check_us", "copy_us", "ratio"]))
     print()
-    for name in ("allocator", "startup", "memory"):
-        print(table(f"{name}", [results[name]], list(results[name])))
+    print(table("6. eight engines at 100 steps/s (floor = the `no items` mix)",
+                results["concurrency"],
+                ["mix", "steps_per_s_asked", "steps_per_s_each", "steps_per_s_min",
+                 "loads_per_s_host", "hit_ratio", "step_p50_us", "step_p99_us",
+                 "blocking_rpcs_per_step", "worker_rpcs_per_step", "msgs_per_step",
+                 "event_lag_p50_ms", "event_lag_p99_ms", "lag_p99_vs_floor",
+                 "lag_after_reply_p99_ms", "fanout_spread_p99_ms", "daemon_cpu_percent",
+                 "host_cpu_busy_percent"]))
+    print()
+    for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
+        print(table(f"{number}. {name}", [results[name]], list(results[name])))
         print()
-    out = ROOT / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    print(table("targets", results["targets"], ["target", "limit", "measured", "met"]))
+    print()
+    out = ROOT / "results" / (f"bench-{'quick-' if args.quick else ''}"
+                              f"{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"targets: {TARGETS}")
     print(f"written to {out} in {results['seconds']:.0f}s")
 
 

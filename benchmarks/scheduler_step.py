@@ -2,9 +2,15 @@
 
 One step is what vLLM's scheduler does per engine step: has_item and
 after_alloc per multimodal item, build_step_metadata once, and applying the
-workers' output once. Measured on the calling thread: wall time per step,
-blocking RPCs made on it, and the pickled size of the metadata sent to
-workers. The full comparison with vLLM's in-process connector is `make bench`.
+workers' output of the previous step once (`apply_worker_output(done,
+failed)`: one entry per rank and transfer, here one rank). Measured on the
+calling thread: wall time per step, blocking RPCs made on it, messages it
+queued on the session stream (touches ride on heartbeats: a hit sends
+nothing), and the pickled size of the metadata sent to workers. The
+worker's part (`WorkerDelegate.load`: copy, stamp check) runs after each
+step, off the timed path; the RPCs it makes are counted too (none by
+design). The full comparison with vLLM's in-process connector is
+`make bench`.
 
     python -m benchmarks.scheduler_step [--steps N]
 """
@@ -14,7 +20,9 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
+import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +32,21 @@ from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 
 LAYOUT = Layout("bench-model", "bfloat16", {"image": 2048})
+CASES = ((1, 256), (8, 256), (8, 1024), (32, 1024))
+
+
+def count_sends(link: Any) -> dict[int, int]:
+    """Messages `link` is asked to queue on its stream, per thread."""
+    sent: dict[int, int] = {}
+    send = link.send
+
+    def counted(message: Any) -> bool:
+        ident = threading.get_ident()
+        sent[ident] = sent.get(ident, 0) + 1
+        return bool(send(message))
+
+    link.send = counted
+    return sent
 
 
 def run_case(daemon: Daemon, items: int, rows: int, hit: bool, steps: int) -> dict[str, float]:
@@ -32,30 +55,42 @@ def run_case(daemon: Daemon, items: int, rows: int, hit: bool, steps: int) -> di
     worker = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
     try:
         assert scheduler.link.wait_attached(10) and worker.link.wait_attached(10)
+        sent = count_sends(scheduler.link)
+        me = threading.get_ident()
         hashes = [f"{engine}-{i}" for i in range(items)]
         if hit:
             for h in hashes:
-                worker.save(h, np.zeros((rows, 1024), np.uint16))
-            worker.flush(30)
+                assert worker.save(h, np.zeros((rows, 1024), np.uint16))
+            assert worker.flush(30)
             daemon.wait_for(lambda: all(scheduler.view.get(h) for h in hashes), what="view")
         rpcs_before = scheduler.transport.calls_from_this_thread()
+        msgs_before = sent.get(me, 0)
         times, meta_bytes = [], []
+        load_rpcs = hits = failed = 0
+        done: list[int] = []
+        failures: list[int] = []
         for step in range(steps):
             started = time.perf_counter()
             for i, h in enumerate(hashes):
-                scheduler.has_item(h if hit else f"{h}-miss-{step}")
+                hits += scheduler.has_item(h if hit else f"{h}-miss-{step}")
                 scheduler.after_alloc(f"r{step}-{i}", h if hit else f"{h}-miss-{step}")
             meta = scheduler.build_step_metadata()
-            scheduler.apply_worker_output([s.transfer_id for s in meta.loads], [])
+            scheduler.apply_worker_output(done, failures)  # the previous step's loads
             times.append(time.perf_counter() - started)
             meta_bytes.append(len(pickle.dumps(meta)))
-            if hit and step % 16 == 15:
-                worker.load(meta.loads)  # release pins now and then (off the timed path)
+            before = worker.transport.calls_from_this_thread()
+            result = worker.load(meta.loads, meta.regions)  # the worker's part, untimed
+            load_rpcs += worker.transport.calls_from_this_thread() - before
+            done, failures = result.done, list(result.failed)
+            failed += len(failures)
+        assert hits == (items * steps if hit else 0) and not failed, (hits, failed)
         times.sort()
         return {"median_us": statistics.median(times) * 1e6,
                 "p99_us": times[int(len(times) * 0.99) - 1] * 1e6,
                 "rpcs_per_step": (scheduler.transport.calls_from_this_thread() - rpcs_before)
                 / steps,
+                "msgs_per_step": (sent.get(me, 0) - msgs_before) / steps,
+                "worker_rpcs_per_step": load_rpcs / steps,
                 "meta_bytes": statistics.median(meta_bytes)}
     finally:
         scheduler.close()
@@ -67,13 +102,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
     with Daemon(cpu_bytes="1GiB", check_invariants=False) as daemon:
-        print(f"{'case':<16}{'median us':>11}{'p99 us':>9}{'RPCs/step':>11}{'meta B':>8}")
-        for items, rows in ((1, 256), (8, 256), (8, 1024), (32, 1024)):
+        print(f"{'case':<16}{'median us':>11}{'p99 us':>9}{'RPCs/step':>11}{'msgs/step':>11}"
+              f"{'worker RPCs':>13}{'meta B':>8}")
+        for items, rows in CASES:
             for hit in (False, True):
                 r = run_case(daemon, items, rows, hit, args.steps)
                 case = f"{items}x{rows} {'hit' if hit else 'miss'}"
                 print(f"{case:<16}{r['median_us']:>11.1f}{r['p99_us']:>9.1f}"
-                      f"{r['rpcs_per_step']:>11.2f}{r['meta_bytes']:>8.0f}")
+                      f"{r['rpcs_per_step']:>11.2f}{r['msgs_per_step']:>11.2f}"
+                      f"{r['worker_rpcs_per_step']:>13.2f}{r['meta_bytes']:>8.0f}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,20 @@ import contextlib
 import mmap
 import os
 
+from ec_client.trust import open_region
+
 
 class RegionMapping:
-    def __init__(self, path: str, size: int, generation: int) -> None:
-        """Map the region. Raises OSError (FileNotFoundError when the daemon
-        that announced it is gone: attach again)."""
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    def __init__(self, path: str, size: int, generation: int, *,
+                 expected_uid: int | None = None) -> None:
+        """Map the region. `expected_uid`: the daemon's user (trust.socket_owner),
+        the file's required owner besides root; None checks no owner.
+
+        Raises OSError: FileNotFoundError when the daemon that announced it
+        is gone (attach again); trust.UntrustedError for a symlink, a file
+        that is not regular, or one of another owner (do not use the daemon).
+        """
+        fd = open_region(path, expected_uid)
         try:
             actual = os.fstat(fd).st_size
             if actual < size:

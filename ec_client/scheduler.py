@@ -1,49 +1,55 @@
 """Scheduler delegate: what vLLM's scheduler side calls each step, on plain values.
 
-Hot-path rules (DESIGN.md, "Per-step protocol"): nothing here waits on the
-network. Misses and hits are answered from the local `ReadyView`; a hit's
-load goes into the step metadata with a transfer id minted here (unique per
-session and dispatch: session_index << 32 | counter) and its pin is queued on
-the session stream together with the step's deferred acknowledgements, pins
-first. Saves need nothing from the scheduler: workers save what they compute.
+Hot-path rules (docs/architecture.md, "The hit-to-load path"): nothing here
+waits on the network, and a hit sends nothing. Misses and hits are answered
+from the local `ReadyView`, and only while the session is fresh (its
+heartbeats are echoed: see `session`). A hit's load goes into the step
+metadata with the entry's extents, its stamp (entry_id), its region and a
+transfer id minted here; the view keeps the entry's eviction unacknowledged
+until every rank reported that transfer through vLLM's worker metadata
+(`apply_worker_output`). Recency and load counts reach the daemon as
+touches on the next heartbeat. Saves need nothing from the scheduler.
 
 While detached (daemon down or restarting) every lookup misses and the view
 is empty; the link re-attaches in the background and the view refills from
-the new session's snapshot. Loads that cannot be served end up in
-`take_unavailable_requests` (a failed pin, or a worker's failed copy), so the
-engine fails those requests, never itself.
+the new session's snapshot. A load dispatched before a restart still reads
+the old region (workers keep it mapped; nobody reuses its pages).
 
 Threads: vLLM makes every per-step call from its one scheduling thread, so
 the delegate's own state (planned, dispatched and unavailable loads) is that
-thread's alone and takes no lock; the link thread hands pin failures over
-through a deque. The only lock on a step is the view's, taken once at the
-step boundary and only when the step looked anything up.
+thread's alone and takes no lock. The only lock on a step is the view's,
+taken at the step boundary when the step looked anything up.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ec_client.regions import RegionInfo
 from ec_client.session import Attachment, SessionLink
-from ec_client.view import ReadyView, ViewEntry
-from ec_protocol.protocol import TRANSFER_ID_SHIFT, Layout, pb
+from ec_client.view import ReadyView, Ref, Refs, ViewEntry
+from ec_protocol.protocol import Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-# Dispatched loads remembered for mapping failures back to requests.
-MAX_DISPATCHED = 65536
+# A dispatched load whose ranks never all reported is given up after this
+# (a backstop: vLLM returns every step's worker output, and a load takes
+# milliseconds). Its eviction is then acknowledged, logged.
+INFLIGHT_TTL_SECONDS = 120.0
 
 
 class LoadSpec(NamedTuple):
     """One load for the workers: copy `extents` of region `generation` into
-    an output of `shape`/`dtype`, then report `transfer_id`. (A NamedTuple:
-    built once per hit on the scheduler's path, and cheap to pickle.)"""
+    an output of `shape`/`dtype`, check the pages carry stamp `entry_id`,
+    then report `transfer_id`. (A NamedTuple: built once per hit on the
+    scheduler's path, and cheap to pickle.)"""
 
     mm_hash: str
     transfer_id: int
@@ -57,38 +63,51 @@ class LoadSpec(NamedTuple):
 
 @dataclass
 class StepMetadata:
-    """Scheduler -> workers, once per step. Extents, never one id per row."""
+    """Scheduler -> workers, once per step. Extents, never one id per row;
+    the regions the loads name, by generation."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    regions: dict[int, RegionInfo] = field(default_factory=dict)
 
 
-class _Minting:
-    """Transfer ids of one attachment."""
+class _Current(NamedTuple):
+    """The attachment hits are answered for, and the view epoch it filled."""
 
-    def __init__(self, attachment: Attachment) -> None:
-        self.attachment = attachment
-        self._counter = itertools.count(1)
+    region: RegionInfo
+    epoch: int
 
-    def next_id(self) -> int:
-        return (self.attachment.index << TRANSFER_ID_SHIFT) | next(self._counter)
+
+@dataclass(slots=True)
+class _Transfer:
+    ref: Ref
+    epoch: int
+    left: int  # rank reports still to come
+    request_ids: list[str]
+    started: float
+    failed: bool = False
 
 
 class SchedulerDelegate:
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: str = "both",
-                 deadline_seconds: float = DEFAULT_DEADLINE_SECONDS, client_name: str = "",
-                 token_file: str | None = None, tls_ca: str | None = None,
-                 start: bool = True) -> None:
+                 ranks: int = 1, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+                 client_name: str = "", token_file: str | None = None,
+                 tls_ca: str | None = None, start: bool = True) -> None:
+        """`ranks`: how many worker ranks load (and report) each dispatched load."""
         self.role = role
         self.can_load = role in ("consumer", "both")
+        self.ranks = ranks
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
-        self._minting: _Minting | None = None
-        self._planned: dict[str, tuple[LoadSpec, list[str]]] = {}
-        self._dispatched: dict[int, list[str]] = {}
+        self.stats: Counter[str] = Counter()  # since the last `take_stats`
+        self._current: _Current | None = None
+        self._ids = itertools.count(1)
+        self._planned: dict[str, tuple[LoadSpec, list[str], _Current]] = {}
+        self._dispatched: dict[int, _Transfer] = {}
         self._unavailable: set[str] = set()
-        self._pin_failures: deque[int] = deque()  # from the link thread
-        self._hits_this_step: dict[str, tuple[ViewEntry, _Minting | None]] = {}
+        self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
+        self._next_expiry = 0.0
+        self._taken: dict[str, tuple[int, int]] = {}
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -102,17 +121,19 @@ class SchedulerDelegate:
     def has_item(self, mm_hash: str) -> bool:
         """Is `mm_hash` cached and loadable? Local; a yes stays loadable
         until this step's `build_step_metadata`."""
-        if not self.can_load:
+        # The attachment first: a re-attach clears the view before it
+        # publishes the new one, so a hit never pairs an old entry with a
+        # new region. The other way round (a re-attach after `current` was
+        # read, then the new view's entry) the epoch has moved by the time
+        # the claim returns: a miss, since entry ids restart with the daemon
+        # and the old region may carry the same stamp on other bytes.
+        current = self._current
+        if current is None or not self.can_load or not self.link.fresh():
             return False
-        # The minting first: a re-attach clears the view before it publishes
-        # the new minting, so a new session's minting never meets an entry
-        # of the old one (the other way round, the pin is refused).
-        minting = self._minting
         entry = self.view.claim(mm_hash)
-        if entry is None:
+        if entry is None or self.view.epoch != current.epoch:
             return False
-        # What after_alloc will dispatch, even if the link detaches meanwhile.
-        self._hits_this_step[mm_hash] = (entry, minting)
+        self._hits_this_step[mm_hash] = (entry, current)
         return True
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
@@ -125,83 +146,135 @@ class SchedulerDelegate:
         hit = self._hits_this_step.get(mm_hash)
         if hit is None:
             return False  # computed by the engine (and saved by its worker)
-        entry, minting = hit
-        if minting is None:  # detached as has_item answered: the load cannot be served
-            self._unavailable.add(request_id)
-            return True
-        spec = LoadSpec(mm_hash, minting.next_id(), entry.entry_id, minting.attachment.generation,
+        entry, current = hit
+        spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
                         entry.nbytes, entry.shape, entry.dtype, entry.extents)
-        self._planned[mm_hash] = (spec, [request_id])
+        self._planned[mm_hash] = (spec, [request_id], current)
         return True
 
     def build_step_metadata(self) -> StepMetadata:
-        """The step's loads; queues their pins, then the deferred acks."""
+        """The step's loads; marks them in flight in the view (which then
+        withholds their evictions' acknowledgements)."""
         planned, self._planned = self._planned, {}
         if self._hits_this_step:
             self._hits_this_step = {}
+        now = time.monotonic()
+        if self._dispatched and now >= self._next_expiry:
+            self._expire(now)
         if not planned:
-            self.view.end_step(self._send_acks)
-            return StepMetadata([])
-        # Plain tuples here; the link thread builds the protobuf message.
-        pins = [(spec.transfer_id, spec.mm_hash, spec.entry_id) for spec, _ in planned.values()]
-        for spec, request_ids in planned.values():
-            self._dispatched[spec.transfer_id] = request_ids
-        if len(self._dispatched) > MAX_DISPATCHED:
-            self._trim_dispatched()
-        # Releasing the claims and queueing the pins ahead of the deferred
-        # acks is one step under the view's lock (see view.py).
-        if not self.view.end_step(lambda acks: self.link.send_parts(pins, acks)):
-            # Detached since has_item: the pins cannot land, the loads fail.
-            for _, request_ids in planned.values():
-                self._unavailable.update(request_ids)
-        return StepMetadata([spec for spec, _ in planned.values()])
+            self.view.end_step((), self.view.epoch, self._send)
+            return StepMetadata()
+        metadata = StepMetadata()
+        loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
+        epoch = self.view.epoch
+        in_view: Refs = []  # loads of the current view (older ones: see has_item)
+        nbytes = 0
+        for spec, request_ids, current in planned.values():
+            ref = (spec.mm_hash, spec.entry_id)
+            dispatched[spec.transfer_id] = _Transfer(ref, current.epoch, self.ranks,
+                                                     request_ids, now)
+            if current.epoch == epoch:
+                in_view.append(ref)
+            loads.append(spec)
+            regions[current.region.generation] = current.region
+            nbytes += spec.nbytes
+        self.view.end_step(in_view, epoch, self._send)
+        stats = self.stats
+        stats["loads"] += len(loads)
+        stats["load_bytes"] += nbytes
+        return metadata
 
-    def apply_worker_output(self, done: Iterable[int] = (), failed: Iterable[int] = ()) -> None:
-        """Worker reports of this step: transfers finished, transfers whose
-        copy must be discarded (their requests become unavailable)."""
+    def apply_worker_output(self, done: Iterable[int] = (),
+                            failed: Iterable[int] = ()) -> None:
+        """One report per rank and transfer: `done` landed and verified,
+        `failed` must not be used (their requests become unavailable)."""
+        finished: list[_Transfer] = []
         for transfer_id in failed:
-            self._unavailable.update(self._dispatched.pop(transfer_id, ()))
+            transfer = self._dispatched.get(transfer_id)
+            if transfer is not None and not transfer.failed:
+                transfer.failed = True
+                self._unavailable.update(transfer.request_ids)
+                self.stats["load_failures"] += 1
+            self._reported(transfer_id, finished)
         for transfer_id in done:
-            self._dispatched.pop(transfer_id, None)
+            self._reported(transfer_id, finished)
+        if finished:
+            self._finish(finished)
 
     def take_unavailable_requests(self) -> set[str]:
-        failures = self._pin_failures
-        while failures:
-            self._unavailable.update(self._dispatched.pop(failures.popleft(), ()))
         if not self._unavailable:
             return set()
         taken, self._unavailable = self._unavailable, set()
         return taken
 
+    def take_stats(self) -> Counter[str]:
+        """Counters since the previous call (vLLM's connector stats)."""
+        lookups, hits = self._counts_since("stats")
+        stats, self.stats = self.stats, Counter()
+        stats["lookups"] += lookups
+        stats["hits"] += hits
+        return stats
+
     def close(self) -> None:
         self.link.stop()
         self.transport.close()
+
+    # ------------------------------------------------------------ helpers
+
+    def _reported(self, transfer_id: int, finished: list[_Transfer]) -> None:
+        transfer = self._dispatched.get(transfer_id)
+        if transfer is None:
+            return
+        transfer.left -= 1
+        if transfer.left <= 0:
+            del self._dispatched[transfer_id]
+            finished.append(transfer)
+
+    def _finish(self, transfers: list[_Transfer]) -> None:
+        """These loads landed on every rank: the view may acknowledge."""
+        epoch = self.view.epoch
+        self.view.finish([t.ref for t in transfers if t.epoch == epoch], epoch, self._send)
+
+    def _counts_since(self, reader: str) -> tuple[int, int]:
+        """(lookups, hits) since `reader` last asked; each reader (the
+        heartbeat, vLLM's stats) sees every lookup once."""
+        counts = self.view.counts()
+        taken = self._taken.get(reader, (0, 0))
+        self._taken[reader] = counts
+        return counts[0] - taken[0], counts[1] - taken[1]
+
+    def _expire(self, now: float) -> None:
+        self._next_expiry = now + 1.0
+        stale = [t for t, x in self._dispatched.items()
+                 if now - x.started > INFLIGHT_TTL_SECONDS]
+        for transfer_id in stale:
+            transfer = self._dispatched.pop(transfer_id)
+            log.warning("ec-daemon load %d of %s: %d rank report(s) missing after %.0fs; "
+                        "releasing the entry", transfer_id, transfer.ref[0], transfer.left,
+                        INFLIGHT_TTL_SECONDS)
+            self._finish([transfer])
 
     # ------------------------------------------------- link callbacks
 
     def _on_attached(self, attachment: Attachment) -> None:
         self.view.clear()
-        self._minting = _Minting(attachment)
+        self._current = _Current(attachment.region, self.view.epoch)
         log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",
-                 attachment.index, attachment.generation, attachment.namespace)
+                 attachment.index, attachment.region.generation, attachment.namespace)
 
     def _on_detached(self) -> None:
-        self._minting = None
+        self._current = None
         self.view.clear()
 
     def _on_message(self, message: Any) -> None:
-        self.view.apply(message, self._send_acks)
-        for failure in message.pin_failures:
-            log.warning("ec-daemon refused pin %d: %s", failure.transfer_id, failure.reason)
-            self._pin_failures.append(failure.transfer_id)
+        self.view.apply(message, self._send)
 
-    def _send_acks(self, acks: list[tuple[str, int]]) -> bool:
-        return not acks or self.link.send_parts([], acks)
+    def _send(self, acks: Refs, touches: Refs) -> bool:
+        return self.link.send_parts(acks, touches)
 
     def _heartbeat(self) -> Any:
-        lookups, hits = self.view.take_counts()
-        return pb.Heartbeat(lookups=lookups, hits=hits)
-
-    def _trim_dispatched(self) -> None:
-        while len(self._dispatched) > MAX_DISPATCHED:
-            del self._dispatched[next(iter(self._dispatched))]
+        lookups, hits = self._counts_since("heartbeat")
+        touches = self.view.take_touches()
+        return pb.ClientMessage(
+            heartbeat=pb.Heartbeat(lookups=lookups, hits=hits),
+            touches=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in touches])

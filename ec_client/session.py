@@ -3,10 +3,22 @@
 `SessionLink` attaches, opens the session stream, sends heartbeats (the
 request generator yields one whenever nothing else was sent for a heartbeat
 interval), hands each daemon message to a callback, and after any loss
-(daemon restart, stream error) calls `on_detached` and attaches again with
-backoff. Nothing here blocks the caller: `send` only queues.
+(daemon restart, stream error, a callback that raised) calls `on_detached`
+and attaches again with backoff. Nothing here blocks the caller: `send` only
+queues.
 
-Callbacks run on the link's thread, in order: on_attached, on_message..., on_detached.
+The client-side lease: each heartbeat carries a sequence number and the
+daemon echoes it after renewing the session's lease, so when the echo of a
+heartbeat sent at time t arrives, the daemon keeps the session (and awaits
+its acknowledgements) until at least t + lease. `fresh()` is true until
+t + lease * FRESH_FRACTION: a view answers hits only while it is, so a view
+the daemon may have dropped (a frozen process, a stalled stream) never
+dispatches. Both clocks are the host's monotonic clock.
+
+Callbacks run on the link's thread, in order: on_attached, on_message...,
+on_detached. A callback that raises is logged once, and the link detaches
+and attaches again (a link thread that died would stop acknowledging
+evictions, and reclamation would stall for every engine on the host).
 """
 
 from __future__ import annotations
@@ -23,24 +35,31 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from ec_client.regions import RegionInfo
 from ec_protocol.protocol import PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
-from ec_protocol.transport import Transport
 
 log = logging.getLogger(__name__)
 
 _NOTHING = object()
+BACKOFF_START_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 2.0
+# A view answers hits until this fraction of the lease after the send time
+# of the newest heartbeat the daemon echoed; the rest of the lease is the
+# margin for a dispatched load to land.
+FRESH_FRACTION = 0.5
+MAX_BEATS_IN_FLIGHT = 64
+
+Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
 
 class _Parts(NamedTuple):
-    pins: list[tuple[int, str, int]]
-    acks: list[tuple[str, int]]
+    acks: Refs
+    touches: Refs
 
     def to_message(self) -> Any:
-        return pb.ClientMessage(
-            pins=[pb.Pin(transfer_id=t, mm_hash=h, entry_id=e) for t, h, e in self.pins],
-            acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks])
-BACKOFF_START_SECONDS = 0.05
-BACKOFF_MAX_SECONDS = 2.0
+        return pb.ClientMessage(acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks],
+                                touches=[pb.EntryRef(mm_hash=h, entry_id=e)
+                                         for h, e in self.touches])
 
 
 @dataclass(frozen=True)
@@ -48,10 +67,7 @@ class Attachment:
     session_id: str
     index: int
     namespace: str
-    region_path: str
-    region_size: int
-    page_bytes: int
-    generation: int
+    region: RegionInfo
     lease_ms: int
     heartbeat_ms: int
 
@@ -61,12 +77,13 @@ def default_client_name() -> str:
 
 
 class SessionLink:
-    def __init__(self, transport: Transport, *, engine_id: str, role: str, layout: Layout,
+    def __init__(self, transport: Any, *, engine_id: str, role: str, layout: Layout,
                  rank: int | None = None, world_size: int = 1, client_name: str = "",
                  on_attached: Callable[[Attachment], None] = lambda a: None,
                  on_detached: Callable[[], None] = lambda: None,
                  on_message: Callable[[Any], None] = lambda m: None,
-                 heartbeat: Callable[[], Any] | None = None) -> None:
+                 heartbeat: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.transport = transport
@@ -82,7 +99,9 @@ class SessionLink:
         self._on_attached = on_attached
         self._on_detached = on_detached
         self._on_message = on_message
-        self._heartbeat = heartbeat or pb.Heartbeat
+        # Builds each heartbeat's ClientMessage (counters, batched touches).
+        self._heartbeat = heartbeat or (lambda: pb.ClientMessage(heartbeat=pb.Heartbeat()))
+        self._clock = clock
         self._attachment: Attachment | None = None
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._responses: Any = None
@@ -90,12 +109,21 @@ class SessionLink:
         self._attached = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"ec-session-{engine_id}",
                                         daemon=True)
+        self._beats: dict[int, float] = {}  # heartbeat seq -> send time
+        self._seq = 0
+        self._last_echo = 0
+        self._echoed = threading.Condition()
+        self.fresh_until = 0.0
         self.last_error = ""
 
     @property
     def attachment(self) -> Attachment | None:
         """The current attachment, None while detached."""
         return self._attachment
+
+    def fresh(self) -> bool:
+        """Is the daemon known to keep this session for a good while yet?"""
+        return self._clock() < self.fresh_until
 
     def start(self) -> None:
         self._thread.start()
@@ -113,20 +141,30 @@ class SessionLink:
         outbox.put(message)
         return True
 
-    def send_parts(self, pins: list[tuple[int, str, int]], acks: list[tuple[str, int]]) -> bool:
-        """Queue pins (transfer_id, mm_hash, entry_id) then acknowledgements
-        (mm_hash, entry_id) as one message, built on the link's thread so the
-        caller pays for a queue put only. False (dropped) while detached."""
-        return self.send(_Parts(pins, acks))
+    def send_parts(self, acks: Refs, touches: Refs | None = None) -> bool:
+        """Queue acknowledgements and touches (mm_hash, entry_id) as one
+        message, built on the link's thread so the caller pays for a queue
+        put only. False (dropped) while detached."""
+        return self.send(_Parts(acks, touches or []))
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Flush the last heartbeat and half-close the stream: the daemon
-        applies everything sent, then ends the session (releasing all it
-        held). Cancels the stream if the daemon does not answer in time."""
+        """Detach (the daemon releases everything the session held: this
+        client loads nothing more), then flush the last heartbeat and
+        half-close the stream. Cancels the stream if the daemon does not
+        answer in time. Call it only once no load of this engine runs."""
         self._stopping.set()
-        outbox = self._outbox
+        attachment, outbox = self._attachment, self._outbox
+        if attachment is not None and outbox is not None:
+            final = self._beat()  # the last counters and touches; its echo says applied
+            outbox.put(final)
+            with self._echoed:
+                self._echoed.wait_for(lambda: self._last_echo >= final.heartbeat.seq, timeout)
+            try:
+                self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
+                                    timeout=timeout)
+            except grpc.RpcError as exc:  # gone already: its stream ending does the rest
+                log.debug("ec-daemon detach: %s", exc.code().name)
         if outbox is not None:
-            outbox.put(pb.ClientMessage(heartbeat=self._heartbeat()))
             outbox.put(None)
         if threading.current_thread() is self._thread:
             return
@@ -141,6 +179,7 @@ class SessionLink:
     def _run(self) -> None:
         backoff = BACKOFF_START_SECONDS
         while not self._stopping.is_set():
+            asked = self._clock()
             try:
                 reply = self.transport.call("Attach", self._request)
             except grpc.RpcError as exc:
@@ -150,16 +189,21 @@ class SessionLink:
                 backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
                 continue
             backoff = BACKOFF_START_SECONDS
-            self._serve(reply)
+            if not self._serve(reply, asked):
+                self._stopping.wait(BACKOFF_MAX_SECONDS)  # a callback failed: not in a loop
 
-    def _serve(self, reply: Any) -> None:
+    def _serve(self, reply: Any, asked: float) -> bool:
+        """Serve one attachment until it is lost; False if a callback raised."""
+        region = reply.region
         attachment = Attachment(
             session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
-            region_path=reply.region.path, region_size=reply.region.size_bytes,
-            page_bytes=reply.region.page_bytes, generation=reply.region.generation,
+            region=RegionInfo(region.path, region.size_bytes, region.generation,
+                              region.page_bytes, region.data_offset),
             lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms)
+        lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         outbox.put(pb.ClientMessage(open_session_id=attachment.session_id))
+        self._beats.clear()
         responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
         self._responses = responses
         try:
@@ -167,29 +211,72 @@ class SessionLink:
         except Exception as exc:  # e.g. the region vanished: attach again
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             responses.cancel()
-            return
+            return False
+        self.fresh_until = asked + lease * FRESH_FRACTION  # the lease began after `asked`
         with self._attached:
             self._outbox = outbox
             self._attachment = attachment
             self._attached.notify_all()
+        healthy = True
         try:
             for message in responses:
+                if message.heartbeat_seq:
+                    self._renewed(message.heartbeat_seq, lease)
                 self._on_message(message)
             if not self._stopping.is_set():
                 self._note_error("the daemon closed the session stream", retryable=True)
         except grpc.RpcError as exc:
             if not self._stopping.is_set():
                 self._note_error(f"session stream lost: {exc.code().name}", retryable=True)
+        except Exception:
+            log.exception("ec-daemon session callback failed; attaching again")
+            healthy = False
+            responses.cancel()
         finally:
+            self.fresh_until = 0.0
             with self._attached:
                 self._attachment = None
                 self._outbox = None
             outbox.put(None)
+            healthy = self._detached() and healthy
+        return healthy
+
+    def _detached(self) -> bool:
+        try:
             self._on_detached()
+        except Exception:
+            log.exception("ec-daemon detach callback failed")
+            return False
+        return True
+
+    def _renewed(self, seq: int, lease: float) -> None:
+        """The daemon renewed the lease after heartbeat `seq` was sent."""
+        with self._echoed:  # beats are made on gRPC's thread, echoes read on ours
+            self._last_echo = max(self._last_echo, seq)
+            self._echoed.notify_all()
+            sent = self._beats.get(seq)
+            if sent is None:
+                return
+            for old in [s for s in self._beats if s <= seq]:
+                del self._beats[old]
+            self.fresh_until = max(self.fresh_until, sent + lease * FRESH_FRACTION)
+
+    def _beat(self) -> Any:
+        with self._echoed:
+            self._seq += 1
+            seq = self._seq
+            if len(self._beats) >= MAX_BEATS_IN_FLIGHT:  # the daemon stopped echoing
+                del self._beats[min(self._beats)]
+            self._beats[seq] = self._clock()  # before it leaves: a conservative send time
+        message = self._heartbeat()
+        message.heartbeat.seq = seq
+        return message
 
     def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
         """The stream's messages: what `send` queued, plus a heartbeat every
         `interval` whether or not anything else went out."""
+        yield outbox.get()  # the open message
+        yield self._beat()  # renews the lease at once: fresh from the first step
         next_beat = time.monotonic() + interval
         while True:
             try:
@@ -203,7 +290,7 @@ class SessionLink:
             elif message is not _NOTHING:
                 yield message
             if time.monotonic() >= next_beat:
-                yield pb.ClientMessage(heartbeat=self._heartbeat())
+                yield self._beat()
                 next_beat = time.monotonic() + interval
 
     def _end_stream(self) -> None:

@@ -1,31 +1,40 @@
 """The scheduler side's local view of its namespace's ready entries.
 
 Fed by the session stream (ready and evicted events) on the link's thread,
-read by the engine's scheduling thread. A hit is answered from here, so the
-view must never show an entry whose pages may already be reused: an evicted
-entry leaves the view before it is acknowledged, and the acknowledgement is
-what lets the daemon reuse its pages.
+read by the engine's scheduling thread. A hit is answered from here, and
+the daemon reuses an evicted entry's pages only after this view
+acknowledged the eviction. So the view acknowledges an eviction only when
+(a) the entry can no longer be looked up, and (b) no load of it that this
+engine dispatched is still in flight: that is what keeps the bytes under
+a running copy, without any pin message.
 
-One subtlety: between `has_item` saying yes and the engine dispatching that
-load later in the same step, an eviction must not slip in. Entries looked up
-since the last step boundary are "claimed": their evictions are deferred to
-`end_step`, which queues the step's pins before those acknowledgements.
+- Claims: between `has_item` saying yes and the engine dispatching that
+  load later in the same step, an eviction must not be acknowledged.
+  Entries looked up since the last step boundary are claimed; `end_step`
+  turns the dispatched ones into loads in flight and releases the rest.
+- Loads in flight: counted per (mm_hash, entry_id) from `end_step` until
+  `finish` (every rank reported, through vLLM's worker metadata). An
+  eviction of an entry in flight is withheld until its last load finished.
 
 `claim` is on the engine's hot path and takes no lock. It marks the hash
 claimed, then reads the entry; `apply` hides an evicted entry, then checks
 for a claim. Each of those is one dict or set operation, which CPython
 performs atomically and in program order, so one of the two threads sees the
-other's first write: either the claim misses, or the eviction is deferred.
+other's first write: either the claim misses, or the acknowledgement is
+deferred to the step boundary. Everything else takes the view's lock.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
+Ref = tuple[str, int]  # (mm_hash, entry_id)
+Refs = list[Ref]
+# Send(acks, touches) -> False when the link is down.
+Send = Callable[[Refs, Refs], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,36 +50,75 @@ class ReadyView:
     def __init__(self) -> None:
         self._entries: dict[str, ViewEntry] = {}
         self._claimed: set[str] = set()  # written by the engine's thread only
-        self._deferred: Refs = []
-        self._lock = threading.Lock()  # apply / end_step / clear, and what they send
+        self._deferred: Refs = []  # evicted while claimed: decided at end_step
+        self._inflight: dict[Ref, int] = {}  # loads dispatched and not finished
+        self._withheld: set[Ref] = set()  # evicted while in flight
+        self._touches: Refs = []  # loads dispatched since the last heartbeat
+        self._lock = threading.Lock()
+        self.epoch = 0  # bumped by `clear`: refs of an older epoch are void
         self.synced = False  # the initial snapshot has arrived
         # (lookups, hits) since start, replaced whole by the engine's thread
         # so a reader never sees one without the other.
         self._counts = (0, 0)
-        self._taken = (0, 0)
+
+    # ------------------------------------------------- engine thread
 
     def claim(self, mm_hash: str) -> ViewEntry | None:
         """The entry if ready; it then stays loadable until `end_step`.
-        Engine thread only; lock-free (see the module docstring)."""
+        Lock-free (see the module docstring)."""
         self._claimed.add(mm_hash)
         entry = self._entries.get(mm_hash)
         lookups, hits = self._counts
         self._counts = (lookups + 1, hits + (entry is not None))
         return entry
 
-    def take_counts(self) -> tuple[int, int]:
-        """(lookups, hits) since the previous call (heartbeats: any thread)."""
+    def end_step(self, dispatched: Iterable[Ref], epoch: int, send: Send) -> bool:
+        """Step boundary: the loads `dispatched` from entries claimed in view
+        `epoch` are in flight; acknowledge the deferred evictions of the
+        others. Returns False when the acknowledgements could not be sent."""
+        if not self._claimed:
+            return True  # nothing claimed since the last boundary: nothing deferred
         with self._lock:
-            counts, taken = self._counts, self._taken
-            self._taken = counts
-        return counts[0] - taken[0], counts[1] - taken[1]
+            self._claimed.clear()
+            if epoch == self.epoch:
+                for ref in dispatched:
+                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
+                    self._touches.append(ref)
+            deferred, self._deferred = self._deferred, []
+            acks = []
+            for ref in deferred:
+                if ref in self._inflight:
+                    self._withheld.add(ref)
+                else:
+                    acks.append(ref)
+            return not acks or send(acks, [])
 
-    def get(self, mm_hash: str) -> ViewEntry | None:
-        return self._entries.get(mm_hash)
+    def finish(self, refs: list[Ref], epoch: int, send: Send) -> None:
+        """These loads of view `epoch` landed on every rank (or failed):
+        acknowledge evictions that waited for them."""
+        if not refs:
+            return
+        with self._lock:
+            if epoch != self.epoch:
+                return  # the view was cleared: its session no longer awaits anything
+            acks = []
+            for ref in refs:
+                left = self._inflight.get(ref, 0) - 1
+                if left > 0:
+                    self._inflight[ref] = left
+                    continue
+                self._inflight.pop(ref, None)
+                if ref in self._withheld:
+                    self._withheld.discard(ref)
+                    acks.append(ref)
+            if acks:
+                send(acks, [])
 
-    def apply(self, message: Any, send_acks: Callable[[Refs], Any]) -> None:
-        """Apply a DaemonMessage; evictions of unclaimed entries are
-        acknowledged at once through `send_acks`, under the view's lock."""
+    # --------------------------------------------------- link thread
+
+    def apply(self, message: Any, send: Send) -> None:
+        """Apply a DaemonMessage; evictions of entries neither claimed nor
+        in flight are acknowledged at once through `send`, under the lock."""
         acks: Refs = []
         with self._lock:
             for info in message.ready:
@@ -78,41 +126,53 @@ class ReadyView:
                     info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
                     tuple((e.offset, e.length) for e in info.extents))
             for ref in message.evicted:
-                mm_hash = ref.mm_hash
-                entry = self._entries.get(mm_hash)
+                key = (ref.mm_hash, ref.entry_id)
+                entry = self._entries.get(ref.mm_hash)
                 if entry is not None and entry.entry_id == ref.entry_id:
-                    del self._entries[mm_hash]  # hidden first, then the claim check
-                    if mm_hash in self._claimed:
-                        self._deferred.append((mm_hash, ref.entry_id))
+                    del self._entries[ref.mm_hash]  # hidden first, then the claim check
+                    if ref.mm_hash in self._claimed:
+                        self._deferred.append(key)
                         continue
-                # Unclaimed, or not the entry the view shows (the daemon
-                # still awaits the acknowledgement).
-                acks.append((mm_hash, ref.entry_id))
+                if key in self._inflight:
+                    self._withheld.add(key)
+                    continue
+                acks.append(key)
             if message.snapshot_done:
                 self.synced = True
             if acks:
-                send_acks(acks)
+                send(acks, [])
 
-    def end_step(self, send: Callable[[Refs], bool]) -> bool:
-        """Step boundary (engine thread): release the claims and call
-        `send(acks)` with the deferred evictions' acknowledgements, under
-        the view's lock so no eviction is acknowledged in between. Returns
-        what `send` returned (True when it was not needed)."""
-        if not self._claimed:
-            # Nothing claimed since the last boundary, so nothing deferred.
-            return send([])
+    def take_touches(self) -> Refs:
+        """Loads dispatched since the previous call (for the heartbeat)."""
         with self._lock:
-            self._claimed.clear()
-            deferred, self._deferred = self._deferred, []
-            return send(deferred)
+            touches, self._touches = self._touches, []
+        return touches
+
+    def counts(self) -> tuple[int, int]:
+        """(lookups, hits) since the view was made (any thread)."""
+        return self._counts
 
     def clear(self) -> None:
-        """Forget everything (the session is gone: nothing here is valid)."""
+        """Forget everything (the session is gone: nothing here is valid;
+        loads still in flight are protected by the daemon's ghost of it)."""
         with self._lock:
             self._entries.clear()
             self._claimed.clear()
             self._deferred.clear()
+            self._inflight.clear()
+            self._withheld.clear()
+            self._touches.clear()
             self.synced = False
+            self.epoch += 1
+
+    # ------------------------------------------------------- any thread
+
+    def get(self, mm_hash: str) -> ViewEntry | None:
+        return self._entries.get(mm_hash)
+
+    def inflight(self) -> int:
+        with self._lock:
+            return sum(self._inflight.values())
 
     def __len__(self) -> int:
         return len(self._entries)

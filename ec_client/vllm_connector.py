@@ -3,7 +3,7 @@
 A thin role-routed shell, as vLLM's own connectors are: the SCHEDULER role
 (in EngineCore) builds a `SchedulerDelegate`, the WORKER role (in each worker
 process) a `WorkerDelegate`; each forwards vLLM's calls with plain values.
-vLLM is imported only in this module.
+vLLM is imported only in this module (and `vllm_metrics`).
 
     vllm serve MODEL --ec-transfer-config '{
       "ec_connector": "ECDaemonConnector",
@@ -12,19 +12,28 @@ vLLM is imported only in this module.
       "ec_connector_extra_config": {"ec_daemon_socket": "unix:///run/ec-daemon/ec.sock"}}'
 
 Extra-config keys (all optional): `ec_daemon_socket` (else $EC_DAEMON_SOCKET,
-else the daemon's default), `ec_daemon_copy_backend` (auto|torch|cupy|cpu,
-default auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
-(extra text in the layout fingerprint, default ""), and for a TCP daemon
-`ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE and
-$EC_DAEMON_TLS_CA).
+else the daemon's default), `ec_daemon_copy_backend` (auto|torch|cupy|cpu, or
+a custom class as `package.module:ClassName`: see `ec_client.copy`; default
+auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
+(extra text in the layout fingerprint, default ""),
+`ec_daemon_save_queue_bytes` (GPU memory held by outputs waiting to be
+saved, default 256 MiB; a full queue skips the save), and for a TCP daemon
+`ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE
+and $EC_DAEMON_TLS_CA).
 
-Worker completion reports go to the daemon directly (the worker needs the
-verdict before handing a load to the model, and a scheduler-side relay would
-put reports on the scheduler's path); the workers' metadata only tells the
-scheduler which transfers finished or failed, so it can fail requests whose
-loads failed through `take_unavailable_requests`. A failed load leaves a
-zero placeholder in the encoder cache so the engine does not crash on a
-missing entry; the request is then failed by the scheduler.
+Loads: the scheduler puts each hit's extents, stamp and region into the
+step metadata; every worker rank copies and verifies it, then reports the
+transfer in its worker metadata, which vLLM aggregates over the ranks into
+`update_connector_output`; the scheduler's view keeps the entry's eviction
+unacknowledged until all ranks reported. No load involves the daemon.
+
+A load that a worker finds unusable (its pages were reused, or its region
+could not be mapped) cannot happen in any ordinary event (a daemon restart,
+a re-attach, a late rank, a slow step). If it happens anyway the worker
+raises before the forward pass and the engine stops with that error: vLLM
+has no way to fail a request from the worker before its output is streamed,
+and any placeholder would be kept in the encoder cache, and the KV computed
+from it in the prefix cache, serving wrong output to later requests.
 
 The namespace is the layout fingerprint both roles can compute at
 construction: model, revision, dtype, quantization and the LM embedding row
@@ -36,6 +45,7 @@ must match; each entry carries its own shape instead, and the loads restore it.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +58,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
+from ec_client.regions import RegionInfo
 from ec_client.scheduler import LoadSpec, SchedulerDelegate
+from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
+from ec_client.worker import DEFAULT_SAVE_QUEUE_BYTES
 from ec_protocol.protocol import SOCKET_ENV, Layout, default_socket_uri
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
 
@@ -67,22 +80,25 @@ ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"
 
 @dataclass
 class ECDaemonConnectorMetadata(ECConnectorMetadata):
-    """Scheduler -> workers each step: the loads, with extents."""
+    """Scheduler -> workers each step: the loads, with extents, and the
+    regions they name by generation."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    regions: dict[int, RegionInfo] = field(default_factory=dict)
 
 
 @dataclass
 class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler each step: transfers finished and failed."""
+    """Workers -> scheduler each step: one entry per rank and transfer that
+    landed, and the worker's counters (vLLM aggregates over the ranks)."""
 
     done: list[int] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, ECDaemonWorkerMetadata)
         self.done.extend(other.done)
-        self.failed.extend(other.failed)
+        self.stats = merge_stats(self.stats, other.stats)
         return self
 
 
@@ -92,6 +108,7 @@ class ConnectorSettings:
     copy_backend: str
     deadline_seconds: float
     namespace: str
+    save_queue_bytes: int
     token_file: str | None
     tls_ca: str | None
 
@@ -104,6 +121,8 @@ class ConnectorSettings:
             deadline_seconds=float(extra.get("ec_daemon_rpc_deadline_s",
                                              DEFAULT_DEADLINE_SECONDS)),
             namespace=str(extra.get("ec_daemon_namespace", "")),
+            save_queue_bytes=int(extra.get("ec_daemon_save_queue_bytes",
+                                           DEFAULT_SAVE_QUEUE_BYTES)),
             token_file=extra.get("ec_daemon_token_file"),
             tls_ca=extra.get("ec_daemon_tls_ca"),
         )
@@ -141,14 +160,15 @@ class ECDaemonConnector(ECConnectorBase):
         self._ec_role = ROLES.get(str(ec.ec_role), "both")
         self._scheduler: SchedulerDelegate | None = None
         self._worker: WorkerDelegate | None = None
+        self._worker_stats: dict[str, Any] = {}
         self._done: list[int] = []
-        self._failed: list[int] = []
+        self._load_seconds: list[float] = []
         layout = layout_of(vllm_config, self.settings.namespace)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
-                **self.settings.transport)
+                ranks=expected_reports(vllm_config), **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
         else:
@@ -172,7 +192,7 @@ class ECDaemonConnector(ECConnectorBase):
         return WorkerDelegate(
             self.settings.socket, engine_id=engine_id, layout=layout, rank=rank,
             world_size=world, role=self._ec_role, backend=backend, allocate_out=allocate_out,
-            **self.settings.transport)
+            save_queue_bytes=self.settings.save_queue_bytes, **self.settings.transport)
 
     # ------------------------------------------------------------ worker
 
@@ -182,18 +202,19 @@ class ECDaemonConnector(ECConnectorBase):
         assert isinstance(metadata, ECDaemonConnectorMetadata)
         if not metadata.loads:
             return
-        result = self._worker.load(metadata.loads)
+        started = time.perf_counter()
+        result = self._worker.load(metadata.loads, metadata.regions)
+        if result.failed:
+            # Before the forward pass, and nothing was put in the encoder cache.
+            reasons = "; ".join(f"transfer {t}: {why}" for t, why in result.failed.items())
+            raise RuntimeError(
+                f"ec-daemon: {len(result.failed)} encoder cache load(s) are unusable ({reasons}). "
+                "Stopping rather than computing from wrong encoder outputs; this is a bug or "
+                "an extraordinary event (see the ec-daemon troubleshooting section).")
+        self._load_seconds.append(time.perf_counter() - started)
         for mm_hash, tensor in result.loaded.items():
             encoder_cache[mm_hash] = tensor
-        failed = set(result.failed)
-        for spec in metadata.loads:
-            if spec.transfer_id in failed and spec.mm_hash not in encoder_cache:
-                # The request is failed by the scheduler; keep the engine running.
-                encoder_cache[spec.mm_hash] = torch.zeros(
-                    spec.shape, dtype=getattr(torch, spec.dtype),
-                    device=self._placeholder_device(encoder_cache))
         self._done.extend(result.done)
-        self._failed.extend(result.failed)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
                     **kwargs: Any) -> None:
@@ -202,17 +223,16 @@ class ECDaemonConnector(ECConnectorBase):
             self._worker.save(mm_hash, encoder_cache[mm_hash])
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        if self._worker is None or not (self._done or self._failed):
+        if self._worker is None:
             return None
-        meta = ECDaemonWorkerMetadata(self._done, self._failed)
-        self._done, self._failed = [], []
+        # Load times from one rank only: every rank loads the same entries.
+        stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
+        self._load_seconds = []
+        if not self._done and not stats:
+            return None
+        meta = ECDaemonWorkerMetadata(self._done, stats)
+        self._done = []
         return meta
-
-    @staticmethod
-    def _placeholder_device(encoder_cache: dict[str, torch.Tensor]) -> torch.device:
-        for tensor in encoder_cache.values():
-            return tensor.device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     # --------------------------------------------------------- scheduler
 
@@ -226,14 +246,16 @@ class ECDaemonConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
-        return ECDaemonConnectorMetadata(self._scheduler.build_step_metadata().loads)
+        step = self._scheduler.build_step_metadata()
+        return ECDaemonConnectorMetadata(step.loads, step.regions)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._scheduler is None:
             return
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, ECDaemonWorkerMetadata):
-            self._scheduler.apply_worker_output(meta.done, meta.failed)
+            self._scheduler.apply_worker_output(meta.done)
+            self._worker_stats = merge_stats(self._worker_stats, meta.stats)
 
     def take_unavailable_requests(self) -> set[str]:
         if self._scheduler is None:
@@ -243,6 +265,30 @@ class ECDaemonConnector(ECConnectorBase):
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
+    # ------------------------------------------------------------ metrics
+
+    def get_ec_connector_stats(self) -> ECDaemonStats | None:
+        """This engine's EC counters since the previous call (scheduler side:
+        lookups, hits, loads; workers' saves and load times arrive through
+        their metadata)."""
+        if self._scheduler is None:
+            return None
+        data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
+        self._worker_stats = {}
+        stats = ECDaemonStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECDaemonStats:
+        return ECDaemonStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> ECDaemonPromMetrics:
+        return ECDaemonPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
     # ------------------------------------------------------------ shared
 
     def shutdown(self) -> None:
@@ -250,6 +296,18 @@ class ECDaemonConnector(ECConnectorBase):
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+
+
+def expected_reports(vllm_config: VllmConfig) -> int:
+    """How many worker ranks report each load: the tp x pcp ranks of pipeline
+    stage 0 (only it runs the EC connector) under the multiprocessing
+    executor, which aggregates every rank's output; other executors deliver
+    one rank's output, and waiting for reports that cannot come would hold
+    the entry until the backstop."""
+    pc = vllm_config.parallel_config
+    if pc.distributed_executor_backend != "mp":
+        return 1
+    return int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1))
 
 
 def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:

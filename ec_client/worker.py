@@ -1,27 +1,30 @@
 """Worker delegate: one engine rank's data plane, on plain values.
 
-It attaches as "worker rank k of n", maps the region of the attached
-generation, and copies with a backend from `ec_client.copy`.
+It attaches as "worker rank k of n" (a session for saves only) and copies
+with a backend from `ec_client.copy`.
 
 - `save` is off the critical path: it queues the output (keeping it alive)
   for a background thread that allocates extents, copies, and reports the
-  save; an entry another engine is already writing is dropped, and a full
-  cache (RESOURCE_EXHAUSTED) just means this output is not cached. Only the
+  save. The queue is bounded in bytes (`save_queue_bytes`): outputs held for
+  saving live outside vLLM's encoder budget, so a full queue drops the save.
+  An entry another engine is already writing is dropped, and a full cache
+  (RESOURCE_EXHAUSTED) just means this output is not cached. Only the
   `save_rank` writes (all TP ranks hold identical outputs).
-- `load` copies each dispatched entry, then reports the transfer ids in one
-  call whose verdicts decide: only copies the daemon confirms were covered by
-  their pin (HELD) are returned; the rest are failed, so a load either yields
-  exactly the saved bytes or fails. A load of another region generation
-  (the daemon restarted) fails without being read.
+- `load` makes no call to the daemon: it maps the region generation the
+  load names (`regions`), copies, then checks the pages' stamps against
+  the entry_id. A load either returns exactly the saved bytes or is listed
+  as failed with the reason; the scheduler's view kept the pages from reuse
+  until this rank's report reaches it through vLLM's worker metadata.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,23 +32,25 @@ import grpc
 
 from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
+from ec_client.regions import RegionInfo, Regions
 from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
+from ec_client.trust import socket_owner
 from ec_protocol.protocol import RETRYABLE, Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_SAVES = 1024
-# Transfer ids kept for a later report when the daemon could not be told.
-MAX_UNREPORTED = 4096
+DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
+# How often the idle saver thread unmaps retired regions.
+PRUNE_SECONDS = 5.0
 
 
 @dataclass
 class LoadResult:
     loaded: dict[str, Any] = field(default_factory=dict)  # mm_hash -> array
     done: list[int] = field(default_factory=list)  # transfer ids served
-    failed: list[int] = field(default_factory=list)  # transfer ids that must fail
+    failed: dict[int, str] = field(default_factory=dict)  # transfer id -> why it failed
 
 
 class WorkerDelegate:
@@ -54,6 +59,7 @@ class WorkerDelegate:
                  save_rank: int = 0, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "",
                  allocate_out: Callable[[tuple[int, ...], str], Any] = empty_host,
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
                  token_file: str | None = None, tls_ca: str | None = None,
                  start: bool = True) -> None:
         self.rank = rank
@@ -63,12 +69,15 @@ class WorkerDelegate:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.allocate_out = allocate_out
         self.stats: Counter[str] = Counter()
-        self._mapping: RegionMapping | None = None
-        self._saves: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue(MAX_QUEUED_SAVES)
+        self._stats_taken: Counter[str] = Counter()
+        self.regions = Regions(on_map=self.backend.attach, on_unmap=self.backend.detach,
+                               open_mapping=self._open_region)
+        self.save_queue_bytes = save_queue_bytes
+        self._saves: queue.Queue[tuple[str, Any, Any, int] | None] = queue.Queue()
+        self._queued_bytes = 0
+        self._region_owner: int | None = None  # the socket's owner at the last attach
         self._unfinished = 0
         self._idle = threading.Condition()
-        self._unreported: list[int] = []
-        self._unreported_lock = threading.Lock()
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
             world_size=world_size, client_name=client_name, on_attached=self._on_attached,
@@ -84,20 +93,20 @@ class WorkerDelegate:
     def save(self, mm_hash: str, output: Any) -> bool:
         """Queue `output` (kept alive until copied) to be saved as `mm_hash`.
         Returns False when this rank does not save, the daemon is detached,
-        or the queue is full (the output is then simply not cached)."""
+        or the queue holds `save_queue_bytes` already (not cached then)."""
         if not self.saves_enabled:
             return False
         if self.link.attachment is None:
             self.stats["saves_skipped_detached"] += 1
             return False
+        nbytes = describe(output)[0]
         with self._idle:
+            if self._queued_bytes + nbytes > self.save_queue_bytes:
+                self.stats["saves_skipped_busy"] += 1
+                return False
+            self._queued_bytes += nbytes
             self._unfinished += 1
-        try:
-            self._saves.put_nowait((mm_hash, output, self.backend.prepare_save(output)))
-        except queue.Full:
-            self._finish_one()
-            self.stats["saves_skipped_busy"] += 1
-            return False
+        self._saves.put((mm_hash, output, self.backend.prepare_save(output), nbytes))
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -105,27 +114,35 @@ class WorkerDelegate:
         with self._idle:
             return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def _save_loop(self) -> None:
         while True:
-            item = self._saves.get()
+            try:
+                item = self._saves.get(timeout=PRUNE_SECONDS)
+            except queue.Empty:
+                self.regions.prune()
+                continue
             if item is None:
                 return
+            mm_hash, output, ready, nbytes = item
             try:
-                self._save_one(*item)
+                self._save_one(mm_hash, output, ready)
             except Exception:
                 self.stats["save_errors"] += 1
-                log.exception("ec-daemon save of %s failed", item[0])
+                log.exception("ec-daemon save of %s failed", mm_hash)
             finally:
-                self._finish_one()
-
-    def _finish_one(self) -> None:
-        with self._idle:
-            self._unfinished -= 1
-            self._idle.notify_all()
+                del output, ready, item  # release the tensor before waiting again
+                with self._idle:
+                    self._queued_bytes -= nbytes
+                    self._unfinished -= 1
+                    self._idle.notify_all()
 
     def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
-        attachment, mapping = self.link.attachment, self._mapping
-        if attachment is None or mapping is None or mapping.generation != attachment.generation:
+        attachment = self.link.attachment
+        if attachment is None:
             self.stats["saves_skipped_detached"] += 1
             return
         nbytes, shape, dtype = describe(output)
@@ -143,7 +160,8 @@ class WorkerDelegate:
             return
         extents = [(e.offset, e.length) for e in reply.extents]
         try:
-            self.backend.save(output, mapping, extents, ready)
+            with self.regions.use(attachment.region) as (mapping, _):
+                self.backend.save(output, mapping, extents, ready)
         except Exception:
             self._report(attachment, aborted=[mm_hash])
             raise
@@ -155,60 +173,50 @@ class WorkerDelegate:
 
     # ------------------------------------------------------------- loads
 
-    def load(self, specs: Sequence[LoadSpec]) -> LoadResult:
-        """Copy each dispatched entry out of the region, then confirm with
-        the daemon; returns what was served and which transfers failed."""
+    def load(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo]) -> LoadResult:
+        """Copy each dispatched entry out of the region generation it names
+        (`regions` by generation) and verify its stamps. No daemon call."""
         result = LoadResult()
-        attachment, mapping = self.link.attachment, self._mapping
-        copied: list[tuple[LoadSpec, Any]] = []
         for spec in specs:
-            if mapping is None or spec.generation != mapping.generation:
-                result.failed.append(spec.transfer_id)
-                self.stats["loads_wrong_generation"] += 1
-                continue
-            try:
-                out = self.allocate_out(spec.shape, spec.dtype)
-                copied.append((spec, self.backend.load(mapping, spec.extents, out)))
-            except Exception as exc:
-                log.warning("ec-daemon load of %s failed: %s", spec.mm_hash, exc)
-                result.failed.append(spec.transfer_id)
-                self.stats["loads_failed"] += 1
-        reported = [spec.transfer_id for spec in specs]
-        verdicts = self._report_loads(attachment, reported)
-        for spec, out in copied:
-            if verdicts.get(spec.transfer_id) == pb.HELD:
-                result.loaded[spec.mm_hash] = out
+            reason = self._load_one(spec, regions.get(spec.generation), result)
+            if reason is None:
                 result.done.append(spec.transfer_id)
                 self.stats["loads_done"] += 1
             else:
-                result.failed.append(spec.transfer_id)
-                self.stats["loads_not_held"] += 1
+                log.error("ec-daemon load of %s (entry %d) failed: %s", spec.mm_hash,
+                          spec.entry_id, reason)
+                result.failed[spec.transfer_id] = reason
+                self.stats["loads_failed"] += 1
         return result
 
-    def _report_loads(self, attachment: Attachment | None,
-                      transfer_ids: list[int]) -> dict[int, Any]:
-        """Report this rank done with `transfer_ids`, and with any transfers it
-        could not report before (a pin waits for every expected rank: an
-        unreported one would hold its entry until the scheduler's session
-        ends). Returns the verdicts of `transfer_ids`."""
-        with self._unreported_lock:
-            backlog, self._unreported = self._unreported, []
-        everything = backlog + transfer_ids
-        if not everything:
-            return {}
-        reply = self._report(attachment, loaded=everything)
-        if reply is None:
-            with self._unreported_lock:
-                self._unreported = (everything + self._unreported)[-MAX_UNREPORTED:]
-            return {}
-        return dict(zip(everything, reply.loaded, strict=True))
+    def _load_one(self, spec: LoadSpec, info: RegionInfo | None, result: LoadResult) -> str | None:
+        if info is None:
+            return f"no region of generation {spec.generation:016x} came with the load"
+        try:
+            with self.regions.use(info) as (mapping, stamps):
+                out = self.allocate_out(spec.shape, spec.dtype)
+                self.backend.load(mapping, spec.extents, out)
+                if not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
+                    self.stats["loads_stamp_mismatch"] += 1
+                    return "its pages were reused (stamp mismatch): the bytes are not the entry's"
+        except (OSError, ValueError, TypeError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        result.loaded[spec.mm_hash] = out
+        return None
+
+    def take_stats(self, load_seconds: list[float] | None = None) -> dict[str, Any]:
+        """Counters that moved since the previous call, plus `load_seconds`
+        (for vLLM's connector stats; `stats` itself keeps the totals)."""
+        now = Counter(self.stats)
+        moved: dict[str, Any] = {k: v for k, v in (now - self._stats_taken).items() if v}
+        self._stats_taken = now
+        if load_seconds:
+            moved["load_seconds"] = list(load_seconds)
+        return moved
 
     # ------------------------------------------------------------ common
 
-    def _report(self, attachment: Attachment | None, retries: int = 0,
-                **lists: list[Any]) -> Any:
-        if attachment is None:
-            return None
+    def _report(self, attachment: Attachment, retries: int = 0, **lists: list[Any]) -> Any:
         request = pb.ReportRequest(session_id=attachment.session_id, **lists)
         for attempt in range(retries + 1):
             try:
@@ -220,33 +228,38 @@ class WorkerDelegate:
                     return None
         return None
 
+    def _open_region(self, info: RegionInfo) -> RegionMapping:
+        """Map a region the daemon named, only if its file belongs to the user
+        serving the socket (or root): raises UntrustedError otherwise. With
+        the socket gone (a restart) the owner seen at the last attach counts,
+        and without one, only this user's or root's files are mapped."""
+        owner = self._region_owner
+        if owner is None:
+            owner = self._socket_owner()
+        return RegionMapping(info.path, info.size, info.generation,
+                             expected_uid=os.getuid() if owner is None else owner)
+
+    def _socket_owner(self) -> int | None:
+        """The socket's owner (None for TCP, or when the socket is gone);
+        raises UntrustedError for a socket this client must not use."""
+        try:
+            return socket_owner(self.transport.uri)
+        except FileNotFoundError:
+            return None
+
     def _on_attached(self, attachment: Attachment) -> None:
-        old = self._mapping
-        if old is None or old.generation != attachment.generation:
-            mapping = RegionMapping(attachment.region_path, attachment.region_size,
-                                    attachment.generation)
-            self.backend.attach(mapping)
-            self._mapping = mapping
-            if old is not None:
-                self._unmap(old)
+        self._region_owner = self._socket_owner()  # raises if untrusted
+        self.regions.make_current(attachment.region)
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
-                 attachment.index, attachment.generation)
-        self._report_loads(attachment, [])  # what could not be reported while detached
+                 attachment.index, attachment.region.generation)
 
     def _on_detached(self) -> None:
-        # The daemon may be gone for good: do not pin its memory by mapping it.
-        old, self._mapping = self._mapping, None
-        if old is not None:
-            self._unmap(old)
-
-    def _unmap(self, mapping: RegionMapping) -> None:
-        self.backend.detach(mapping)
-        mapping.close()
+        self.regions.make_current(None)
 
     def close(self) -> None:
         self.flush(timeout=self.transport.deadline_seconds)
         self._saves.put(None)
         self._saver.join(timeout=2)
         self.link.stop()
-        self._on_detached()
+        self.regions.close()
         self.transport.close()

@@ -9,12 +9,13 @@ flags) is optional on top, for TCP.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import grp
 import hmac
 import os
-import shutil
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,22 +54,107 @@ def resolve_group(name: str) -> int | None:
 
 
 def apply_access(path: str | Path, mode: int, gid: int | None) -> None:
-    """Give `path` (socket or region) `mode` and, if set, the group `gid`."""
+    """Give the socket `path` the group `gid` (if set), then `mode`.
+
+    Never follows a symlink: the daemon may run as root, and a symlink put in
+    place of its socket must not make it open someone else's file. The group
+    comes first so the wider mode never applies to the daemon's own group.
+    Raises AuthError.
+    """
     try:
-        if gid is not None:
-            shutil.chown(path, group=gid)
-        os.chmod(path, mode)
+        with _entry_path(path) as entry:
+            if gid is not None:
+                os.chown(entry, -1, gid)
+            os.chmod(entry, mode)
     except OSError as exc:
-        raise AuthError(f"cannot set access on {path}: {exc.strerror}") from None
+        raise AuthError(f"cannot set access on {path}: {exc.strerror or exc}") from None
+
+
+def make_socket_folder(folder: Path, gid: int | None) -> None:
+    """Create the socket folder owner-only if it is missing, then check it
+    with check_socket_folder. Raises AuthError."""
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass  # whatever is there is checked below, without following it
+    except OSError as exc:
+        raise AuthError(f"cannot create the socket folder {folder}: {exc.strerror}") from None
+    check_socket_folder(folder, gid)
+
+
+def check_socket_folder(folder: Path, gid: int | None) -> None:
+    """Refuse a socket folder that someone else could have prepared or can
+    change: a symlink, a folder owned by another user than ours or root, or
+    one writable by others (or by a group other than `gid`, --group).
+
+    Like OpenSSH's StrictModes: whoever controls the folder can replace the
+    socket and intercept every client. Raises AuthError; the message names
+    the folder and what to do.
+    """
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise AuthError(f"cannot inspect the socket folder {folder}: {exc.strerror}") from None
+    problem = _folder_problem(info, gid)
+    if problem:
+        raise AuthError(f"refusing socket folder {folder}: it {problem}; remove it (someone "
+                        "may have created it to intercept clients) or choose --socket in a "
+                        "folder this user owns (mode 0700)")
+
+
+def _folder_problem(info: os.stat_result, gid: int | None) -> str:
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"belongs to uid {info.st_uid}, not to this user or root"
+    if mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {mode:04o})"
+    if mode & stat.S_IWGRP and (gid is None or info.st_gid != gid):
+        return f"is writable by group {info.st_gid} (mode {mode:04o}), which is not --group"
+    return ""
 
 
 def open_folder_to_group(folder: Path, gid: int | None) -> None:
-    """A socket folder we created: let the group traverse it (0710)."""
+    """A socket folder we created (ours, 0700): let the group traverse it
+    (0710). Works on the folder opened without following a symlink.
+    Raises AuthError."""
     if gid is None:
         return
-    info = folder.stat()
-    if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700:
-        apply_access(folder, 0o710, gid)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        not_dir = exc.errno in (errno.ELOOP, errno.ENOTDIR)
+        reason = "it is a symlink or not a folder" if not_dir else exc.strerror
+        raise AuthError(f"cannot open the socket folder {folder}: {reason}") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700:
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, 0o710)
+    except OSError as exc:
+        raise AuthError(f"cannot open {folder} to group {gid}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _entry_path(path: str | Path) -> Iterator[str]:
+    """A path that names the entry `path` itself, never a symlink's target.
+
+    Python 3.11 cannot chmod without following a symlink on Linux, and a
+    socket cannot be opened for fchmod; an O_PATH descriptor pins the entry
+    and its /proc/self/fd link reaches exactly that inode.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.ELOOP, "it is a symlink")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def read_token(path: str) -> str:

@@ -1,21 +1,22 @@
 """The entry life cycle: every state change of an entry happens here.
 
 ```
-absent --allocate--> PENDING (owned by the writer's session, invisible)
+absent --allocate--> PENDING (owned by the writer's session, invisible; stamped)
 PENDING --commit--> READY (ready event to the namespace's views)
-READY --pin--> READY with pins (per transfer id; never evicted)
-pins --every expected rank reported, or owner gone--> unpinned
-READY unpinned --chosen by eviction--> HIDDEN (evicted event; bytes kept)
-HIDDEN --every awaited view acknowledged, no pins--> absent (pages reused)
-PENDING --abort, or owner session ended--> absent
+READY --chosen by eviction--> HIDDEN (evicted event; bytes kept)
+HIDDEN --every awaited view acknowledged--> absent (pages cleared, reusable)
+PENDING --abort--> absent
+PENDING --owner session ended--> quarantined (--quarantine-seconds) --> absent
 ```
 
-Why hidden entries: a scheduler answers hits from its local view and pins
-without waiting, so its pin may reach the daemon after the entry was chosen
-for eviction. Pages are reused only once every scheduler session that could
-have seen the entry acknowledged the evicted event; its stream carries pins
-before acknowledgements, so a pin sent before the acknowledgement always
-lands on intact bytes (epoch-based reclamation, as in RCU).
+Why hidden entries, and no pins: a scheduler answers hits from its local
+view and dispatches loads without asking the daemon. Pages are reused only
+once every scheduler view that could have seen the entry acknowledged its
+eviction, and a view withholds that acknowledgement while a load of the
+entry that its engine dispatched is in flight (epoch-based reclamation, as in
+RCU). A view that ends without detaching stays awaited as a ghost for one
+lease (`sessions`). Each allocation's entry_id is written into the region's
+stamp table before its writer gets the extents, so a reader can verify.
 
 Not thread-safe: the daemon's event loop is the only caller. Methods that
 raise a `CacheError` have changed nothing.
@@ -23,122 +24,80 @@ raise a `CacheError` have changed nothing.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ec_daemon.allocator import ExtentAllocator, Run
-from ec_daemon.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-)
+from ec_daemon.allocator import ExtentAllocator
+from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ec_daemon.events import (
     AllocOutcome,
     AllocResult,
     EvictedEvent,
     Extent,
-    PinFailedEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
-    Verdict,
 )
 from ec_daemon.eviction import EvictionPolicy, LRUPolicy
-from ec_daemon.limits import MAX_KEY_BYTES, validate_mm_hash, validate_save
-from ec_daemon.sessions import Session, SessionTable
+from ec_daemon.limits import validate_mm_hash, validate_save
+from ec_daemon.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
+from ec_daemon.sessions import SessionTable
 
-Key = tuple[str, str]  # (namespace, mm_hash)
-
-COUNTER_MASK = 0xFFFF_FFFF
 # Evict at least 1/64 of the cache at a time: each eviction round costs one
 # event message to every view and one acknowledgement back from each, so
 # batching the victims divides that traffic (measured: benchmarks/concurrency).
 EVICTION_BATCH_DIVISOR = 64
+# A writer that vanished may still be copying (a frozen process resumed, a
+# DMA in flight): its pages are reused only after this, by default.
+DEFAULT_QUARANTINE_SECONDS = 300.0
+COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
+            "bytes_loaded")
 
 
-class State(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-    HIDDEN = "hidden"
+class Stamps:
+    """Where the cache writes allocation stamps (the region's stamp table);
+    this default keeps none, for a cache without a region (unit tests)."""
 
+    def write(self, runs: Iterable[Run], stamp: int) -> None:
+        return None
 
-# Never mutated: replaced by a real set on first use.
-_EMPTY: Any = frozenset()
-
-
-class Entry:
-    """One cached encoder output. `state` changes only inside Cache."""
-
-    __slots__ = ("awaiting", "dtype", "entry_id", "key", "nbytes", "owner", "pages", "pins",
-                 "runs", "shape", "state")
-
-    def __init__(self, key: Key, entry_id: int, nbytes: int, shape: tuple[int, ...],
-                 dtype: str, runs: list[Run], owner: Session) -> None:
-        self.key = key
-        self.entry_id = entry_id
-        self.nbytes = nbytes
-        self.shape = shape
-        self.dtype = dtype
-        self.runs = runs
-        self.pages = sum(n for _, n in runs)
-        self.state = State.PENDING
-        self.owner: Session | None = owner
-        # Most entries are never pinned nor hidden: share one empty set until
-        # they are (a set costs ~200 bytes, a million entries add up).
-        self.pins: set[int] = _EMPTY
-        self.awaiting: set[Session] = _EMPTY
-
-    @property
-    def mm_hash(self) -> str:
-        return self.key[1]
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A pin for one load dispatch, released when every expected rank reported."""
-
-    transfer_id: int
-    entry: Entry
-    owner: Session
-    expected: set[int]
-    created: float
-    reported: set[int] = field(default_factory=set)
+    def clear(self, runs: Iterable[Run]) -> None:
+        return None
 
 
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
-                 policy: EvictionPolicy | None = None) -> None:
+                 policy: EvictionPolicy | None = None, data_offset: int = 0,
+                 stamps: Any = None,
+                 quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS) -> None:
+        """`capacity_bytes` of payload pages starting at byte `data_offset` of
+        the region; `stamps` is the region's StampTable (or a `Stamps`)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
+        self.data_offset = data_offset
         self.allocator = ExtentAllocator(capacity_bytes // page_bytes)
         self.capacity_bytes = self.allocator.total_pages * page_bytes
         self.sessions = sessions
         self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.stamps = stamps if stamps is not None else Stamps()
+        self.quarantine_seconds = quarantine_seconds
         self._namespaces: dict[str, dict[str, Entry]] = {}
-        self._transfers: dict[int, Transfer] = {}
         self._next_entry_id = 1
         self.pending_pages = 0
-        self.pinned_pages = 0
         self.hidden_pages = 0
         self.ready_entries = 0
         self.hidden_entries = 0
         # Pages of saves discarded with their session: (reusable at, runs, pages).
-        self._quarantine: deque[tuple[float, list[Run], int]] = deque()
+        self.quarantine: deque[tuple[float, list[Run], int]] = deque()
         self.quarantined_pages = 0
         # namespace -> [visible (ready or hidden) entries, their bytes]
         self.namespace_usage: dict[str, list[int]] = {}
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "evictions", "saves", "loads", "refused_saves",
-             "bytes_saved", "bytes_loaded", "pins", "pin_failures"), 0)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.namespace_counters: dict[str, dict[str, int]] = {}
-        # Hooks for the service: pages came back; a session's pins advanced.
+        # Hook for the service: pages came back (a save may be waiting).
         self.on_reclaim: Callable[[], None] = lambda: None
-        self.on_pins: Callable[[Session], None] = lambda session: None
 
     # ----------------------------------------------------------- sessions
 
@@ -146,35 +105,35 @@ class Cache:
         """Create a session; a scheduler session is sent a snapshot of the
         namespace's ready entries, then a SnapshotDoneEvent, then live events."""
         session = self.sessions.create(**fields)
-        self.namespace_counters.setdefault(session.namespace, {"hits": 0, "misses": 0})
+        self.namespace_counters.setdefault(session.namespace,
+                                           {"hits": 0, "misses": 0, "loads": 0})
         if session.is_scheduler:
             for entry in self._namespaces.get(session.namespace, {}).values():
                 if entry.state is State.READY:
                     session.outbox.append(self._ready_event(entry))
+            session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
             session.send(SnapshotDoneEvent())
         return session
 
-    def end_session(self, session: Session) -> None:
+    def end_session(self, session: Session, *, detached: bool = False) -> None:
         """Release everything `session` holds. Idempotent.
 
-        Pending saves are discarded, pins released, owed acknowledgements
-        dropped, and loads stop waiting for this rank's reports.
+        Pending saves are quarantined. A scheduler session that `detached`
+        (its client said it will load nothing more) acknowledges everything
+        it owed; one that did not becomes a ghost for one lease.
         """
         if not session.alive:
             return
-        self.sessions.remove(session)
+        ghost = session.is_scheduler and not detached
+        self.sessions.remove(session, ghost=ghost)
         for key in list(session.pending):
-            entry = self._namespaces[key[0]][key[1]]
-            self._discard_pending(entry, quarantine=True)
-        for transfer in list(session.pins.values()):
-            self._release(transfer)
-        for entry in list(session.awaiting):
-            self._acknowledge(entry, session)
-        if session.rank is not None and session.rank not in self.sessions.worker_ranks(
-                session.engine_id):
-            self._forget_rank(session.engine_id, session.rank)
+            self._discard_pending(self._namespaces[key[0]][key[1]], quarantine=True)
+        if not ghost:
+            for entry in list(session.awaiting):
+                self._acknowledge(entry, session)
         session.outbox.clear()
         session.wake()
+        self._prune_namespace(session.namespace)
 
     def expire_sessions(self) -> list[Session]:
         """End every session whose lease ran out; returns them."""
@@ -182,6 +141,15 @@ class Cache:
         for session in expired:
             self.end_session(session)
         return expired
+
+    def release_ghosts(self) -> list[Session]:
+        """Acknowledge for ghosts whose lease is over; returns them."""
+        ghosts = self.sessions.expired_ghosts()
+        for ghost in ghosts:
+            for entry in list(ghost.awaiting):
+                self._acknowledge(entry, ghost)
+            self._prune_namespace(ghost.namespace)
+        return ghosts
 
     def record_lookups(self, session: Session, lookups: int, hits: int) -> None:
         """Counters a scheduler's local view reports on its heartbeats."""
@@ -196,20 +164,27 @@ class Cache:
     # -------------------------------------------------------------- saves
 
     def allocate(self, session: Session, mm_hash: str, nbytes: int,
-                 shape: tuple[int, ...], dtype: str) -> AllocResult:
-        """Reserve extents for a save of `mm_hash` by `session` (a writer).
+                 shape: tuple[int, ...], dtype: str, *, count_hidden: bool = True) -> AllocResult:
+        """Reserve and stamp extents for a save of `mm_hash` by `session`.
 
         On ALLOCATED the caller copies into the extents, then must `commit`
-        (or `abort`); if the session ends first the entry is discarded.
-        Raises ResourceExhausted when no room can be made (pinned, pending or
-        awaiting acknowledgements): the caller drops the save.
+        (or `abort`); if the session ends first the pages are quarantined.
+        WAIT: victims were hidden, ask again after `on_reclaim`. Raises
+        ResourceExhausted when no room can be made: the caller drops the save.
+        `count_hidden`: hidden pages count as coming back (acknowledgements
+        usually arrive within milliseconds); a caller that waited in vain asks
+        again without, and more ready entries are hidden if need be.
         """
-        validate_save(session, mm_hash, nbytes, shape, dtype)
+        if session.rank is None or not session.can_save:
+            raise FailedPrecondition(
+                f"a {session.role} {session.component} session cannot save: only worker "
+                "sessions of producer or both engines allocate")
+        validate_save(mm_hash, nbytes, shape, dtype)
         existing = self._namespaces.get(session.namespace, {}).get(mm_hash)
         if existing is not None:
             return AllocResult({State.PENDING: AllocOutcome.ALREADY_PENDING,
                                 State.READY: AllocOutcome.ALREADY_READY,
-                                State.HIDDEN: AllocOutcome.EVICTING}[existing.state],
+                                State.HIDDEN: AllocOutcome.ALREADY_HIDDEN}[existing.state],
                                existing.entry_id)
         pages = -(-nbytes // self.page_bytes)
         if pages > self.allocator.total_pages:
@@ -217,7 +192,7 @@ class Cache:
             raise ResourceExhausted(
                 f"an entry of {nbytes} bytes is larger than the cache "
                 f"({self.capacity_bytes} bytes)")
-        runs = self.allocator.allocate(pages) or self._make_room(pages)
+        runs = self.allocator.allocate(pages) or self._make_room(pages, count_hidden)
         if runs is None:
             if self.allocator.free_pages + self.hidden_pages >= pages:
                 return AllocResult(AllocOutcome.WAIT)
@@ -226,6 +201,7 @@ class Cache:
         entry = Entry((session.namespace, mm_hash), self._next_entry_id, nbytes, shape, dtype,
                       runs, session)
         self._next_entry_id += 1
+        self.stamps.write(runs, entry.entry_id)  # before anyone learns the extents
         self._namespaces.setdefault(session.namespace, {})[mm_hash] = entry
         session.pending.add(entry.key)
         self.pending_pages += entry.pages
@@ -239,32 +215,13 @@ class Cache:
 
     def commit(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
         """Make `session`'s pending entries ready (their copies landed)."""
-        hashes = list(mm_hashes)
-        for mm_hash in hashes:
-            validate_mm_hash(mm_hash)
-        statuses = []
-        namespace = self._namespaces.get(session.namespace, {})
-        for mm_hash in hashes:
-            entry = namespace.get(mm_hash)
-            if entry is None:
-                statuses.append(ReportStatus.UNKNOWN)
-            elif entry.state is not State.PENDING:
-                statuses.append(ReportStatus.DUPLICATE)
-            elif entry.owner is not session:
-                statuses.append(ReportStatus.UNKNOWN)
-            else:
-                self._make_ready(entry, session)
-                statuses.append(ReportStatus.ACCEPTED)
-        return statuses
+        return [self._commit_one(session, h) for h in _valid(mm_hashes)]
 
     def abort(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
         """Discard `session`'s pending entries (their copies will not land)."""
-        hashes = list(mm_hashes)
-        for mm_hash in hashes:
-            validate_mm_hash(mm_hash)
         statuses = []
         namespace = self._namespaces.get(session.namespace, {})
-        for mm_hash in hashes:
+        for mm_hash in _valid(mm_hashes):
             entry = namespace.get(mm_hash)
             if entry is not None and entry.state is State.PENDING and entry.owner is session:
                 self._discard_pending(entry)
@@ -273,157 +230,71 @@ class Cache:
                 statuses.append(ReportStatus.UNKNOWN)
         return statuses
 
-    # -------------------------------------------------------------- loads
-
-    def pin(self, session: Session, transfer_id: int, mm_hash: str, entry_id: int) -> bool:
-        """Pin an entry for one load dispatch, as the scheduler's stream asks.
-
-        Failures do not raise: the session is sent a PinFailedEvent and the
-        transfer's reports will be answered NOT_HELD. Pins must arrive in
-        transfer-id order (they share the stream with acknowledgements).
-        """
-        counter = transfer_id & COUNTER_MASK
-        ours = transfer_id >> 32 == session.index
-        fresh = ours and counter > session.max_transfer
-        if fresh:  # seen, whatever comes next: its reports stop waiting for it
-            session.max_transfer = counter
-        reason = self._pin_refusal(session, mm_hash, ours, fresh)
-        if reason is None and transfer_id in session.abandoned:
-            session.abandoned.discard(transfer_id)
-            reason = "its load report timed out before the pin arrived"
-        entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
-        if reason is None and (entry is None or entry.entry_id != entry_id
-                               or entry.state is State.PENDING):
-            reason = "entry is no longer cached"
-        expected = self.sessions.worker_ranks(session.engine_id)
-        if reason is None and not expected:
-            reason = f"no worker of engine {session.engine_id!r} is attached"
-        if reason is not None or entry is None:
-            self.counters["pin_failures"] += 1
-            session.send(PinFailedEvent(transfer_id, reason or "entry is no longer cached"))
-            self.on_pins(session)
-            return False
-        transfer = Transfer(transfer_id, entry, session, expected, self.sessions.clock())
-        self._transfers[transfer_id] = transfer
-        session.pins[transfer_id] = transfer
-        if not entry.pins:
-            self.pinned_pages += entry.pages
-            if entry.state is State.READY:
-                self.policy.remove(entry.key)
-            entry.pins = {transfer_id}
-        else:
-            entry.pins.add(transfer_id)
-        self.counters["pins"] += 1
-        self.on_pins(session)
-        return True
-
-    def report_loaded(self, session: Session, transfer_ids: list[int]) -> list[Verdict]:
-        """A worker rank is done with these transfers; the verdict says
-        whether the pin covered its copy (HELD) or the copy must be discarded.
-
-        Raises PermissionDenied, changing nothing, if any id belongs to
-        another engine. WAIT verdicts: ask again for those ids later.
-        """
-        if session.rank is None:
-            raise FailedPrecondition("only worker sessions report loads")
-        for transfer_id in transfer_ids:
-            owner = self._transfer_owner(transfer_id)
-            if owner is not None and owner.engine_id != session.engine_id:
-                raise PermissionDenied(f"transfer {transfer_id} belongs to another engine")
-        return [self._report_one(session, session.rank, t) for t in transfer_ids]
-
-    def abandon(self, transfer_id: int) -> None:
-        """A report waited in vain for this transfer's pin (the worker was told
-        NOT_HELD): refuse the pin if it still comes, or it would wait forever
-        for a report that was already given."""
-        owner = self._transfer_owner(transfer_id)
-        if owner is not None and (transfer_id & COUNTER_MASK) > owner.max_transfer:
-            owner.abandoned.add(transfer_id)
-
-    def expire_transfers(self, max_age: float) -> list[Transfer]:
-        """Release pins older than `max_age` whose ranks never all reported
-        (a backstop: a load takes milliseconds). Late reports get NOT_HELD."""
-        oldest = self.sessions.clock() - max_age
-        stale = [t for t in self._transfers.values() if t.created < oldest]
-        for transfer in stale:
-            self._release(transfer)
-        return stale
-
     def release_quarantine(self) -> int:
-        """Free the pages of discarded saves whose grace period is over."""
+        """Free the pages of discarded saves whose quarantine is over."""
         now = self.sessions.clock()
         released = 0
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, runs, pages = self._quarantine.popleft()
-            self.allocator.free(runs)
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, runs, pages = self.quarantine.popleft()
+            self._free_runs(runs)
             self.quarantined_pages -= pages
             released += pages
-        if released:
-            self.on_reclaim()
         return released
 
+    # -------------------------------------------------------------- views
+
     def acknowledge(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
-        """`session`'s view dropped these evicted entries; stale refs are ignored."""
+        """`session`'s view dropped these evicted entries and loads none of
+        them any more; stale refs are ignored."""
         namespace = self._namespaces.get(session.namespace, {})
         for mm_hash, entry_id in refs:
             entry = namespace.get(mm_hash)
             if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
                 self._acknowledge(entry, session)
 
-    # -------------------------------------------------------------- views
+    def touch(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
+        """Loads `session`'s view dispatched: recency for eviction, and the
+        load counters (bytes only for entries still known)."""
+        namespace = self._namespaces.get(session.namespace, {})
+        counters = self.namespace_counters[session.namespace]
+        for mm_hash, entry_id in refs:
+            counters["loads"] += 1  # dispatched, whatever became of the entry since
+            self.counters["loads"] += 1
+            entry = namespace.get(mm_hash)
+            if entry is None or entry.entry_id != entry_id:
+                continue
+            if entry.state is State.READY:
+                self.policy.touch(entry.key)
+            self.counters["bytes_loaded"] += entry.nbytes
 
     def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
         """Entries as tools see them: pending ones are absent."""
-        for mm_hash in mm_hashes:
-            validate_mm_hash(mm_hash)
         entries = self._namespaces.get(namespace, {})
-        found = [entries.get(h) for h in mm_hashes]
+        found = [entries.get(h) for h in _valid(mm_hashes)]
         return [e if e is not None and e.state is not State.PENDING else None for e in found]
 
     def extents(self, entry: Entry) -> tuple[Extent, ...]:
-        """Byte extents of `entry`, in payload order; the last is trimmed."""
+        """Byte extents of `entry` in the region file, in payload order; the
+        last is trimmed to the entry's size."""
         out = []
         left = entry.nbytes
         for start, pages in entry.runs:
             length = min(pages * self.page_bytes, left)
-            out.append((start * self.page_bytes, length))
+            out.append((self.data_offset + start * self.page_bytes, length))
             left -= length
         return tuple(out)
 
-    def check_invariants(self) -> None:
-        """Assert the bookkeeping adds up (tests and fuzzing call this)."""
-        used = 0
-        pending = pinned = hidden = 0
-        for entries in self._namespaces.values():
-            for entry in entries.values():
-                used += entry.pages
-                pending += entry.pages if entry.state is State.PENDING else 0
-                pinned += entry.pages if entry.pins else 0
-                hidden += entry.pages if entry.state is State.HIDDEN else 0
-                assert all(s.alive for s in entry.awaiting), "dead session awaited"
-                assert entry.state is State.HIDDEN or not entry.awaiting
-                assert entry.state is not State.PENDING or (
-                    entry.owner is not None and entry.owner.alive and not entry.pins)
-                for transfer_id in entry.pins:
-                    assert self._transfers[transfer_id].owner.alive, "pin of a dead session"
-        used += self.quarantined_pages
-        assert used + self.allocator.free_pages == self.allocator.total_pages, "pages leaked"
-        assert self.quarantined_pages == sum(q[2] for q in self._quarantine)
-        visible = [e for es in self._namespaces.values() for e in es.values()
-                   if e.state is not State.PENDING]
-        assert self.ready_entries + self.hidden_entries == len(visible)
-        assert self.hidden_entries == sum(e.state is State.HIDDEN for e in visible)
-        assert sum(u[1] for u in self.namespace_usage.values()) == sum(e.nbytes for e in visible)
-        assert (pending, pinned, hidden) == (
-            self.pending_pages, self.pinned_pages, self.hidden_pages), "byte counters drifted"
-        assert len(self._transfers) == sum(len(s.pins) for s in self.sessions)
+    def entries(self) -> Iterable[Entry]:
+        """Every entry, any state (the invariant checker and tools)."""
+        return (e for es in self._namespaces.values() for e in es.values())
 
     # ------------------------------------------------------------ helpers
 
-    def _make_room(self, pages: int) -> list[Run] | None:
+    def _make_room(self, pages: int, count_hidden: bool) -> list[Run] | None:
         """Hide LRU victims so `pages` can come free; allocate if it already can."""
-        # Hidden entries are on their way out (after acks, and loads if pinned).
-        shortfall = pages - self.allocator.free_pages - self.hidden_pages
+        # Hidden entries are on their way out (after the acknowledgements).
+        coming = self.hidden_pages if count_hidden else 0
+        shortfall = pages - self.allocator.free_pages - coming
         if shortfall > 0:
             # A whole batch where there is one; never less than the shortfall.
             batch = min(self.allocator.total_pages // EVICTION_BATCH_DIVISOR,
@@ -433,7 +304,12 @@ class Cache:
                 self._hide(self._namespaces[namespace][mm_hash])
         return self.allocator.allocate(pages)
 
-    def _make_ready(self, entry: Entry, session: Session) -> None:
+    def _commit_one(self, session: Session, mm_hash: str) -> ReportStatus:
+        entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
+        if entry is None or (entry.state is State.PENDING and entry.owner is not session):
+            return ReportStatus.UNKNOWN
+        if entry.state is not State.PENDING:
+            return ReportStatus.DUPLICATE
         entry.state = State.READY
         entry.owner = None
         session.pending.discard(entry.key)
@@ -448,57 +324,58 @@ class Cache:
         event = self._ready_event(entry)
         for view in self.sessions.subscribers(entry.key[0]):
             view.send(event)
+        return ReportStatus.ACCEPTED
 
     def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
-        """Drop a pending entry. Its writer may still be copying when its
-        session ended without an abort (a hung process resumed, a DMA in
-        flight): those pages are reused only after a grace period."""
+        """Drop a pending entry; with `quarantine` its pages stay out of use
+        (and stamped) for `quarantine_seconds`."""
         assert entry.state is State.PENDING and entry.owner is not None
         entry.owner.pending.discard(entry.key)
         entry.owner = None
         self.pending_pages -= entry.pages
-        if not quarantine:
-            self._free(entry)
-            return
         self._forget(entry)
-        self._quarantine.append((self.sessions.clock() + self.sessions.lease_seconds,
-                                 entry.runs, entry.pages))
+        if not quarantine:
+            self._free_runs(entry.runs)
+            return
+        self.quarantine.append((self.sessions.clock() + self.quarantine_seconds,
+                                entry.runs, entry.pages))
         self.quarantined_pages += entry.pages
 
     def _hide(self, entry: Entry) -> None:
-        assert entry.state is State.READY and not entry.pins
+        assert entry.state is State.READY
         self.policy.remove(entry.key)
         entry.state = State.HIDDEN
         self.hidden_pages += entry.pages
         self.ready_entries -= 1
         self.hidden_entries += 1
         self.counters["evictions"] += 1
-        entry.awaiting = set(self.sessions.subscribers(entry.key[0]))
+        entry.awaiting = set(self.sessions.awaited(entry.key[0]))
         event = EvictedEvent(entry.mm_hash, entry.entry_id)
         for view in entry.awaiting:
             view.awaiting.add(entry)
-            view.send(event)
+            view.send(event)  # ghosts send nothing
         if not entry.awaiting:
             self._reclaim(entry)
 
     def _acknowledge(self, entry: Entry, session: Session) -> None:
         entry.awaiting.discard(session)
         session.awaiting.discard(entry)
-        if not entry.awaiting and not entry.pins:
+        if not entry.awaiting:
             self._reclaim(entry)
 
     def _reclaim(self, entry: Entry) -> None:
-        assert entry.state is State.HIDDEN and not entry.pins and not entry.awaiting
+        assert entry.state is State.HIDDEN and not entry.awaiting
         self.hidden_pages -= entry.pages
         self.hidden_entries -= 1
         usage = self.namespace_usage[entry.key[0]]
         usage[0] -= 1
         usage[1] -= entry.nbytes
-        self._free(entry)
-
-    def _free(self, entry: Entry) -> None:
         self._forget(entry)
-        self.allocator.free(entry.runs)
+        self._free_runs(entry.runs)
+
+    def _free_runs(self, runs: list[Run]) -> None:
+        self.stamps.clear(runs)
+        self.allocator.free(runs)
         self.on_reclaim()  # an allocation may be waiting for these pages
 
     def _forget(self, entry: Entry) -> None:
@@ -506,60 +383,16 @@ class Cache:
         del namespace[entry.key[1]]
         if not namespace:
             del self._namespaces[entry.key[0]]
+            self._prune_namespace(entry.key[0])
 
-    def _release(self, transfer: Transfer) -> None:
-        del self._transfers[transfer.transfer_id]
-        del transfer.owner.pins[transfer.transfer_id]
-        entry = transfer.entry
-        entry.pins.discard(transfer.transfer_id)
-        if entry.pins:
+    def _prune_namespace(self, namespace: str) -> None:
+        """Forget the counters of a namespace nobody uses and nothing is in."""
+        if namespace in self._namespaces or self.sessions.in_use(namespace):
             return
-        entry.pins = _EMPTY
-        self.pinned_pages -= entry.pages
-        if entry.state is State.READY:
-            self.policy.add(entry.key, entry.pages)
-        elif not entry.awaiting:
-            self._reclaim(entry)
-
-    def _forget_rank(self, engine_id: str, rank: int) -> None:
-        """No live session of this rank is left: its reports will not come."""
-        for scheduler in list(self.sessions.schedulers_of(engine_id)):
-            for transfer in list(scheduler.pins.values()):
-                transfer.expected.discard(rank)
-                if transfer.expected <= transfer.reported:
-                    self._release(transfer)
-
-    def _report_one(self, session: Session, rank: int, transfer_id: int) -> Verdict:
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None:
-            owner = self._transfer_owner(transfer_id)
-            if owner is not None and (transfer_id & COUNTER_MASK) > owner.max_transfer:
-                return Verdict.WAIT
-            return Verdict.NOT_HELD
-        if rank in transfer.reported:
-            return Verdict.REPORTED_ALREADY
-        transfer.reported.add(rank)
-        if transfer.expected <= transfer.reported:
-            self.counters["loads"] += 1
-            self.counters["bytes_loaded"] += transfer.entry.nbytes
-            self._release(transfer)
-        return Verdict.HELD
-
-    def _transfer_owner(self, transfer_id: int) -> Session | None:
-        owner = self.sessions.by_index(transfer_id >> 32)
-        return owner if owner is not None and owner.is_scheduler else None
-
-    def _pin_refusal(self, session: Session, mm_hash: str, ours: bool,
-                     fresh: bool) -> str | None:
-        if not session.is_scheduler or not session.can_load:
-            return f"a {session.role} {session.component} session cannot pin"
-        if not ours:
-            return "transfer id was not minted by this session"
-        if not fresh:
-            return "transfer id is not greater than the previous one"
-        if not mm_hash or len(mm_hash.encode()) > MAX_KEY_BYTES:
-            return "invalid mm_hash"
-        return None
+        self.namespace_counters.pop(namespace, None)
+        usage = self.namespace_usage.get(namespace)
+        if usage is not None and usage == [0, 0]:
+            del self.namespace_usage[namespace]
 
     def _ready_event(self, entry: Entry) -> ReadyEvent:
         return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,
@@ -568,5 +401,13 @@ class Cache:
     def _full_message(self, nbytes: int) -> str:
         pb = self.page_bytes
         return (f"cache full: cannot place {nbytes} bytes ({self.allocator.free_pages * pb} free, "
-                f"{self.pinned_pages * pb} pinned, {self.pending_pages * pb} pending, "
-                f"{self.hidden_pages * pb} awaiting acknowledgement)")
+                f"{self.pending_pages * pb} pending, {self.hidden_pages * pb} hidden awaiting "
+                f"acknowledgement, {self.quarantined_pages * pb} quarantined)")
+
+
+def _valid(mm_hashes: Iterable[str]) -> list[str]:
+    """All of `mm_hashes`, checked before any is used (raises InvalidArgument)."""
+    hashes = list(mm_hashes)
+    for mm_hash in hashes:
+        validate_mm_hash(mm_hash)
+    return hashes

@@ -158,24 +158,24 @@ def format_stats(data: dict[str, Any]) -> str:
         f"capacity   {size(data['capacity_bytes'])} ({size(data['page_bytes'])} pages), "
         f"generation {data['generation']:016x}",
         f"used       {size(data['used_bytes'])} ({used_pct}%): "
-        f"pinned {size(data['pinned_bytes'])}, pending {size(data['pending_bytes'])}, "
-        f"evicting {size(data['hidden_bytes'])}",
-        f"entries    {data['entries']} ready, {data['hidden_entries']} evicting",
+        f"pending {size(data['pending_bytes'])}, hidden {size(data['hidden_bytes'])}, "
+        f"quarantined {size(data['quarantined_bytes'])}",
+        f"entries    {data['entries']} ready, {data['hidden_entries']} hidden",
         f"hit rate   {rate} ({data['hits']} hits, {data['misses']} misses)",
         f"traffic    {data['saves']} saves ({size(data['bytes_saved'])}), {data['loads']} loads "
         f"({size(data['bytes_loaded'])}), {data['evictions']} evictions, "
         f"{data['refused_saves']} refused saves",
-        f"sessions   {data['sessions']}",
+        f"sessions   {data['sessions']} ({data['ghost_sessions']} ghosts)",
     ]
     for s in data["session_list"]:
         lines.append(f"  #{s['session_index']:<10} {s['engine_id']:<24} {s['component']:<14} "
-                     f"{s['role']:<8} pins {s['pins']:<5} pending {s['pending']}")
+                     f"{s['role']:<8} awaiting {s['awaiting']:<5} pending {s['pending']}")
     top = sorted(data["namespaces"], key=lambda n: n["bytes"], reverse=True)[:5]
     if top:
         lines.append("namespaces (largest first)")
         for ns in top:
             lines.append(f"  {ns['namespace']}: {ns['entries']} entries, {size(ns['bytes'])}, "
-                         f"{ns['hits']} hits, {ns['misses']} misses")
+                         f"{ns['hits']} hits, {ns['misses']} misses, {ns['loads']} loads")
     return "\n".join(lines)
 
 

@@ -131,6 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a session whose stream is silent this long is ended", "S"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
+    Setting("quarantine_seconds", _positive_float, lambda: "300",
+            "pages of a save whose writer vanished stay unused this long (a frozen writer "
+            "that wakes up must not overwrite a newer entry)", "S"),
     Setting("check_invariants", lambda text: _choice("true", "false")(text) == "true",
             lambda: "false", "verify the bookkeeping after every call (slow; for testing)",
             "BOOL"),
@@ -170,6 +173,7 @@ class DaemonConfig:
     page_bytes: int
     lease_seconds: float
     alloc_wait_seconds: float
+    quarantine_seconds: float
     check_invariants: bool
     metrics_port: int
     metrics_address: str
@@ -192,6 +196,9 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
             f"(--page-bytes {format_size(config.page_bytes)})"
         )
+    if config.quarantine_seconds < config.lease_seconds:
+        raise ValueError("--quarantine-seconds must be at least --lease-seconds (a vanished "
+                         "writer is noticed only after its lease)")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     return config

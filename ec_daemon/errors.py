@@ -39,7 +39,7 @@ class PermissionDenied(CacheError):
 
 
 class ResourceExhausted(CacheError):
-    """No room: everything is pinned, pending or awaiting acknowledgement.
+    """No room: everything is pending, quarantined or awaiting acknowledgement.
     The caller should drop this save (the engine just does not cache it)."""
 
     code = "RESOURCE_EXHAUSTED"

@@ -29,9 +29,10 @@ class EvictedEvent:
 
 
 @dataclass(frozen=True)
-class PinFailedEvent:
-    transfer_id: int
-    reason: str
+class HeartbeatEcho:
+    """The lease was renewed after the client sent heartbeat `seq`."""
+
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class AllocOutcome(enum.Enum):
     ALLOCATED = "allocated"
     ALREADY_PENDING = "already_pending"
     ALREADY_READY = "already_ready"
-    EVICTING = "evicting"
+    ALREADY_HIDDEN = "already_hidden"
     # Victims are hidden and their pages come back once the views acknowledge:
     # ask again after `Cache.on_reclaim` fires.
     WAIT = "wait"
@@ -60,12 +61,3 @@ class ReportStatus(enum.Enum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"
     UNKNOWN = "unknown"
-
-
-class Verdict(enum.Enum):
-    HELD = "held"
-    NOT_HELD = "not_held"
-    REPORTED_ALREADY = "reported_already"
-    # The pin is still on its way on the scheduler's stream: ask again after
-    # `Cache.on_pins` fires for its owner.
-    WAIT = "wait"

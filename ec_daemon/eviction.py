@@ -1,7 +1,7 @@
 """Eviction policy: chooses victims, never frees them.
 
-The cache tells the policy when an entry becomes evictable (ready and
-unpinned), when it is used, and when it stops being evictable; `choose`
+The cache tells the policy when an entry becomes evictable (ready), when
+it is used, and when it stops being evictable; `choose`
 answers which evictable keys would free a number of pages, or nothing at all
 when even every evictable entry would not (so a refusal changes nothing).
 Swappable: anything with this interface works.
@@ -43,7 +43,7 @@ class LRUPolicy:
             self._order.move_to_end(key)
 
     def remove(self, key: Hashable) -> None:
-        """`key` is no longer evictable (pinned, hidden or gone); no-op if unknown."""
+        """`key` is no longer evictable (hidden or gone); no-op if unknown."""
         pages = self._order.pop(key, None)
         if pages is not None:
             self._pages -= pages

@@ -8,12 +8,8 @@ size, a shape that does not match its bytes). Raising means nothing changed.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-from ec_daemon.errors import FailedPrecondition, InvalidArgument
-
-if TYPE_CHECKING:
-    from ec_daemon.sessions import Session
+from ec_daemon.errors import InvalidArgument
 
 MAX_KEY_BYTES = 512
 MAX_DIMS = 8
@@ -28,14 +24,9 @@ def validate_mm_hash(mm_hash: str) -> None:
         raise InvalidArgument(f"mm_hash is longer than {MAX_KEY_BYTES} bytes")
 
 
-def validate_save(session: Session, mm_hash: str, nbytes: int, shape: tuple[int, ...],
-                  dtype: str) -> None:
-    """Raise unless `session` may save this entry as described."""
+def validate_save(mm_hash: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> None:
+    """Raise unless an entry described so may be saved."""
     validate_mm_hash(mm_hash)
-    if session.rank is None or not session.can_save:
-        raise FailedPrecondition(
-            f"a {session.role} {session.component} session cannot save: only worker "
-            "sessions of producer or both engines allocate")
     if nbytes <= 0:
         raise InvalidArgument(f"nbytes must be positive, got {nbytes}")
     if not shape or len(shape) > MAX_DIMS or any(d <= 0 for d in shape):

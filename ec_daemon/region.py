@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -81,7 +82,9 @@ class Region:
         generation = new_generation()
         path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
         creating = folder / f".{PREFIX}{generation:016x}{CREATING_SUFFIX}"
-        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        # Owner-only until the group is set: created with `mode`, the file
+        # would be open to the daemon's own primary group until the fchown.
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if gid is not None:
@@ -96,6 +99,11 @@ class Region:
                     leftover.unlink()
             raise
         return cls(path, size, generation, fd)
+
+    def map_front(self, length: int) -> mmap.mmap:
+        """A shared, writable mapping of the file's first `length` bytes (the
+        stamp table: the daemon never maps the payload)."""
+        return mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def close(self) -> None:
         """Remove the file and drop the lock. Clients still mapping it keep

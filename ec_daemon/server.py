@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import signal
 import socket
-import stat
 from pathlib import Path
 
 import grpc
@@ -37,46 +35,14 @@ from ec_daemon.metrics import start_exporter
 from ec_daemon.region import Region, RegionError, clean_stale
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
-from ec_protocol.protocol import grpc_target, pb, rpc, unix_path
+from ec_daemon.startup import StartupError, prepare_socket
+from ec_protocol import stamps
+from ec_protocol.protocol import pb, rpc, unix_path
 
 log = logging.getLogger("ec_daemon")
 
 SERVICE_NAME = "ec_daemon.v1.ECDaemon"
 SHUTDOWN_GRACE_SECONDS = 5.0
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says why and what to do."""
-
-
-def prepare_socket(uri: str) -> str:
-    """Check the socket URI, create its folder (owner-only), and remove a
-    stale socket left by a dead daemon. Returns the gRPC bind target."""
-    try:
-        target = grpc_target(uri)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
-    path_text = unix_path(uri)
-    if path_text is None:
-        return target
-    path = Path(path_text)
-    if len(os.fsencode(path)) >= 108:
-        raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StartupError(f"cannot create the socket folder {path.parent}: {exc.strerror}") \
-            from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise StartupError(f"socket folder {path.parent} is not writable by this user")
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
-        if _socket_is_live(path):
-            raise StartupError(f"another daemon is serving on {path}; stop it or use --socket")
-        path.unlink()
-        log.info("removed stale socket %s", path)
-    return target
 
 
 def sd_notify(state: str) -> bool:
@@ -95,18 +61,6 @@ def sd_notify(state: str) -> bool:
     return True
 
 
-def _socket_is_live(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-        except OSError as exc:
-            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                return False
-            raise
-    return True
-
-
 async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set). Raises StartupError."""
     socket_path = unix_path(config.socket)
@@ -121,23 +75,27 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                            "give a token")
     if socket_path is not None and config.tls_cert:
         raise StartupError("--tls-cert/--tls-key apply to TCP sockets only")
-    target = prepare_socket(config.socket)
+    target = prepare_socket(config.socket, gid)
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None)
     _bind(server, target, config)  # before pre-faulting: fail fast
     try:
         if socket_path is not None:
-            apply_access(socket_path, config.socket_mode, gid)
-            open_folder_to_group(Path(socket_path).parent, gid)
+            try:
+                apply_access(socket_path, config.socket_mode, gid)
+                open_folder_to_group(Path(socket_path).parent, gid)
+            except AuthError as exc:
+                raise StartupError(str(exc)) from None
         for path in clean_stale(config.shm_dir):
             log.info("removed stale region %s of a dead daemon", path)
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
+        data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
         try:
-            region = Region.create(config.shm_dir, capacity, mode=config.socket_mode, gid=gid,
-                                   progress=log.info)
+            region = Region.create(config.shm_dir, data_offset + capacity,
+                                   mode=config.socket_mode, gid=gid, progress=log.info)
         except (RegionError, OSError) as exc:
             raise StartupError(str(exc)) from None
         with region:
-            await _serve_region(config, server, region, stop or asyncio.Event())
+            await _serve_region(config, server, region, data_offset, stop or asyncio.Event())
         log.info("stopped; region %s removed", region.path)
     finally:
         await server.stop(None)
@@ -171,11 +129,15 @@ def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
 
 
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,
-                        stop: asyncio.Event) -> None:
-    cache = Cache(capacity_bytes=region.size, page_bytes=config.page_bytes,
-                  sessions=SessionTable(config.lease_seconds))
+                        data_offset: int, stop: asyncio.Event) -> None:
+    table = stamps.StampTable(memoryview(region.map_front(data_offset)), config.page_bytes,
+                              data_offset)
+    cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
+                  sessions=SessionTable(config.lease_seconds), data_offset=data_offset,
+                  stamps=table, quarantine_seconds=config.quarantine_seconds)
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
-                            page_bytes=config.page_bytes, generation=region.generation)
+                            page_bytes=config.page_bytes, generation=region.generation,
+                            data_offset=data_offset)
     service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
                               alloc_wait_seconds=config.alloc_wait_seconds,
                               check_invariants=config.check_invariants)
@@ -191,7 +153,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    expiry = asyncio.ensure_future(service.expire_leases())
+    expiry = asyncio.ensure_future(service.upkeep())
     exporter = None
     if config.metrics_port:
         try:
@@ -201,10 +163,10 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                                f"{config.metrics_port}: {exc.strerror}") from None
         log.info("metrics on http://%s:%d/metrics", config.metrics_address, config.metrics_port)
     log.info("ec-daemon serving on %s: region %s, %s in %d pages of %s, generation %016x, "
-             "lease %.0fs", config.socket, region.path, format_size(region.size),
+             "lease %.0fs", config.socket, region.path, format_size(cache.capacity_bytes),
              cache.allocator.total_pages, format_size(config.page_bytes), region.generation,
              config.lease_seconds)
-    sd_notify(f"READY=1\nSTATUS=serving {format_size(region.size)} on {config.socket}")
+    sd_notify(f"READY=1\nSTATUS=serving {format_size(cache.capacity_bytes)} on {config.socket}")
     try:
         await stop.wait()
     finally:

@@ -1,17 +1,14 @@
 """The gRPC servicer: a thin asyncio adapter around the cache core.
 
 Each handler converts the request (`wire`), calls the core, converts the
-reply; `grpc_errors` maps the core's domain errors to status codes in one
-place. Everything runs on one event loop, so the core needs no locks and
-each session stream costs a coroutine, not a thread.
+reply; `_abort` maps the core's domain errors to status codes in one place,
+and anything unexpected is logged with its stack and answered INTERNAL.
+Everything runs on one event loop, so the core needs no locks and each
+session stream costs a coroutine, not a thread.
 
-Two calls may wait without blocking the loop: an allocation whose victims
-await acknowledgements (until pages come back or `alloc_wait_seconds`), and a
-load report that overtook its pin on the scheduler's stream (until the pin
-arrives, the owner ends, or `REPORT_WAIT_SECONDS`). Waits are keyed (space,
-or the pins of the scheduler sessions a report waits on): every step of every
-engine lands a pin, and one shared event would wake every waiting report of
-every engine for each of them.
+One call may wait without blocking the loop: an allocation whose victims
+await acknowledgements (until pages come back or `alloc_wait_seconds`).
+Loads make no call at all (see `cache`).
 """
 
 from __future__ import annotations
@@ -21,41 +18,45 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from ec_daemon import wire
+from ec_daemon import invariants, stats, wire
 from ec_daemon.cache import Cache
-from ec_daemon.errors import (
-    CacheError,
-    FailedPrecondition,
-    InvalidArgument,
-    InvariantViolated,
-)
-from ec_daemon.events import AllocOutcome, Verdict
+from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument, InvariantViolated
+from ec_daemon.events import AllocOutcome, HeartbeatEcho
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
-from ec_daemon.sessions import Session as ClientSession
-from ec_protocol.protocol import PROTOCOL_VERSION, ROLES, TRANSFER_ID_SHIFT, pb, rpc
+from ec_daemon.records import Session as ClientSession
+from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
 log = logging.getLogger(__name__)
 
-# Below the client's default deadline (5 s), so the worker hears the verdict.
-REPORT_WAIT_SECONDS = 2.0
 OPEN_TIMEOUT_SECONDS = 10.0
+# A save waits this part of --alloc-wait-seconds for hidden pages to come
+# back before it evicts more ready entries instead.
+HIDDEN_PATIENCE_FRACTION = 0.1
 MAX_EVENTS_PER_MESSAGE = 4096
 # Well under gRPC's default 4 MiB receive limit, whatever the events hold.
 MAX_MESSAGE_BYTES = 1 << 20
-# A pin whose ranks never all reported is released after this (a backstop).
-PIN_TTL_SECONDS = 60.0
 
 T = TypeVar("T")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
 
 
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status of `exc`: a CacheError's own code, and
+    INTERNAL (logged with its stack) for anything else."""
+    if isinstance(exc, CacheError):
+        await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    log.error("internal error: %s", exc, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    raise AssertionError("unreachable")
+
+
 def grpc_errors(handler: Handler[T]) -> Handler[T]:
-    """Map CacheError subclasses to their gRPC status (nothing was changed)."""
+    """Map errors to gRPC statuses (a CacheError changed nothing)."""
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
@@ -64,10 +65,12 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
             reply = await handler(self, request, context)
             self.verify()
             return reply
-        except CacheError as exc:
-            self.verify()
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-            raise AssertionError("unreachable") from exc
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            if isinstance(exc, CacheError):
+                self.verify()
+            await _abort(context, exc)
         finally:
             self.rpc_seconds.labels(handler.__name__).observe(time.perf_counter() - started)
 
@@ -131,11 +134,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.rpc_seconds = rpc_histogram()
         self.wakeups = Wakeups()
         cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
-        cache.on_pins = lambda session: self.wakeups.wake(("pins", session.index))
 
-    def end_session(self, session: ClientSession) -> None:
-        self.cache.end_session(session)
-        self.wakeups.wake_all()  # its pins, pending pages and reports are gone
+    def end_session(self, session: ClientSession, *, detached: bool = False) -> None:
+        self.cache.end_session(session, detached=detached)
         self.verify()
 
     def verify(self) -> None:
@@ -144,10 +145,14 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if not self.check_invariants:
             return
         try:
-            self.cache.check_invariants()
+            invariants.check(self.cache)
         except AssertionError as exc:
             log.critical("cache invariant violated: %s", exc)
             raise InvariantViolated(f"cache invariant violated: {exc}") from exc
+
+    def snapshot(self) -> stats.Snapshot:
+        return stats.take(self.cache, generation=self.region.generation,
+                          region_path=self.region.path, started=self.started)
 
     # -------------------------------------------------------------- unary
 
@@ -162,7 +167,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session = self.cache.attach(**wire.attach_fields(request))
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
                  session.engine_id, session.component, session.role, session.namespace)
-        heartbeat_ms = max(50, int(self.lease_seconds * 1000 / 5))
+        # Ten heartbeats a lease: a view stays fresh (able to answer hits) for
+        # half a lease after each echoed one, so several may be slow or lost.
+        heartbeat_ms = max(50, int(self.lease_seconds * 1000 / 10))
         return pb.AttachReply(
             session_id=session.session_id, session_index=session.index, region=self.region,
             namespace=session.namespace, lease_ms=int(self.lease_seconds * 1000),
@@ -171,21 +178,29 @@ class ECDaemonService(rpc.ECDaemonServicer):
     @grpc_errors
     async def Detach(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         session = self.cache.sessions.get(request.session_id)
-        self.end_session(session)
+        self.end_session(session, detached=True)
         log.info("detached session %d (engine %r)", session.index, session.engine_id)
         return pb.DetachReply()
 
     @grpc_errors
     async def Allocate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        deadline = time.monotonic() + self.alloc_wait_seconds
+        started = time.monotonic()
+        deadline = started + self.alloc_wait_seconds
+        # Past this, hidden pages held back (a load in flight, a ghost) no
+        # longer count as coming back: more ready entries are evicted instead.
+        patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
         shape = tuple(request.shape)
+        impatient = False  # once only: the victims it hides are then counted as coming
         while True:
             session = self.cache.sessions.get(request.session_id)
+            count_hidden = impatient or time.monotonic() < patience
+            impatient = impatient or not count_hidden
             result = self.cache.allocate(session, request.mm_hash, request.nbytes, shape,
-                                         request.dtype)
+                                         request.dtype, count_hidden=count_hidden)
             if result.outcome is not AllocOutcome.WAIT:
                 return wire.alloc_reply(result)
-            if not await self.wakeups.wait((SPACE,), deadline):
+            wake_by = deadline if impatient else patience
+            if not await self.wakeups.wait((SPACE,), wake_by) and time.monotonic() >= deadline:
                 raise self.cache.refuse_waited_save(request.nbytes)
 
     @grpc_errors
@@ -193,77 +208,26 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session = self.cache.sessions.get(request.session_id)
         saved = wire.batch(request.saved, "saved")
         aborted = wire.batch(request.aborted, "aborted")
-        loaded = wire.batch(request.loaded, "loaded")
-        if (saved or aborted) and session.rank is None:
+        if session.rank is None:
             raise FailedPrecondition("only worker sessions report saves")
-        for mm_hash in saved + aborted:  # all checks before any change
+        for mm_hash in aborted:  # before any save is applied: an error changes nothing
             validate_mm_hash(mm_hash)
-        verdicts = self.cache.report_loaded(session, loaded) if loaded else []
-        reply = pb.ReportReply(
-            saved=[wire.REPORT_STATUS[s] for s in self.cache.commit(session, saved)],
+        statuses = self.cache.commit(session, saved)  # validates all before changing any
+        return pb.ReportReply(
+            saved=[wire.REPORT_STATUS[s] for s in statuses],
             aborted=[wire.REPORT_STATUS[s] for s in self.cache.abort(session, aborted)])
-        deadline = time.monotonic() + REPORT_WAIT_SECONDS
-        while Verdict.WAIT in verdicts:
-            waiting = [i for i, v in enumerate(verdicts) if v is Verdict.WAIT]
-            owners = {("pins", loaded[i] >> TRANSFER_ID_SHIFT) for i in waiting}
-            if not session.alive or not await self.wakeups.wait(owners, deadline):
-                for i in waiting:
-                    verdicts[i] = Verdict.NOT_HELD
-                    self.cache.abandon(loaded[i])
-                break
-            again = self.cache.report_loaded(session, [loaded[i] for i in waiting])
-            for i, verdict in zip(waiting, again, strict=True):
-                verdicts[i] = verdict
-        reply.loaded.extend(wire.VERDICT[v] for v in verdicts)
-        return reply
 
     @grpc_errors
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         hashes = wire.batch(request.mm_hashes, "mm_hashes")
         if not request.namespace:
             raise InvalidArgument("namespace is empty (use the one Attach returned)")
-        reply = pb.LookupReply()
-        for entry in self.cache.lookup(request.namespace, hashes):
-            if entry is None:
-                reply.results.add(state=pb.ABSENT)
-                continue
-            state = pb.READY if entry.state.value == "ready" else pb.EVICTING_STATE
-            reply.results.add(state=state, entry=wire.entry_info(self.cache, entry),
-                              pins=len(entry.pins))
-        return reply
+        return pb.LookupReply(results=[wire.lookup_result(self.cache, entry) for entry
+                                       in self.cache.lookup(request.namespace, hashes)])
 
     @grpc_errors
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.stats_reply()
-
-    def stats_reply(self) -> Any:
-        cache = self.cache
-        page = cache.page_bytes
-        free = cache.allocator.free_pages * page
-        reply = pb.StatsReply(
-            capacity_bytes=cache.capacity_bytes, used_bytes=cache.capacity_bytes - free,
-            free_bytes=free, pinned_bytes=cache.pinned_pages * page,
-            pending_bytes=cache.pending_pages * page, hidden_bytes=cache.hidden_pages * page,
-            quarantined_bytes=cache.quarantined_pages * page,
-            entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
-            sessions=len(cache.sessions),
-            page_bytes=page, generation=self.region.generation, region_path=self.region.path,
-            uptime_s=time.monotonic() - self.started,
-            largest_free_bytes=cache.allocator.largest_free_run * page)
-        for name in ("hits", "misses", "evictions", "saves", "loads", "refused_saves",
-                     "bytes_saved", "bytes_loaded"):
-            setattr(reply, name, cache.counters[name])
-        for name, counts in cache.namespace_counters.items():
-            entries, nbytes = cache.namespace_usage.get(name, (0, 0))
-            reply.namespaces.add(namespace=name, entries=entries, bytes=nbytes,
-                                 hits=counts["hits"], misses=counts["misses"])
-        now = time.monotonic()
-        for s in cache.sessions:
-            reply.session_list.add(
-                session_index=s.index, engine_id=s.engine_id, role=ROLES[s.role],
-                component=s.component, namespace=s.namespace, pins=len(s.pins),
-                pending=len(s.pending), client_name=s.client_name, age_s=now - s.created)
-        return reply
+        return wire.stats_reply(self.snapshot(), self.region)
 
     # ------------------------------------------------------------- stream
 
@@ -274,30 +238,52 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session.wake = wake.set
         reader = asyncio.ensure_future(self._read(session, request_iterator, wake))
         try:
-            while session.alive and not self.closing:
+            while session.alive and not self.closing and not session.overflowed:
                 if not session.outbox and not reader.done():
                     await wake.wait()
                     wake.clear()
-                if reader.done():
+                if reader.done() or session.overflowed:
                     break
-                events: list[Any] = []
-                size = 0
-                while (session.outbox and len(events) < MAX_EVENTS_PER_MESSAGE
-                       and size < MAX_MESSAGE_BYTES):
-                    events.append(session.outbox.popleft())
-                    size += wire.event_size(events[-1])
-                if events:
-                    yield wire.daemon_message(events)
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                message = self._next_message(session)
+                if message is not None:
+                    yield message
+            if session.overflowed:
+                self.drop_slow_reader(session)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "session detached: events were read too slowly")
+            if reader.done() and not reader.cancelled():
                 exc = reader.exception()
-                if isinstance(exc, CacheError):
-                    await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+                if exc is not None:  # a CacheError's own code; anything else INTERNAL, logged
+                    await _abort(context, exc)
         finally:
+            # Only Detach ends a session as detached: a stream that ends, even
+            # as a clean half-close (a killed client's may look like one),
+            # leaves a ghost, since its engine may still be loading.
             reader.cancel()
             if session.alive:
-                log.info("session %d ended (engine %r %s): stream closed", session.index,
-                         session.engine_id, session.component)
+                log.info("session %d ended (engine %r %s): stream ended without Detach",
+                         session.index, session.engine_id, session.component)
             self.end_session(session)
+
+    def drop_slow_reader(self, session: ClientSession) -> None:
+        """End a session whose outbox overflowed (it becomes a ghost). Its
+        stream may still be blocked writing to a client that stopped reading:
+        that must not keep evictions waiting for it."""
+        if not session.alive:
+            return
+        log.warning("session %d (engine %r %s) detached: it read events too slowly "
+                    "(%d queued); it re-attaches with a fresh snapshot", session.index,
+                    session.engine_id, session.component, len(session.outbox))
+        self.end_session(session)
+
+    def _next_message(self, session: ClientSession) -> Any:
+        events: list[Any] = []
+        size = 0
+        outbox = session.outbox
+        while outbox and len(events) < MAX_EVENTS_PER_MESSAGE and size < MAX_MESSAGE_BYTES:
+            events.append(outbox.popleft())
+            size += wire.event_size(events[-1])
+        return wire.daemon_message(events) if events else None
 
     async def _open(self, request_iterator: AsyncIterator[Any],
                     context: grpc.aio.ServicerContext) -> ClientSession:
@@ -318,8 +304,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
                 self.end_session(session)  # a session without its stream is dead
                 raise
             session.streaming = True
-        except CacheError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except Exception as exc:
+            await _abort(context, exc)
         return session
 
     async def _read(self, session: ClientSession, request_iterator: AsyncIterator[Any],
@@ -335,37 +321,48 @@ class ECDaemonService(rpc.ECDaemonServicer):
             wake.set()
 
     def _apply(self, session: ClientSession, message: Any) -> None:
-        """Pins, then acknowledgements, then the heartbeat, in that order
-        (a malformed heartbeat is refused before anything is applied)."""
+        """Acknowledgements, touches, then the heartbeat (whose echo follows
+        the lease renewal). Everything is checked before anything is applied."""
         beat = message.heartbeat if message.HasField("heartbeat") else None
         if beat is not None and beat.hits > beat.lookups:
             raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
+        acks = wire.refs(message.acks, "acks")
+        touches = wire.refs(message.touches, "touches")
+        if (acks or touches or (beat is not None and beat.lookups)) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions acknowledge, touch or count "
+                                     "lookups")
         self.cache.sessions.renew(session)
-        for pin in message.pins:
-            self.cache.pin(session, pin.transfer_id, pin.mm_hash, pin.entry_id)
-        if message.acks:
-            self.cache.acknowledge(session, ((a.mm_hash, a.entry_id) for a in message.acks))
-        if beat is not None and session.is_scheduler:
-            self.cache.record_lookups(session, beat.lookups, beat.hits)
+        if acks:
+            self.cache.acknowledge(session, acks)
+        if touches:
+            self.cache.touch(session, touches)
+        if beat is not None:
+            if session.is_scheduler:
+                self.cache.record_lookups(session, beat.lookups, beat.hits)
+            if beat.seq:
+                session.send(HeartbeatEcho(beat.seq))
         self.verify()
 
     # ------------------------------------------------------------ upkeep
 
-    async def expire_leases(self) -> None:
-        """End sessions whose stream went silent; runs until cancelled."""
+    async def upkeep(self) -> None:
+        """Expire silent sessions, slow readers, ghosts and quarantines; runs
+        until cancelled."""
         interval = min(1.0, self.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
+            for session in self.cache.sessions:
+                if session.overflowed:
+                    self.drop_slow_reader(session)
             for session in self.cache.expire_sessions():
                 log.warning("session %d expired (engine %r %s): no message for %.1fs",
                             session.index, session.engine_id, session.component,
                             self.lease_seconds)
-                self.wakeups.wake_all()
-            for transfer in self.cache.expire_transfers(PIN_TTL_SECONDS):
-                log.warning("released pin %d of %r after %.0fs: ranks %s never reported",
-                            transfer.transfer_id, transfer.entry.mm_hash, PIN_TTL_SECONDS,
-                            sorted(transfer.expected - transfer.reported))
+            for ghost in self.cache.release_ghosts():
+                log.info("session %d (engine %r) no longer awaited: its lease ran out",
+                         ghost.index, ghost.engine_id)
             self.cache.release_quarantine()
+            self.verify()
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

@@ -9,42 +9,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from ec_daemon.cache import Cache, Entry
+from ec_daemon.cache import Cache
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.events import (
     AllocOutcome,
     AllocResult,
     EvictedEvent,
-    PinFailedEvent,
+    HeartbeatEcho,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
-    Verdict,
 )
 from ec_daemon.limits import DTYPE_RE
-from ec_protocol.protocol import ROLE_NAMES, pb
+from ec_daemon.records import Entry, State
+from ec_daemon.stats import Snapshot
+from ec_protocol.protocol import ROLE_NAMES, ROLES, pb
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
 MAX_BATCH = 4096
 MAX_WORLD_SIZE = 4096
+U64_MAX = 2**64 - 1
 
 ALLOC_STATUS = {
     AllocOutcome.ALLOCATED: pb.ALLOCATED,
     AllocOutcome.ALREADY_PENDING: pb.ALREADY_PENDING,
     AllocOutcome.ALREADY_READY: pb.ALREADY_READY,
-    AllocOutcome.EVICTING: pb.EVICTING,
+    AllocOutcome.ALREADY_HIDDEN: pb.ALREADY_HIDDEN,
 }
 REPORT_STATUS = {
     ReportStatus.ACCEPTED: pb.ACCEPTED,
     ReportStatus.DUPLICATE: pb.DUPLICATE,
     ReportStatus.UNKNOWN: pb.UNKNOWN,
 }
-VERDICT = {
-    Verdict.HELD: pb.HELD,
-    Verdict.NOT_HELD: pb.NOT_HELD,
-    Verdict.REPORTED_ALREADY: pb.REPORTED_ALREADY,
-}
+ENTRY_STATE = {State.READY: pb.READY, State.HIDDEN: pb.HIDDEN}
 
 
 def _text(value: str, what: str, limit: int, *, required: bool = True) -> str:
@@ -108,13 +106,22 @@ def batch(values: Any, what: str) -> list[Any]:
     return list(values)
 
 
+def refs(values: Any, what: str) -> list[tuple[str, int]]:
+    """(mm_hash, entry_id) pairs of repeated EntryRef, bounded."""
+    return [(r.mm_hash, r.entry_id) for r in batch(values, what)]
+
+
 def extents(values: tuple[tuple[int, int], ...]) -> list[Any]:
     return [pb.Extent(offset=o, length=n) for o, n in values]
 
 
-def entry_info(cache: Cache, entry: Entry) -> Any:
-    return pb.EntryInfo(mm_hash=entry.mm_hash, entry_id=entry.entry_id, nbytes=entry.nbytes,
+def lookup_result(cache: Cache, entry: Entry | None) -> Any:
+    if entry is None:
+        return pb.LookupResult(state=pb.ABSENT)
+    info = pb.EntryInfo(mm_hash=entry.mm_hash, entry_id=entry.entry_id, nbytes=entry.nbytes,
                         shape=entry.shape, dtype=entry.dtype, extents=extents(cache.extents(entry)))
+    return pb.LookupResult(state=ENTRY_STATE[entry.state], entry=info,
+                           awaiting=len(entry.awaiting))
 
 
 def alloc_reply(result: AllocResult) -> Any:
@@ -133,9 +140,8 @@ def daemon_message(events: list[Any]) -> Any:
                 shape=event.shape, dtype=event.dtype, extents=extents(event.extents)))
         elif isinstance(event, EvictedEvent):
             message.evicted.append(pb.EntryRef(mm_hash=event.mm_hash, entry_id=event.entry_id))
-        elif isinstance(event, PinFailedEvent):
-            message.pin_failures.append(
-                pb.PinFailure(transfer_id=event.transfer_id, reason=event.reason))
+        elif isinstance(event, HeartbeatEcho):
+            message.heartbeat_seq = max(message.heartbeat_seq, event.seq)
         elif isinstance(event, SnapshotDoneEvent):
             message.snapshot_done = True
     return message
@@ -148,6 +154,34 @@ def event_size(event: Any) -> int:
             + 24 * len(event.extents)
     if isinstance(event, EvictedEvent):
         return 24 + len(event.mm_hash)
-    if isinstance(event, PinFailedEvent):
-        return 24 + len(event.reason)
-    return 8
+    return 12
+
+
+def _saturated(counter: int) -> int:
+    """A counter as a uint64 field: clients report lookups on their heartbeats,
+    and a bogus report must not make every later Stats fail."""
+    return min(counter, U64_MAX)
+
+
+def stats_reply(snapshot: Snapshot, region: Any) -> Any:
+    s = snapshot
+    by_state = s.bytes_by_state
+    reply = pb.StatsReply(
+        capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, free_bytes=by_state["free"],
+        pending_bytes=by_state["pending"], hidden_bytes=by_state["hidden"],
+        quarantined_bytes=by_state["quarantined"], entries=s.ready_entries,
+        hidden_entries=s.hidden_entries, sessions=len(s.sessions),
+        ghost_sessions=s.ghost_sessions, page_bytes=s.page_bytes, generation=region.generation,
+        region_path=region.path, uptime_s=s.uptime_s, largest_free_bytes=s.largest_free_bytes)
+    for name, value in s.counters.items():
+        setattr(reply, name, _saturated(value))
+    for ns in s.namespaces:
+        reply.namespaces.add(namespace=ns.name, entries=ns.entries, bytes=ns.bytes,
+                             hits=_saturated(ns.hits), misses=_saturated(ns.misses),
+                             loads=_saturated(ns.loads))
+    for x in s.sessions:
+        reply.session_list.add(
+            session_index=x.index, engine_id=x.engine_id, role=ROLES[x.role],
+            component=x.component, namespace=x.namespace, awaiting=x.awaiting,
+            pending=x.pending, client_name=x.client_name, age_s=x.age_s)
+    return reply

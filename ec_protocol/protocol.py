@@ -21,10 +21,8 @@ except ImportError as exc:  # a source checkout that was never built
         "ec_client's protocol stubs are missing: run `make proto` (or reinstall the package)"
     ) from exc
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 SOCKET_ENV = "EC_DAEMON_SOCKET"
-# Transfer ids are session_index << 32 | per-session counter.
-TRANSFER_ID_SHIFT = 32
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -37,7 +35,6 @@ __all__ = [
     "ROLES",
     "ROLE_NAMES",
     "SOCKET_ENV",
-    "TRANSFER_ID_SHIFT",
     "Layout",
     "default_socket_uri",
     "grpc_target",

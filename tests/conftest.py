@@ -55,3 +55,22 @@ def no_leftovers():
     running = _daemons()
     assert not leaked, f"region files left in /dev/shm: {sorted(map(str, leaked))}"
     assert not running, f"daemon processes still running: {sorted(running)}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """List how many cases each budgeted property test ran, and why it
+    stopped (tests/property_budget.py), so a time-capped run is visible."""
+    lines = []
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            spent = dict(report.user_properties)
+            if "hypothesis_cases" in spent:
+                lines.append(f"{report.nodeid}: {spent['hypothesis_cases']} cases in "
+                             f"{spent['hypothesis_seconds']}s, stopped by "
+                             f"{spent['hypothesis_stopped_by']}")
+    if lines:
+        terminalreporter.write_sep("-", "property test budgets")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)

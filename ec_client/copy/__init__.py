@@ -5,6 +5,11 @@ landed. Backends are loaded by name on first use, so importing this package
 costs nothing: `cpu` (memcpy; CI and CPU-only vLLM), and the CUDA backends
 (`torch`, `cupy`) behind the same interface. `auto` picks torch when CUDA is
 available, cpu otherwise.
+
+A name of the form `package.module:ClassName` loads a custom backend: the
+module is imported and the class (anything implementing `CopyBackend`) is
+built without arguments, in every process that copies. For instance
+`ec_daemon_copy_backend: "mycompany.ec_copy:PinnedBackend"`.
 """
 
 from __future__ import annotations
@@ -61,14 +66,31 @@ def spans(extents: Extents) -> Iterator[tuple[int, int, int]]:
 
 
 def get_backend(name: str) -> CopyBackend:
-    """The backend called `name`. Raises ValueError for unknown names and
-    ImportError when the backend's library is not installed."""
+    """The backend called `name`: one of `BACKENDS`, or a custom class named
+    `package.module:ClassName`. Raises ValueError for unknown or malformed
+    names and ImportError when the backend's module (or library) is not
+    installed or lacks the class."""
+    if ":" in name:
+        return _custom_backend(name)
     if name not in BACKENDS:
         raise ValueError(f"unknown copy backend {name!r}: choose one of {', '.join(BACKENDS)}")
     if name == "auto":
         name = "torch" if _cuda_available() else "cpu"
     module = importlib.import_module(f"ec_client.copy.{name}_backend")
     backend: CopyBackend = module.Backend()
+    return backend
+
+
+def _custom_backend(name: str) -> CopyBackend:
+    module_name, _, class_name = name.partition(":")
+    if not (class_name.isidentifier()
+            and all(part.isidentifier() for part in module_name.split("."))):
+        raise ValueError(f"malformed copy backend {name!r}: expected package.module:ClassName")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ImportError(f"copy backend {name!r}: module {module_name} has no {class_name}")
+    backend: CopyBackend = cls()
     return backend
 
 

@@ -3,7 +3,9 @@
 Every case must get OK or a precise status code, never kill the daemon, and
 leave the bookkeeping consistent: the daemon runs with --check-invariants, so
 it verifies its invariants after every call and would answer INTERNAL.
-FUZZ_EXAMPLES sets the number of cases (CI: 10,000; `make fuzz`: more).
+Each property test stops at its count cap or after FUZZ_SECONDS, whichever
+comes first (tests/property_budget.py); FUZZ_EXAMPLES sets the caps
+(CI: 10,000 cases in at most 120 s per test; `make fuzz`: many more, longer).
 """
 
 from __future__ import annotations
@@ -16,21 +18,26 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb, rpc, unix_path
 from tests.integration.daemon import Daemon
+from tests.property_budget import Budget, run_given
 
 pytestmark = pytest.mark.integration
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
+SECONDS = float(os.environ.get("FUZZ_SECONDS", "120"))
+QUIET = {"database": None, "suppress_health_check": list(HealthCheck)}
 PRECISE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.PERMISSION_DENIED}
 LAYOUT = Layout("fuzz-model", "float16", {"image": 64})
 U64 = st.integers(0, 2**64 - 1)
+# Lookup counters a heartbeat claims: plausible, or as large as they can be.
+COUNTS = st.one_of(st.integers(0, 1000), st.just(2**64 - 1), U64)
 
 
 class World:
@@ -48,9 +55,10 @@ class World:
                         for e in ("A", "B") for r in (0, 1)]
         for delegate in (*self.schedulers, *self.workers):
             assert delegate.link.wait_attached(10)
-        for i in range(8):  # some ready entries to pin, evict and report on
+        for i in range(8):  # some ready entries to touch, evict and acknowledge
             self.workers[0].save(f"seed-{i}", np.full(3000 * (i + 1), i, np.uint8))
         self.workers[0].flush(10)
+        self.namespace = self.schedulers[0].link.attachment.namespace  # type: ignore[union-attr]
 
     def session_ids(self) -> list[str]:
         ids = []
@@ -60,13 +68,11 @@ class World:
                 ids.append(attachment.session_id)
         return ids
 
-    def transfer_ids(self) -> list[int]:
-        ids = []
-        for delegate in self.schedulers:
-            attachment = delegate.link.attachment
-            if attachment is not None:
-                ids += [(attachment.index << 32) | n for n in (1, 2, 1000)]
-        return ids
+    def refs(self) -> list[tuple[str, int]]:
+        """(mm_hash, entry_id) of the seeds as they are now (ready, hidden or gone)."""
+        reply = self.stub.Lookup(pb.LookupRequest(
+            namespace=self.namespace, mm_hashes=[f"seed-{i}" for i in range(8)]), timeout=10)
+        return [(r.entry.mm_hash, r.entry.entry_id) for r in reply.results if r.entry.entry_id]
 
     def close(self) -> None:
         for delegate in (*self.schedulers, *self.workers):
@@ -130,11 +136,9 @@ def operation(draw: Any, world: World) -> tuple[str, Any]:
             nbytes=draw(st.one_of(st.integers(0, 5 << 20), U64)), shape=draw(shapes),
             dtype=draw(st.sampled_from(["uint8", "float16", "", "not a dtype", "x" * 40])))
     if kind == "report":
-        loaded = st.one_of(U64, st.sampled_from(world.transfer_ids() or [0]))
         return "Report", pb.ReportRequest(
             session_id=draw(session_id(world)), saved=draw(st.lists(text, max_size=4)),
-            aborted=draw(st.lists(text, max_size=4)),
-            loaded=draw(st.lists(loaded, max_size=4)))
+            aborted=draw(st.lists(text, max_size=4)))
     if kind == "lookup":
         return "Lookup", pb.LookupRequest(
             namespace=draw(st.one_of(text, st.just("fuzz-model|float16|image=64|"))),
@@ -145,16 +149,14 @@ def operation(draw: Any, world: World) -> tuple[str, Any]:
     return "Stats", pb.StatsRequest()
 
 
-def test_unary_calls_get_precise_codes_and_keep_invariants(world: World) -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(st.data())
+def test_unary_calls_get_precise_codes_and_keep_invariants(world: World,
+                                                           record_property: Any) -> None:
     def case(data: Any) -> None:
         for _ in range(data.draw(st.integers(1, 4))):
             method, request = data.draw(operation(world))
             call(world, method, request)
 
-    case()
+    run_given(Budget(EXAMPLES, SECONDS), case, st.data(), **QUIET).record(record_property)
     stats = world.stub.Stats(pb.StatsRequest(), timeout=5)
     assert stats.used_bytes + stats.free_bytes == stats.capacity_bytes
     assert world.daemon.serving()
@@ -165,34 +167,50 @@ def test_huge_batches_are_refused_before_any_work(world: World) -> None:
     with pytest.raises(grpc.RpcError) as info:
         world.stub.Lookup(pb.LookupRequest(namespace="n", mm_hashes=["h"] * 5000))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as info:
-        world.stub.Report(pb.ReportRequest(session_id=ids[-1], loaded=list(range(5000))))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for request in (pb.ReportRequest(session_id=ids[-1], saved=["h"] * 5000),
+                    pb.ReportRequest(session_id=ids[-1], aborted=["h"] * 5000)):
+        with pytest.raises(grpc.RpcError) as info:
+            world.stub.Report(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    scheduler = world.stub.Attach(pb.AttachRequest(
+        protocol_version=PROTOCOL_VERSION, engine_id="Z", role=pb.ROLE_BOTH,
+        layout=LAYOUT.to_pb(), scheduler=pb.SchedulerComponent()))
+    refs = [pb.EntryRef(mm_hash="h", entry_id=1)] * 5000
+    for message in (pb.ClientMessage(acks=refs), pb.ClientMessage(touches=refs)):
+        responses = world.stub.Session(iter([
+            pb.ClientMessage(open_session_id=scheduler.session_id), message]), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            list(responses)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        scheduler = world.stub.Attach(pb.AttachRequest(
+            protocol_version=PROTOCOL_VERSION, engine_id="Z", role=pb.ROLE_BOTH,
+            layout=LAYOUT.to_pb(), scheduler=pb.SchedulerComponent()))
 
 
-def test_stream_messages_get_precise_codes(world: World) -> None:
-    @settings(max_examples=max(EXAMPLES // 20, 50), deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(st.data())
+def test_stream_messages_get_precise_codes(world: World, record_property: Any) -> None:
     def case(data: Any) -> None:
-        attached = world.stub.Attach(pb.AttachRequest(
+        request = pb.AttachRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=data.draw(st.sampled_from(["A", "Z"])),
-            role=pb.ROLE_BOTH, layout=LAYOUT.to_pb(), scheduler=pb.SchedulerComponent()))
+            role=pb.ROLE_BOTH, layout=LAYOUT.to_pb())
+        if data.draw(st.booleans()):
+            request.scheduler.SetInParent()
+        else:  # a worker session may not acknowledge, touch or count lookups
+            request.worker.rank, request.worker.world_size = 0, 1
+        attached = world.stub.Attach(request)
+        known = world.refs()
+        ref = st.one_of(st.sampled_from(known) if known else st.nothing(), st.tuples(text, U64))
         messages = [pb.ClientMessage(open_session_id=data.draw(st.one_of(
             st.just(attached.session_id), text)))]
         for _ in range(data.draw(st.integers(0, 3))):
             message = pb.ClientMessage()
-            for _ in range(data.draw(st.integers(0, 3))):
-                message.pins.add(
-                    transfer_id=data.draw(st.one_of(
-                        U64, st.integers(1, 5).map(lambda n: (attached.session_index << 32) | n))),
-                    mm_hash=data.draw(text), entry_id=data.draw(st.integers(0, 20)))
-            for _ in range(data.draw(st.integers(0, 2))):
-                message.acks.add(mm_hash=data.draw(text), entry_id=data.draw(U64))
+            for refs in (message.acks, message.touches):
+                for mm_hash, entry_id in data.draw(st.lists(ref, max_size=3)):
+                    refs.add(mm_hash=mm_hash, entry_id=entry_id)
             if data.draw(st.booleans()):
-                message.heartbeat.lookups = data.draw(U64)
-                message.heartbeat.hits = data.draw(U64)
-            if data.draw(st.booleans()):
+                message.heartbeat.seq = data.draw(U64)
+                message.heartbeat.lookups = lookups = data.draw(COUNTS)
+                message.heartbeat.hits = data.draw(st.one_of(st.integers(0, lookups), U64))
+            if data.draw(st.integers(0, 9)) == 0:
                 message.open_session_id = data.draw(text)
             messages.append(message)
         responses = world.stub.Session(iter(messages), timeout=5)
@@ -201,24 +219,29 @@ def test_stream_messages_get_precise_codes(world: World) -> None:
                 pass
         except grpc.RpcError as exc:
             assert exc.code() in PRECISE, f"{exc.code()}: {exc.details()}"
+        # Whatever the counters a heartbeat claimed, Stats still answers.
+        world.stub.Stats(pb.StatsRequest(), timeout=10)
 
-    case()
+    budget = Budget(max(EXAMPLES // 20, 50), SECONDS)
+    run_given(budget, case, st.data(), **QUIET).record(record_property)
     assert world.daemon.serving()
 
 
-@settings(max_examples=max(EXAMPLES // 50, 30), deadline=None, database=None)
-@given(st.binary(max_size=4096), st.booleans())
-def test_garbage_bytes_on_the_socket_do_not_hurt(world: World, garbage: bytes,
-                                                 with_preface: bool) -> None:
-    path = unix_path(world.daemon.socket)
-    assert path is not None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
-        raw.settimeout(2)
-        raw.connect(path)
-        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" if with_preface else b""
-        try:
-            raw.sendall(preface + garbage)
-            raw.recv(1024)
-        except OSError:
-            pass  # the daemon may hang up on us: that is the point
-    assert world.daemon.serving()
+def test_garbage_bytes_on_the_socket_do_not_hurt(world: World, record_property: Any) -> None:
+    def case(garbage: bytes, with_preface: bool) -> None:
+        path = unix_path(world.daemon.socket)
+        assert path is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(2)
+            raw.connect(path)
+            preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" if with_preface else b""
+            try:
+                raw.sendall(preface + garbage)
+                raw.recv(1024)
+            except OSError:
+                pass  # the daemon may hang up on us: that is the point
+        assert world.daemon.serving()
+
+    budget = Budget(max(EXAMPLES // 50, 30), SECONDS)
+    run_given(budget, case, st.binary(max_size=4096), st.booleans(),
+              database=None).record(record_property)

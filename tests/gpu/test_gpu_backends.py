@@ -64,3 +64,95 @@ def test_save_then_load_is_bit_exact_under_compute(backend, mapping, dtype):
 
 def test_auto_picks_torch_on_cuda():
     assert get_backend("auto").name == "torch"
+
+
+def _region_file(path, payload_pages: int, page: int):
+    """A region file as the daemon lays it out: stamp table, then payload."""
+    from ec_protocol.stamps import table_bytes
+
+    offset = table_bytes(payload_pages, page)
+    with open(path, "wb") as f:
+        f.truncate(offset + payload_pages * page)
+    return offset
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_worker_load_through_regions_checks_stamps_on_gpu(tmp_path, name):
+    """The worker's load path on CUDA: copy into a device tensor, then the
+    stamp check; a re-stamped page fails the load instead of serving it."""
+    if name == "cupy":
+        pytest.importorskip("cupy")
+    from ec_client.regions import RegionInfo
+    from ec_client.scheduler import LoadSpec
+    from ec_client.worker import WorkerDelegate
+    from ec_protocol.protocol import Layout
+
+    page, pages = 64 << 10, 64
+    offset = _region_file(tmp_path / "r", pages, page)
+    info = RegionInfo(str(tmp_path / "r"), offset + pages * page, 7, page, offset)
+    backend = get_backend(name)
+    worker = WorkerDelegate("unix:///nonexistent.sock", engine_id="e", layout=Layout(
+        "m", "float16", {"x": 2}), backend=backend, start=False,
+        allocate_out=lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype),
+                                                     device="cuda"))
+    try:
+        source = torch.randn(512, 1152, device="cuda").to(torch.float16)
+        nbytes = source.numel() * 2
+        extents = ((offset + 8 * page, nbytes),)
+        with worker.regions.use(info) as (mapping, stamps):
+            backend.save(source, mapping, extents, backend.prepare_save(source))
+            stamps.write([(8, -(-nbytes // page))], 42)
+        spec = LoadSpec("k", 1, 42, 7, nbytes, (512, 1152), "float16", extents)
+        result = worker.load([spec], {7: info})
+        assert torch.equal(result.loaded["k"], source) and result.done == [1]
+        with worker.regions.use(info) as (_, stamps):
+            stamps.write([(8, 1)], 43)  # the first page now belongs to another entry
+        result = worker.load([spec], {7: info})
+        assert not result.loaded and 1 in result.failed
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_regions_never_unmap_under_a_running_copy(tmp_path, monkeypatch, name):
+    """A daemon restart retires the old region while a CUDA copy reads it:
+    the mapping (and its host registration) must outlive the copy."""
+    if name == "cupy":
+        pytest.importorskip("cupy")
+    import threading
+
+    from ec_client import regions as regions_module
+    from ec_client.regions import RegionInfo, Regions
+
+    monkeypatch.setattr(regions_module, "RETIRE_SECONDS", 0.0)
+    page, pages = 1 << 20, 256
+    offset = _region_file(tmp_path / "r", pages, page)
+    info = RegionInfo(str(tmp_path / "r"), offset + pages * page, 9, page, offset)
+    backend = get_backend(name)
+    regions = Regions(on_map=backend.attach, on_unmap=backend.detach)
+    regions.make_current(info)
+    source = torch.randint(0, 255, (pages * page,), dtype=torch.uint8, device="cuda")
+    extents = [(offset, pages * page)]
+    copying, retired = threading.Event(), threading.Event()
+    out = torch.empty_like(source)
+
+    def load() -> None:
+        with regions.use(info) as (mapping, _):
+            backend.save(source, mapping, extents)
+            copying.set()
+            retired.wait(10)
+            backend.load(mapping, extents, out)  # after the retirement and a prune
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert copying.wait(30)
+    regions.make_current(None)  # the daemon went away
+    regions.prune()
+    assert regions.generations() == [9]  # still mapped: a copy uses it
+    retired.set()
+    thread.join(30)
+    torch.cuda.synchronize()
+    assert torch.equal(out, source)
+    regions.prune()
+    assert regions.generations() == []
+    regions.close()

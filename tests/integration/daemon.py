@@ -88,6 +88,11 @@ class Daemon:
     def stats(self) -> dict[str, Any]:
         return stats_dict(self.stub.Stats(pb.StatsRequest(), timeout=5))
 
+    def components(self, engine_id: str) -> list[str]:
+        """The components ("scheduler", "worker 0/2"...) of `engine_id`'s live sessions."""
+        return sorted(s["component"] for s in self.stats()["session_list"]
+                      if s["engine_id"] == engine_id)
+
     def lookup(self, layout: Layout, *hashes: str) -> list[Any]:
         namespace = "|".join((layout.model, layout.dtype, ",".join(
             f"{k}={v}" for k, v in sorted(layout.row_bytes.items())), layout.variant))

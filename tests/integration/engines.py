@@ -1,12 +1,18 @@
 """Engine-like client processes for integration tests (run under spawn).
 
-Each function is the main of a separate process: it uses only the public
-client delegates, reports through a multiprocessing connection, and ends by
-itself (or is killed by the test, by pid).
+As in vLLM, an engine's scheduler side and each of its worker ranks live in
+separate processes. The test plays vLLM's part between them: it carries the
+scheduler's step metadata (`LoadSpec`s and the regions they name) to the
+ranks, and the ranks' `done`/`failed` reports back to the scheduler's
+`apply_worker_output`. Each `*_main` serves commands from its pipe, uses
+only the public client delegates, and ends by itself (or is killed by the
+test, by pid: see `Proc`).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -18,6 +24,7 @@ from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("test-model", "mixed", {"image": 2048})
 ATTACH_TIMEOUT = 20.0
+RECV_TIMEOUT = 60.0
 
 # (dtype, rows, columns): from a few bytes to ~8 MiB, page multiples and not.
 SHAPES = [
@@ -52,6 +59,54 @@ def raw(array: Any) -> bytes:
     return bytes(np.ascontiguousarray(array).tobytes())
 
 
+def describe(array: Any) -> tuple[bytes, str, tuple[int, ...]]:
+    """What a test compares of a loaded array: bytes, dtype name, shape."""
+    return raw(array), str(array.dtype).removeprefix("torch."), tuple(array.shape)
+
+
+class Proc:
+    """A spawned process with a pipe; killed by pid if it outlives the test."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.process.start()
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def recv(self, timeout: float = RECV_TIMEOUT) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"{self.process.name} sent nothing in {timeout}s "
+                                 f"(alive: {self.process.is_alive()})")
+        return self.conn.recv()
+
+    def send(self, command: str, payload: Any = None) -> None:
+        self.conn.send((command, payload))
+
+    def call(self, command: str, payload: Any = None, timeout: float = RECV_TIMEOUT) -> Any:
+        self.send(command, payload)
+        return self.recv(timeout)
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def join(self) -> int:
+        self.process.join(RECV_TIMEOUT)
+        assert self.process.exitcode is not None, "process did not end"
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+
 def _attached(*delegates: Any) -> None:
     for d in delegates:
         if d.link.wait_attached(ATTACH_TIMEOUT) is None:
@@ -60,7 +115,7 @@ def _attached(*delegates: Any) -> None:
 
 def _wait_synced(scheduler: SchedulerDelegate) -> None:
     deadline = time.monotonic() + ATTACH_TIMEOUT
-    while not scheduler.view.synced:
+    while not (scheduler.view.synced and scheduler.link.fresh()):
         if time.monotonic() > deadline:
             raise RuntimeError("view never synced")
         time.sleep(0.01)
@@ -76,51 +131,145 @@ def producer_main(socket: str, engine_id: str, seed: int, count: int, conn: Any)
     worker.close()
 
 
-def consumer_main(socket: str, engine_id: str, seed: int, count: int, conn: Any) -> None:
-    scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    _attached(scheduler, worker)
+# ------------------------------------------------------------- scheduler side
+
+
+def _step(scheduler: SchedulerDelegate, hashes: list[str], plan: bool) -> tuple[list[bool], Any]:
+    """One scheduler step: look `hashes` up, plan loads of the hits when
+    `plan`, end the step. Returns the answers and the step's metadata."""
+    hits = [scheduler.has_item(h) for h in hashes]
+    if plan:
+        for h in hashes:
+            scheduler.after_alloc(f"req-{h}", h)
+    return hits, scheduler.build_step_metadata()
+
+
+def _state(scheduler: SchedulerDelegate) -> dict[str, Any]:
+    attachment = scheduler.link.attachment
+    return {"index": attachment.index if attachment else None,
+            "generation": attachment.region.generation if attachment else None,
+            "fresh": scheduler.link.fresh(), "synced": scheduler.view.synced,
+            "entries": len(scheduler.view), "inflight": scheduler.view.inflight(),
+            "rpcs_on_scheduler_thread": scheduler.transport.calls_from_this_thread()}
+
+
+def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
+    """An engine's scheduler side. Commands: step (hashes, plan) -> (hits,
+    StepMetadata); report (done, failed) -> (loads in flight, requests made
+    unavailable); wait_hit hash -> True once it hits (no load planned);
+    watch (hashes, seconds) -> see `_watch`; state -> dict; close."""
+    scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, ranks=ranks)
+    _attached(scheduler)
     _wait_synced(scheduler)
-    out: dict[str, Any] = {"hits": 0, "exact": 0, "failed": 0, "dtypes": [], "shapes": []}
-    for i in range(count):
-        h = key(seed, i)
-        out["hits"] += scheduler.has_item(h)
-        scheduler.after_alloc(f"req-{i}", h)
-        meta = scheduler.build_step_metadata()
-        result = worker.load(meta.loads)
-        scheduler.apply_worker_output(result.done, result.failed)
-        out["failed"] += len(result.failed)
-        if h in result.loaded:
-            got, want = result.loaded[h], make_array(seed, i)
-            out["dtypes"].append(str(got.dtype).removeprefix("torch."))
-            out["shapes"].append(tuple(got.shape))
-            out["exact"] += raw(got) == raw(want) and tuple(got.shape) == tuple(want.shape)
-    out["rpcs_on_scheduler_thread"] = scheduler.transport.calls_from_this_thread()
-    conn.send(out)
-    scheduler.close()
-    worker.close()
-
-
-def worker_rank_main(socket: str, engine_id: str, rank: int, world: int, conn: Any) -> None:
-    """A TP rank: loads what the test sends, answers with verdicts and bytes."""
-    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, rank=rank,
-                            world_size=world, role="both")
-    _attached(worker)
-    conn.send("attached")
+    conn.send("ready")
     while True:
         command, payload = conn.recv()
-        if command == "exit":
-            break
-        if command == "save":
-            seed, i = payload
-            worker.save(key(seed, i), make_array(seed, i))
+        if command == "step":
+            conn.send(_step(scheduler, *payload))
+        elif command == "report":
+            scheduler.apply_worker_output(*payload)
+            conn.send((scheduler.view.inflight(), scheduler.take_unavailable_requests()))
+        elif command == "wait_hit":
+            deadline = time.monotonic() + ATTACH_TIMEOUT
+            while not _step(scheduler, [payload], False)[0][0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.send(_step(scheduler, [payload], False)[0][0])
+        elif command == "watch":
+            conn.send(_watch(scheduler, conn, *payload))
+        elif command == "state":
+            conn.send(_state(scheduler))
+        elif command == "close":
+            scheduler.close()
+            conn.send("closed")
+            return
+
+
+def _watch(scheduler: SchedulerDelegate, conn: Any, hashes: list[str],
+           seconds: float) -> dict[str, Any]:
+    """Step in a loop, as an engine does, looking `hashes` up (planning a
+    load of every hit) while the test freezes the process (SIGSTOP). The
+    test sends a "thawed" message before it lets the process go on, so the
+    first step after the freeze sees it. Ends once the last hash hit after
+    the freeze, or after `seconds`. Counts, before and after the freeze:
+    steps, hits and loads per hash; after it, also the steps whose view
+    still held the first hash's pre-freeze entry (a stale view)."""
+    first, last_hash = hashes[0], hashes[-1]
+    before = scheduler.view.get(first)
+    out: dict[str, Any] = {"index_before": _state(scheduler)["index"], "frozen": False,
+                           "stale_steps": 0, "stale_hits": 0}
+    counts = {phase: {"steps": 0, "hits": dict.fromkeys(hashes, 0), "loads": []}
+              for phase in ("before", "after")}
+    woke = time.monotonic()
+    deadline = woke + seconds
+    while time.monotonic() < deadline and not counts["after"]["hits"][last_hash]:
+        now = time.monotonic()
+        if not out["frozen"] and conn.poll():
+            assert conn.recv() == "thawed"
+            out["frozen"], woke = True, now
+        phase = counts["after" if out["frozen"] else "before"]
+        stale = out["frozen"] and before is not None and scheduler.view.get(first) is before
+        hits, metadata = _step(scheduler, hashes, True)
+        phase["steps"] += 1
+        for h, hit in zip(hashes, hits, strict=True):
+            phase["hits"][h] += hit
+        phase["loads"] += metadata.loads
+        out["stale_steps"] += stale
+        out["stale_hits"] += stale and hits[0]
+        if metadata.loads:  # nobody loads here: finish them as if every rank reported
+            scheduler.apply_worker_output([s.transfer_id for s in metadata.loads] * scheduler.ranks)
+        if not out["frozen"] or now - woke > 0.2:
+            time.sleep(0.001)  # just woken up: step flat out, as a busy engine would
+    out.update(counts, state_after=_state(scheduler))
+    return out
+
+
+# -------------------------------------------------------------- worker ranks
+
+
+def worker_main(socket: str, engine_id: str, rank: int, world: int, start: bool,
+                conn: Any) -> None:
+    """A worker rank (attached at once when `start`). Commands: attach ->
+    session index; save (mm_hash, array) -> saves stats; load (loads,
+    regions) -> (done, failed, {mm_hash: describe(array)}); copy_forever
+    (spec, regions): sends "copying", then copies until killed; generations
+    -> region generations mapped; exit."""
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, rank=rank,
+                            world_size=world, start=start)
+    if start:
+        _attached(worker)
+    conn.send("ready")
+    while True:
+        command, payload = conn.recv()
+        if command == "attach":
+            worker.link.start()
+            _attached(worker)
+            attachment = worker.link.attachment
+            conn.send(attachment.index if attachment else None)
+        elif command == "save":
+            mm_hash, array = payload
+            worker.save(mm_hash, array)
             worker.flush(30)
             conn.send(dict(worker.stats))
         elif command == "load":
-            result = worker.load(payload)
+            result = worker.load(*payload)
             conn.send((result.done, result.failed,
-                       {h: raw(a) for h, a in result.loaded.items()}))
-    worker.close()
+                       {h: describe(a) for h, a in result.loaded.items()}))
+        elif command == "copy_forever":
+            spec, regions = payload
+            out = np.empty(spec.nbytes, np.uint8)
+            with worker.regions.use(regions[spec.generation]) as (mapping, _):
+                conn.send("copying")
+                while True:  # mid-load forever
+                    worker.backend.load(mapping, spec.extents, out)
+        elif command == "generations":
+            conn.send(worker.regions.generations())
+        elif command == "exit":
+            worker.close()
+            conn.send("closed")
+            return
+
+
+# --------------------------------------------------------- dying savers
 
 
 def _allocated(socket: str, engine_id: str, mm_hash: str,
@@ -143,45 +292,14 @@ def stuck_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> No
     time.sleep(600)
 
 
-def pinning_engine_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
-    """An engine (scheduler side and a worker) that dispatches a load, then hangs."""
-    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    _attached(worker)
-    pinning_scheduler_main(socket, engine_id, mm_hash, conn)
-
-
-def pinning_scheduler_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
-    """The scheduler side alone: dispatches a load, then hangs."""
-    scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    _attached(scheduler)
-    _wait_synced(scheduler)
-    hit = scheduler.has_item(mm_hash)
-    scheduler.after_alloc("req", mm_hash)
-    conn.send((hit, scheduler.build_step_metadata().loads))
-    time.sleep(600)
-
-
 def copying_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> None:
     """Allocates a save and keeps copying into its extents until killed."""
     worker, reply = _allocated(socket, engine_id, mm_hash, 4 << 20)
     extents = [(e.offset, e.length) for e in reply.extents]
     data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
-    mapping = worker._mapping
-    assert mapping is not None
-    conn.send(pb.AllocStatus.Name(reply.status))
-    while True:  # mid-save forever
-        worker.backend.save(data, mapping, extents)
-
-
-def copying_loader_main(socket: str, engine_id: str, conn: Any) -> None:
-    """A worker rank that copies a dispatched load over and over until killed."""
-    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="consumer")
-    _attached(worker)
-    conn.send("attached")
-    (spec,) = conn.recv()
-    mapping = worker._mapping
-    assert mapping is not None
-    out = np.empty(spec.nbytes, np.uint8)
-    conn.send("copying")
-    while True:  # mid-load forever
-        worker.backend.load(mapping, spec.extents, out)
+    attachment = worker.link.attachment
+    assert attachment is not None
+    with worker.regions.use(attachment.region) as (mapping, _):
+        conn.send(pb.AllocStatus.Name(reply.status))
+        while True:  # mid-save forever
+            worker.backend.save(data, mapping, extents, None)

@@ -14,8 +14,9 @@ import pytest
 from tests.integration.daemon import Daemon, short_tmpdir
 
 pytestmark = pytest.mark.integration
-REQUIRED_STATS = ("capacity_bytes", "used_bytes", "pinned_bytes", "pending_bytes", "entries",
-                  "sessions", "hits", "misses", "evictions")
+REQUIRED_STATS = ("capacity_bytes", "used_bytes", "pending_bytes", "hidden_bytes",
+                  "quarantined_bytes", "entries", "sessions", "ghost_sessions", "hits", "misses",
+                  "evictions", "loads")
 
 
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,6 @@
-"""A daemon that dies and comes back: clients re-attach by themselves and
-never read the old generation as valid."""
+"""A daemon that dies and comes back: clients re-attach by themselves, a load
+dispatched before the restart still reads the saved bytes, and nothing of
+the old generation is offered for new hits."""
 
 from __future__ import annotations
 
@@ -17,16 +18,19 @@ pytestmark = pytest.mark.integration
 LAYOUT = Layout("restart-model", "float32", {"image": 4096})
 
 
-def load_one(daemon, scheduler, worker, mm_hash):
+def dispatch(daemon, scheduler, mm_hash):
     daemon.wait_for(lambda: scheduler.has_item(mm_hash), what=f"{mm_hash} in the view")
     scheduler.after_alloc("req", mm_hash)
-    loads = scheduler.build_step_metadata().loads
-    return loads, worker.load(loads)
+    return scheduler.build_step_metadata()
 
 
-def test_clients_reattach_and_old_generation_loads_fail():
+# Protects: a load names its region generation and the worker keeps that
+# mapping (the dead daemon's pages are never reused), so a load dispatched
+# from the old daemon's view returns exactly the saved bytes after a restart;
+# the new daemon's views start empty.
+def test_a_load_dispatched_before_a_restart_reads_the_saved_bytes(shm_folder):
     folder = short_tmpdir()
-    first = Daemon(folder=folder).start()
+    first = Daemon(folder=folder, shm_dir=str(shm_folder)).start()
     second = None
     scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
     worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
@@ -35,32 +39,51 @@ def test_clients_reattach_and_old_generation_loads_fail():
         old = worker.link.wait_attached(10)
         assert old is not None and scheduler.link.wait_attached(10)
         assert worker.save("k", data) and worker.flush(10)
-        _, result = load_one(first, scheduler, worker, "k")
+        metadata = dispatch(first, scheduler, "k")
+        result = worker.load(metadata.loads, metadata.regions)
         assert np.array_equal(result.loaded["k"], data)
-        scheduler.has_item("k")
-        scheduler.after_alloc("req-2", "k")
-        stale = scheduler.build_step_metadata().loads  # dispatched, then the daemon dies
+        scheduler.apply_worker_output(result.done)
+        stale = dispatch(first, scheduler, "k")  # dispatched, then the daemon dies
 
         first.kill()
-        second = Daemon(folder=folder).start()
+        second = Daemon(folder=folder, shm_dir=str(shm_folder)).start()
         for delegate in (scheduler, worker):
             second.wait_for(lambda d=delegate: d.link.attachment is not None
-                            and d.link.attachment.generation != old.generation,
+                            and d.link.attachment.region.generation != old.region.generation,
                             what="re-attach")
         new = worker.link.attachment
         assert new is not None
-        assert not Path(old.region_path).exists()  # the dead daemon's region was cleaned
-        assert Path(new.region_path).exists()
+        # One region file per live daemon: the dead one's was removed at the restart.
+        assert second.region_files() == [Path(new.region.path)]
+        assert not Path(old.region.path).exists()
 
-        result = worker.load(stale)
-        assert result.failed == [stale[0].transfer_id] and result.loaded == {}
-        assert not scheduler.has_item("k")  # the new daemon starts cold
+        # The worker still maps the old region: the load returns the saved bytes.
+        result = worker.load(stale.loads, stale.regions)
+        assert result.failed == {} and result.done == [stale.loads[0].transfer_id]
+        assert np.array_equal(result.loaded["k"], data)
+        scheduler.apply_worker_output(result.done)
+        assert scheduler.view.inflight() == 0
+        # A rank that never mapped the old region cannot read it any more: it
+        # reports the load failed rather than returning anything.
+        fresh = WorkerDelegate(second.socket, engine_id="E", layout=LAYOUT, start=False)
+        try:
+            result = fresh.load(stale.loads, stale.regions)
+            assert result.loaded == {} and stale.loads[0].transfer_id in result.failed
+        finally:
+            fresh.close()
+
+        # The new daemon's view offers nothing of the old generation.
+        assert second.wait_for(lambda: scheduler.view.synced, what="the new snapshot")
+        assert len(scheduler.view) == 0 and not scheduler.has_item("k")
+        assert scheduler.build_step_metadata().loads == []
 
         assert worker.save("k", data) and worker.flush(10)
-        _, result = load_one(second, scheduler, worker, "k")
+        metadata = dispatch(second, scheduler, "k")
+        assert list(metadata.regions) == [new.region.generation]
+        result = worker.load(metadata.loads, metadata.regions)
         assert np.array_equal(result.loaded["k"], data)
         stats = second.stats()
-        assert stats["sessions"] == 2 and stats["loads"] == 1
+        assert stats["sessions"] == 2 and stats["saves"] == 1
     finally:
         scheduler.close()
         worker.close()

@@ -76,6 +76,18 @@ def test_bad_access_settings_fail_at_start(args, message):
         folder.rmdir()
 
 
+def test_a_socket_folder_anyone_can_write_is_refused_at_start():
+    folder = short_tmpdir()
+    try:
+        folder.chmod(0o777)  # as a squatter leaves /tmp/ec-daemon-$UID
+        result = cli("--cpu-bytes", "8MiB", "--socket", f"unix://{folder}/ec.sock")
+        assert result.returncode == 2, result.stderr
+        assert f"refusing socket folder {folder}: it is writable by every user" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    finally:
+        folder.rmdir()
+
+
 def test_tcp_is_refused_without_a_token():
     result = cli("--cpu-bytes", "8MiB", "--socket", f"127.0.0.1:{free_port()}")
     assert result.returncode == 2 and "without --token-file" in result.stderr

@@ -1,13 +1,26 @@
-"""Small builders for driving the cache core directly in tests."""
+"""Small builders for driving the cache core directly in tests.
+
+`make_cache` returns a cache that checks its invariants (`ec_daemon.invariants`)
+after every public call, whether the call returned or raised, so every test
+step is also a bookkeeping check.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
+from ec_daemon import invariants
 from ec_daemon.cache import AllocResult, Cache
 from ec_daemon.sessions import Session, SessionTable
+from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
+# Every public Cache method that may change state.
+_MUTATORS = ("attach", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
+             "allocate", "refuse_waited_save", "commit", "abort", "release_quarantine",
+             "acknowledge", "touch")
 
 
 class FakeClock:
@@ -18,9 +31,40 @@ class FakeClock:
         return self.now
 
 
-def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = None) -> Cache:
+def _checked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: Cache, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            invariants.check(self)
+
+    return call
+
+
+class CheckedCache(Cache):
+    """A Cache whose invariants are checked after every state-changing call."""
+
+
+for _name in _MUTATORS:
+    setattr(CheckedCache, _name, _checked(getattr(Cache, _name)))
+
+
+def stamp_table(pages: int) -> StampTable:
+    """A real stamp table for `pages` payload pages over plain memory (the
+    region file's front), with the payload starting after it."""
+    offset = table_bytes(pages, PAGE)
+    return StampTable(memoryview(bytearray(offset)), PAGE, offset)
+
+
+def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = None, *,
+               stamps: StampTable | None = None, quarantine: float = 300.0) -> Cache:
+    """A checked cache of `pages` pages; with `stamps`, payload starts at its
+    data_offset and allocations are stamped into it."""
     table = SessionTable(lease, clock=clock or FakeClock())
-    return Cache(capacity_bytes=pages * PAGE, page_bytes=PAGE, sessions=table)
+    return CheckedCache(capacity_bytes=pages * PAGE, page_bytes=PAGE, sessions=table,
+                        data_offset=stamps.data_offset if stamps is not None else 0,
+                        stamps=stamps, quarantine_seconds=quarantine)
 
 
 def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns") -> Session:
@@ -34,8 +78,10 @@ def worker(cache: Cache, engine: str = "E", rank: int = 0, world: int = 1,
                         namespace=ns, client_name="test")
 
 
-def allocate(cache: Cache, session: Session, mm_hash: str, pages: int = 1) -> AllocResult:
-    return cache.allocate(session, mm_hash, pages * PAGE, (pages, PAGE), "uint8")
+def allocate(cache: Cache, session: Session, mm_hash: str, pages: int = 1, *,
+             count_hidden: bool = True) -> AllocResult:
+    return cache.allocate(session, mm_hash, pages * PAGE, (pages, PAGE), "uint8",
+                          count_hidden=count_hidden)
 
 
 def save(cache: Cache, session: Session, mm_hash: str, pages: int = 1) -> AllocResult:
@@ -50,5 +96,14 @@ def drain(session: Session) -> list[Any]:
     return events
 
 
-def tid(session: Session, n: int) -> int:
-    return (session.index << 32) | n
+def stamped(table: StampTable, pages: Any, stamp: int) -> bool:
+    """Does every payload page in `pages` carry `stamp`?"""
+    return all(table.holds([(table.data_offset + p * table.page_bytes, table.page_bytes)],
+                           stamp) for p in pages)
+
+
+def page_numbers(cache: Cache, extents: Any) -> list[int]:
+    """The payload pages under byte extents of the region."""
+    return [p for offset, length in extents
+            for p in range((offset - cache.data_offset) // cache.page_bytes,
+                           (offset - cache.data_offset + length - 1) // cache.page_bytes + 1)]

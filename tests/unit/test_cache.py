@@ -1,139 +1,143 @@
-"""The entry life cycle of DESIGN.md, driven directly on the core."""
+"""The entry life cycle of `ec_daemon.cache`, driven directly on the core.
+
+Every cache here checks `ec_daemon.invariants` after each call
+(`cache_helpers.make_cache`), so each step is also a bookkeeping check.
+"""
 
 import pytest
 
-from ec_daemon.cache import State
-from ec_daemon.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-)
+from ec_daemon import cache as cache_module
+from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ec_daemon.events import (
     AllocOutcome,
     EvictedEvent,
-    PinFailedEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
-    Verdict,
 )
+from ec_daemon.records import State
 from tests.unit.cache_helpers import (
     PAGE,
+    FakeClock,
     allocate,
     drain,
     make_cache,
+    page_numbers,
     save,
     scheduler,
-    tid,
+    stamp_table,
+    stamped,
     worker,
 )
+
+READY, HIDDEN = State.READY, State.HIDDEN
 
 
 @pytest.fixture
 def cache():
-    c = make_cache(pages=8)
-    yield c
-    c.check_invariants()
+    return make_cache(pages=8)
 
 
 def states(cache, *hashes, ns="ns"):
     return [None if e is None else e.state for e in cache.lookup(ns, list(hashes))]
 
 
-# ------------------------------------------------------------------ pending
+# ------------------------------------------------------------- saving
 
 
-def test_pending_is_never_served(cache):
+def test_pending_is_invisible_until_committed(cache):
     view, w = scheduler(cache), worker(cache)
     drain(view)
-    result = allocate(cache, w, "h")
-    assert result.outcome is AllocOutcome.ALLOCATED
-    assert states(cache, "h") == [None]  # invisible to lookups
+    result = allocate(cache, w, "h", pages=2)
+    assert result.outcome is AllocOutcome.ALLOCATED and result.entry_id > 0
+    assert states(cache, "h") == [None]  # tools do not see it
     assert drain(view) == []  # no ready event before the copy landed
-    late_view = scheduler(cache)
-    assert all(not isinstance(e, ReadyEvent) for e in drain(late_view))  # nor in snapshots
-    assert not cache.pin(view, tid(view, 1), "h", result.entry_id)
-    assert isinstance(drain(view)[0], PinFailedEvent)
+    assert [type(e) for e in drain(scheduler(cache, engine="late"))] == [SnapshotDoneEvent]
+    assert cache.pending_pages == 2 and cache.allocator.free_pages == 6
 
 
-def test_commit_makes_ready_and_tells_every_view(cache):
-    a, b, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
-    drain(a), drain(b)
-    result = save(cache, w, "h", pages=2)
+def test_commit_makes_ready_and_tells_every_view_of_the_namespace(cache):
+    a, b = scheduler(cache), scheduler(cache, engine="F")
+    elsewhere, w = scheduler(cache, engine="G", ns="other"), worker(cache)
+    for view in (a, b, elsewhere):
+        drain(view)
+    result = allocate(cache, w, "h", pages=2)
+    assert cache.commit(w, ["h"]) == [ReportStatus.ACCEPTED]
     for view in (a, b):
-        (event,) = drain(view)
-        assert isinstance(event, ReadyEvent)
-        assert (event.mm_hash, event.entry_id, event.nbytes) == ("h", result.entry_id, 2 * PAGE)
-        assert event.extents == result.extents
-    assert states(cache, "h") == [State.READY]
+        assert drain(view) == [ReadyEvent("h", result.entry_id, 2 * PAGE, (2, PAGE), "uint8",
+                                          result.extents)]
+    assert drain(elsewhere) == [] and drain(w) == []  # other namespaces and writers hear nothing
+    assert states(cache, "h") == [READY] and states(cache, "h", ns="other") == [None]
+    assert (cache.counters["saves"], cache.counters["bytes_saved"]) == (1, 2 * PAGE)
+    assert cache.pending_pages == 0 and cache.namespace_usage["ns"] == [1, 2 * PAGE]
 
 
-def test_snapshot_holds_ready_entries_then_done(cache):
+def test_a_snapshot_holds_the_ready_entries_then_done(cache):
     w = worker(cache)
-    save(cache, w, "a")
+    save(cache, w, "hidden", pages=5)
+    ready = save(cache, w, "ready")
     allocate(cache, w, "pending")
-    view = scheduler(cache)
-    events = drain(view)
+    scheduler(cache, engine="old")  # makes "hidden" wait for an acknowledgement
+    assert allocate(cache, w, "more", pages=2).outcome is AllocOutcome.WAIT
+    assert states(cache, "hidden") == [HIDDEN]
+    events = drain(scheduler(cache))
     assert [type(e) for e in events] == [ReadyEvent, SnapshotDoneEvent]
-    assert events[0].mm_hash == "a"
+    assert (events[0].mm_hash, events[0].entry_id) == ("ready", ready.entry_id)
 
 
-def test_duplicate_alloc_is_refused_with_the_reason(cache):
-    w1, w2 = worker(cache), worker(cache, engine="F")
-    allocate(cache, w1, "h")
-    assert allocate(cache, w2, "h").outcome is AllocOutcome.ALREADY_PENDING
+def test_a_second_writer_is_told_the_key_is_pending_ready_or_hidden(cache):
+    view, w1, w2 = scheduler(cache), worker(cache), worker(cache, engine="F")
+    first = allocate(cache, w1, "h", pages=4)
+    assert allocate(cache, w2, "h") == cache_module.AllocResult(AllocOutcome.ALREADY_PENDING,
+                                                                first.entry_id)
     cache.commit(w1, ["h"])
     assert allocate(cache, w2, "h").outcome is AllocOutcome.ALREADY_READY
-    assert cache.allocator.free_pages == 7
+    drain(view)
+    assert allocate(cache, w1, "other", pages=8).outcome is AllocOutcome.WAIT  # hides "h"
+    assert allocate(cache, w2, "h").outcome is AllocOutcome.ALREADY_HIDDEN
+    assert cache.allocator.free_pages == 4 and not w2.pending  # no pages taken
 
 
-def test_evicting_key_is_refused_until_reclaimed(cache):
-    scheduler(cache)
-    w = worker(cache)
-    save(cache, w, "old", pages=8)
-    allocate(cache, w, "new", pages=1)  # hides "old", awaits view's ack
-    assert states(cache, "old") == [State.HIDDEN]
-    assert allocate(cache, w, "old").outcome is AllocOutcome.EVICTING
+def test_the_same_key_in_another_namespace_is_another_entry(cache):
+    save(cache, worker(cache), "h")
+    assert allocate(cache, worker(cache, ns="other"), "h").outcome is AllocOutcome.ALLOCATED
 
 
-def test_abort_and_session_end_discard_pending(cache):
-    w = worker(cache)
-    allocate(cache, w, "a", pages=3)
-    allocate(cache, w, "b", pages=3)
-    assert cache.abort(w, ["a"]) == [ReportStatus.ACCEPTED]
-    assert cache.pending_pages == 3 and cache.allocator.free_pages == 5  # an abort frees at once
-    cache.end_session(w)
-    assert cache.pending_pages == 0
-    assert states(cache, "a", "b") == [None, None]
-    # The writer may still be copying into b's pages: they wait out a lease.
-    assert cache.quarantined_pages == 3 and cache.allocator.free_pages == 5
-    assert cache.release_quarantine() == 0
-    cache.sessions.clock.now += cache.sessions.lease_seconds
-    assert cache.release_quarantine() == 3
-    assert cache.allocator.free_pages == 8 and cache.quarantined_pages == 0
-
-
-def test_reports_of_others_and_late_reports_change_nothing(cache):
+def test_abort_frees_at_once_and_commit_and_abort_answer_per_key(cache):
     w1, w2 = worker(cache), worker(cache, engine="F")
-    allocate(cache, w1, "h")
-    assert cache.commit(w2, ["h"]) == [ReportStatus.UNKNOWN]  # not w2's
-    assert cache.abort(w2, ["h"]) == [ReportStatus.UNKNOWN]
-    assert cache.commit(w1, ["h"]) == [ReportStatus.ACCEPTED]
-    assert cache.commit(w1, ["h"]) == [ReportStatus.DUPLICATE]
-    assert cache.commit(w1, ["never"]) == [ReportStatus.UNKNOWN]
-    assert states(cache, "h") == [State.READY]
+    allocate(cache, w1, "a", pages=3)
+    allocate(cache, w1, "b", pages=3)
+    assert cache.commit(w2, ["a"]) == [ReportStatus.UNKNOWN]  # not w2's save
+    assert cache.abort(w2, ["a"]) == [ReportStatus.UNKNOWN]
+    assert cache.abort(w1, ["a", "never"]) == [ReportStatus.ACCEPTED, ReportStatus.UNKNOWN]
+    assert cache.pending_pages == 3 and cache.allocator.free_pages == 5
+    assert states(cache, "a") == [None]
+    assert cache.commit(w1, ["a", "b"]) == [ReportStatus.UNKNOWN, ReportStatus.ACCEPTED]
+    assert cache.commit(w1, ["b"]) == [ReportStatus.DUPLICATE]
+    assert cache.abort(w1, ["b"]) == [ReportStatus.UNKNOWN]  # ready: no longer the writer's
+    assert states(cache, "b") == [READY]
 
 
-# ------------------------------------------------------------- validation
+def test_a_report_with_one_bad_key_changes_nothing(cache):
+    w = worker(cache)
+    allocate(cache, w, "h")
+    with pytest.raises(InvalidArgument):
+        cache.commit(w, ["h", ""])
+    with pytest.raises(InvalidArgument):
+        cache.abort(w, ["h", "x" * 600])
+    assert w.pending == {("ns", "h")}
+    assert cache.commit(w, ["h"]) == [ReportStatus.ACCEPTED]
 
 
 @pytest.mark.parametrize(("mm_hash", "nbytes", "shape", "dtype", "error"), [
     ("", PAGE, (PAGE,), "uint8", InvalidArgument),
     ("x" * 600, PAGE, (PAGE,), "uint8", InvalidArgument),
     ("h", 0, (1,), "uint8", InvalidArgument),
+    ("h", -PAGE, (PAGE,), "uint8", InvalidArgument),
     ("h", PAGE, (), "uint8", InvalidArgument),
+    ("h", PAGE, (0, PAGE), "uint8", InvalidArgument),
     ("h", PAGE, (3,), "uint8", InvalidArgument),  # not a multiple of the shape
+    ("h", 32 * PAGE, (PAGE,), "uint8", InvalidArgument),  # 32 bytes per element
     ("h", PAGE, (PAGE,), "bad dtype!", InvalidArgument),
     ("h", 100 * PAGE, (100 * PAGE,), "uint8", ResourceExhausted),  # larger than the cache
 ])
@@ -142,33 +146,82 @@ def test_bad_saves_raise_precise_errors_and_change_nothing(cache, mm_hash, nbyte
     w = worker(cache)
     with pytest.raises(error):
         cache.allocate(w, mm_hash, nbytes, shape, dtype)
-    assert cache.allocator.free_pages == 8 and not w.pending
+    assert cache.allocator.free_pages == 8 and not w.pending and not list(cache.entries())
 
 
-def test_only_writer_workers_allocate(cache):
+def test_only_workers_of_saving_engines_allocate(cache):
     with pytest.raises(FailedPrecondition):
         allocate(cache, scheduler(cache), "h")
     with pytest.raises(FailedPrecondition):
         allocate(cache, worker(cache, role="consumer"), "h")
+    assert allocate(cache, worker(cache, role="producer"), "h").outcome is AllocOutcome.ALLOCATED
 
 
-# --------------------------------------------------------------- eviction
+def test_extents_lie_after_the_stamp_table_and_the_last_is_trimmed():
+    table = stamp_table(8)
+    cache = make_cache(pages=8, stamps=table)
+    w = worker(cache)
+    for h in "pqrs":
+        allocate(cache, w, h, pages=2)
+    cache.abort(w, ["p", "r"])  # free: pages 0-1 and 4-5
+    result = cache.allocate(w, "x", 3 * PAGE + 512, (7, 512), "uint8")
+    (entry,) = [e for e in cache.entries() if e.mm_hash == "x"]
+    assert sorted(entry.runs) == [(0, 2), (4, 2)]
+    first, second = entry.runs  # payload order; only the last extent is trimmed
+    assert result.extents == ((table.data_offset + first[0] * PAGE, 2 * PAGE),
+                              (table.data_offset + second[0] * PAGE, PAGE + 512))
 
 
-def test_lru_victims_are_hidden_then_reclaimed_after_every_view_acks(cache):
-    a, b, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
-    for h in "abcd":
-        save(cache, w, h, pages=2)
-    drain(a), drain(b)
+# ----------------------------------------------------------- eviction
+
+
+def test_lru_victims_are_hidden_and_every_view_of_the_namespace_is_told(cache):
+    a, b = scheduler(cache), scheduler(cache, engine="F")
+    elsewhere, w = scheduler(cache, engine="G", ns="other"), worker(cache)
+    ids = {h: save(cache, w, h, pages=2).entry_id for h in "abcd"}
+    for view in (a, b, elsewhere):
+        drain(view)
     assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
-    assert states(cache, "a") == [State.HIDDEN]  # the least recently used
+    assert states(cache, *"abcd") == [HIDDEN, READY, READY, READY]  # the least recent
     for view in (a, b):
-        assert drain(view) == [EvictedEvent("a", 1)]
-    cache.acknowledge(a, [("a", 1)])
-    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT  # b still may pin
-    cache.acknowledge(b, [("a", 1)])
-    assert states(cache, "a") == [None]
-    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.ALLOCATED
+        assert drain(view) == [EvictedEvent("a", ids["a"])]
+    assert drain(elsewhere) == []
+    (entry,) = cache.lookup("ns", ["a"])
+    assert entry.awaiting == {a, b} and a.awaiting == {entry}
+    assert cache.hidden_pages == 2 and cache.counters["evictions"] == 1
+
+
+def test_pages_are_reused_only_after_every_awaited_view_acknowledged(cache):
+    a, b, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
+    old = save(cache, w, "old", pages=8)
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT
+    cache.acknowledge(a, [("old", old.entry_id)])
+    assert states(cache, "old") == [HIDDEN]
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT  # b may still load
+    late = scheduler(cache, engine="late")  # attached after the eviction: never saw "old"
+    cache.acknowledge(late, [("old", old.entry_id)])
+    assert states(cache, "old") == [HIDDEN] and cache.allocator.free_pages == 0
+    cache.acknowledge(b, [("old", old.entry_id)])
+    assert states(cache, "old") == [None] and cache.allocator.free_pages == 8
+    new = allocate(cache, w, "new", pages=8)
+    assert new.outcome is AllocOutcome.ALLOCATED and new.extents == old.extents
+
+
+def test_stale_and_foreign_acknowledgements_are_ignored(cache):
+    view, w = scheduler(cache), worker(cache)
+    other_ns_view = scheduler(cache, engine="G", ns="other")
+    first = save(cache, w, "k", pages=8)
+    assert allocate(cache, w, "x", pages=8).outcome is AllocOutcome.WAIT
+    cache.acknowledge(view, [("k", first.entry_id)])  # reclaimed
+    again = save(cache, w, "k", pages=4)
+    save(cache, w, "filler", pages=4)
+    assert allocate(cache, w, "x", pages=8).outcome is AllocOutcome.WAIT  # hides both
+    cache.acknowledge(view, [("k", first.entry_id)])  # a late duplicate of the old ack
+    cache.acknowledge(view, [("k", 999), ("missing", again.entry_id)])
+    cache.acknowledge(other_ns_view, [("k", again.entry_id)])  # another namespace's view
+    assert states(cache, "k") == [HIDDEN]
+    cache.acknowledge(view, [("k", again.entry_id)])
+    assert states(cache, "k", "filler") == [None, HIDDEN]
 
 
 def test_without_views_eviction_reclaims_at_once(cache):
@@ -176,259 +229,58 @@ def test_without_views_eviction_reclaims_at_once(cache):
     for h in "abcd":
         save(cache, w, h, pages=2)
     assert allocate(cache, w, "new", pages=3).outcome is AllocOutcome.ALLOCATED
-    assert states(cache, "a", "b", "c") == [None, None, State.READY]
+    assert states(cache, *"abcd") == [None, None, READY, READY]
+    assert cache.counters["evictions"] == 2 and cache.hidden_pages == 0
+
+
+def test_while_victims_await_acknowledgements_saves_wait_and_nothing_more_is_hidden(cache):
+    scheduler(cache)  # a view the victims wait for
+    w = worker(cache)
+    for h in "abcd":
+        save(cache, w, h, pages=2)
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
+    assert states(cache, *"abcd") == [HIDDEN, READY, READY, READY]
+    assert cache.counters["evictions"] == 1 and not w.pending
+
+
+def test_a_save_that_stops_counting_hidden_pages_hides_one_more_round(cache):
+    scheduler(cache)  # a view that never acknowledges (a load in flight, a ghost)
+    w = worker(cache)
+    for h in "abcd":
+        save(cache, w, h, pages=2)
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
+    assert states(cache, *"abcd") == [HIDDEN, READY, READY, READY]
+    impatient = allocate(cache, w, "new", pages=2, count_hidden=False)
+    assert impatient.outcome is AllocOutcome.WAIT  # "b" is hidden too, awaiting the view
+    assert states(cache, *"abcd") == [HIDDEN, HIDDEN, READY, READY]
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
     assert cache.counters["evictions"] == 2
 
 
-def test_pinned_entries_are_never_evicted(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "pinned", pages=4)
-    save(cache, w, "free", pages=4)
-    assert cache.pin(view, tid(view, 1), "pinned", 1)
-    drain(view)
-    assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.WAIT
-    assert states(cache, "pinned", "free") == [State.READY, State.HIDDEN]
-    with pytest.raises(ResourceExhausted, match="pinned"):
-        allocate(cache, w, "huge", pages=8)  # only the pinned pages would remain
-    assert states(cache, "pinned") == [State.READY]
+def test_a_full_cache_with_nothing_evictable_refuses_and_hides_nothing(cache):
+    scheduler(cache)
+    w = worker(cache)
+    allocate(cache, w, "pending", pages=6)
+    save(cache, w, "ready", pages=2)
+    with pytest.raises(ResourceExhausted, match=r"cache full.*6144 pending"):
+        allocate(cache, w, "x", pages=4)  # even hiding "ready" would not make room
+    assert states(cache, "ready") == [READY]
+    assert cache.counters["evictions"] == 0 and cache.counters["refused_saves"] == 1
+    cache.abort(w, ["pending"])
+    with pytest.raises(ResourceExhausted, match="larger than the cache"):
+        allocate(cache, w, "huge", pages=9)
+    assert cache.counters["refused_saves"] == 2
+
+
+def test_a_save_that_waited_in_vain_is_refused_and_counted(cache):
+    error = cache.refuse_waited_save(4 * PAGE)
+    assert isinstance(error, ResourceExhausted) and "not acknowledged in time" in str(error)
     assert cache.counters["refused_saves"] == 1
 
 
-def test_everything_pinned_or_pending_refuses_without_evicting(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "p", pages=4)
-    cache.pin(view, tid(view, 1), "p", 1)
-    allocate(cache, w, "pending", pages=4)
-    with pytest.raises(ResourceExhausted):
-        allocate(cache, w, "x", pages=1)
-    assert states(cache, "p") == [State.READY] and cache.counters["evictions"] == 0
-
-
-def test_a_pin_sent_before_the_ack_lands_and_keeps_the_bytes(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "a", pages=8)
-    drain(view)
-    # The view saw "a" as ready and pins it; eviction happens concurrently.
-    assert allocate(cache, w, "b", pages=8).outcome is AllocOutcome.WAIT
-    entry = cache.lookup("ns", ["a"])[0]
-    runs = list(entry.runs)
-    assert cache.pin(view, tid(view, 1), "a", 1)  # pin arrives first on the stream ...
-    cache.acknowledge(view, [("a", 1)])  # ... then the ack
-    assert states(cache, "a") == [State.HIDDEN]
-    assert allocate(cache, w, "b", pages=8).outcome is AllocOutcome.WAIT  # pages still held
-    assert cache.report_loaded(worker(cache, rank=0), [tid(view, 1)]) == [Verdict.HELD]
-    assert states(cache, "a") == [None]
-    result = allocate(cache, w, "b", pages=8)
-    assert result.outcome is AllocOutcome.ALLOCATED
-    assert [(o // PAGE, n // PAGE) for o, n in result.extents] == runs
-
-
-def test_a_dead_view_stops_blocking_reclamation(cache):
-    alive, dead, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
-    save(cache, w, "a", pages=8)
-    allocate(cache, w, "b", pages=8)
-    cache.acknowledge(alive, [("a", 1)])
-    assert states(cache, "a") == [State.HIDDEN]
-    cache.end_session(dead)
-    assert states(cache, "a") == [None]
-
-
-def test_stale_and_foreign_acks_are_ignored(cache):
-    view, other, w = scheduler(cache), scheduler(cache, ns="other"), worker(cache)
-    save(cache, w, "a", pages=8)
-    allocate(cache, w, "b", pages=8)
-    cache.acknowledge(view, [("a", 999)])  # wrong entry id
-    cache.acknowledge(other, [("a", 1)])  # another namespace's view
-    assert states(cache, "a") == [State.HIDDEN]
-
-
-# ------------------------------------------------------------ pins, loads
-
-
-def test_transfer_ids_must_be_this_sessions_and_increasing(cache):
-    view, other, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
-    worker(cache, engine="F")
-    save(cache, w, "a")
-    assert not cache.pin(view, tid(other, 1), "a", 1)  # minted by another session
-    assert cache.pin(view, tid(view, 5), "a", 1)
-    assert not cache.pin(view, tid(view, 5), "a", 1)  # reused
-    assert not cache.pin(view, tid(view, 3), "a", 1)  # went backwards
-    assert cache.pin(view, tid(view, 6), "a", 1)  # a second dispatch of the same entry
-    reasons = [e.reason for e in drain(view) if isinstance(e, PinFailedEvent)]
-    assert reasons == ["transfer id was not minted by this session",
-                       "transfer id is not greater than the previous one",
-                       "transfer id is not greater than the previous one"]
-    assert len(cache.lookup("ns", ["a"])[0].pins) == 2
-
-
-def test_load_unpins_only_after_every_rank_reported():
-    cache = make_cache(pages=8)
-    view = scheduler(cache)
-    r0, r1 = worker(cache, rank=0, world=2), worker(cache, rank=1, world=2)
-    save(cache, r0, "a")
-    t = tid(view, 1)
-    assert cache.pin(view, t, "a", 1)
-    assert cache.report_loaded(r0, [t]) == [Verdict.HELD]
-    assert cache.report_loaded(r0, [t]) == [Verdict.REPORTED_ALREADY]  # duplicate ignored
-    assert len(cache.lookup("ns", ["a"])[0].pins) == 1
-    assert cache.report_loaded(r1, [t]) == [Verdict.HELD]
-    assert not cache.lookup("ns", ["a"])[0].pins
-    assert cache.report_loaded(r1, [t]) == [Verdict.NOT_HELD]  # late: the pin is gone
-    assert cache.counters["loads"] == 1
-    cache.check_invariants()
-
-
-def test_a_report_that_overtook_its_pin_waits_for_it(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "a")
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.WAIT]
-    cache.pin(view, tid(view, 1), "a", 1)
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.HELD]
-    # A counter the stream already passed was refused or released: not held.
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
-
-
-def test_a_failed_pin_answers_not_held(cache):
-    view, w = scheduler(cache), worker(cache)
-    cache.pin(view, tid(view, 1), "missing", 1)
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
-
-
-def test_reports_for_another_engine_are_denied_and_change_nothing(cache):
-    view, w = scheduler(cache), worker(cache)
-    intruder = worker(cache, engine="X")
-    save(cache, w, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    with pytest.raises(PermissionDenied):
-        cache.report_loaded(intruder, [tid(view, 1)])
-    assert len(cache.lookup("ns", ["a"])[0].pins) == 1
-    with pytest.raises(FailedPrecondition):
-        cache.report_loaded(view, [tid(view, 1)])  # schedulers do not report loads
-
-
-def test_pins_need_an_attached_worker_and_a_consumer_role():
-    cache = make_cache()
-    view = scheduler(cache)
-    producer = scheduler(cache, engine="P", role="producer")
-    w = worker(cache, engine="W")
-    save(cache, w, "a")
-    assert not cache.pin(view, tid(view, 1), "a", 1)  # engine E has no worker
-    worker(cache, engine="P")
-    assert not cache.pin(producer, tid(producer, 1), "a", 1)
-    cache.check_invariants()
-
-
-# ---------------------------------------------------------- session ends
-
-
-def test_scheduler_death_releases_its_pins(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    cache.pin(view, tid(view, 2), "a", 1)
-    assert cache.pinned_pages == 1
-    cache.end_session(view)
-    assert cache.pinned_pages == 0
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
-
-
-def test_a_dead_rank_stops_holding_loads():
-    cache = make_cache()
-    view = scheduler(cache)
-    r0, r1 = worker(cache, rank=0, world=2), worker(cache, rank=1, world=2)
-    save(cache, r0, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    cache.report_loaded(r0, [tid(view, 1)])
-    cache.end_session(r1)
-    assert not cache.lookup("ns", ["a"])[0].pins
-    cache.check_invariants()
-
-
-def test_a_rank_with_another_live_session_is_still_awaited():
-    cache = make_cache()
-    view = scheduler(cache)
-    r0 = worker(cache, rank=0)
-    r0_again = worker(cache, rank=0)  # reconnected before the old session ended
-    save(cache, r0, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    cache.end_session(r0)
-    assert cache.lookup("ns", ["a"])[0].pins
-    assert cache.report_loaded(r0_again, [tid(view, 1)]) == [Verdict.HELD]
-    cache.check_invariants()
-
-
-def test_expired_leases_end_sessions_and_release_everything():
-    from tests.unit.cache_helpers import FakeClock
-
-    clock = FakeClock()
-    cache = make_cache(lease=5, clock=clock)
-    view, rank0, writer = scheduler(cache), worker(cache), worker(cache, engine="S")
-    save(cache, writer, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    allocate(cache, writer, "b")
-    clock.now += 3
-    cache.sessions.renew(view)
-    cache.sessions.renew(rank0)
-    clock.now += 3
-    assert cache.expire_sessions() == [writer]
-    assert cache.pending_pages == 0 and cache.pinned_pages == 1  # view and rank0 renewed
-    clock.now += 6
-    assert set(cache.expire_sessions()) == {view, rank0}
-    assert cache.pinned_pages == 0 and len(cache.sessions) == 0
-    cache.check_invariants()
-
-
-def test_heartbeat_counters_feed_hit_and_miss_stats(cache):
-    view = scheduler(cache)
-    cache.record_lookups(view, 10, 4)
-    assert (cache.counters["hits"], cache.counters["misses"]) == (4, 6)
-    assert cache.namespace_counters["ns"] == {"hits": 4, "misses": 6}
-    with pytest.raises(InvalidArgument):
-        cache.record_lookups(view, 1, 2)
-
-
-# ------------------------------------------------------- review regressions
-
-
-def test_a_pin_arriving_after_its_report_gave_up_is_refused(cache):
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "a")
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.WAIT]
-    cache.abandon(tid(view, 1))  # the service answered NOT_HELD after waiting
-    drain(view)
-    assert not cache.pin(view, tid(view, 1), "a", 1)
-    (event,) = drain(view)
-    assert isinstance(event, PinFailedEvent) and "timed out" in event.reason
-    assert cache.pinned_pages == 0  # nothing waits for a report that was given
-
-
-def test_a_refused_pin_does_not_make_reports_wait():
-    cache = make_cache()
-    producer = scheduler(cache, role="producer")
-    w = worker(cache)
-    save(cache, w, "a")
-    assert not cache.pin(producer, tid(producer, 1), "a", 1)  # producers cannot pin
-    assert cache.report_loaded(w, [tid(producer, 1)]) == [Verdict.NOT_HELD]
-
-
-def test_pins_whose_reports_never_come_expire():
-    from tests.unit.cache_helpers import FakeClock
-
-    clock = FakeClock()
-    cache = make_cache(clock=clock)
-    view, w = scheduler(cache), worker(cache)
-    save(cache, w, "a")
-    cache.pin(view, tid(view, 1), "a", 1)
-    assert cache.expire_transfers(60) == []
-    clock.now += 61
-    (stale,) = cache.expire_transfers(60)
-    assert stale.transfer_id == tid(view, 1) and cache.pinned_pages == 0
-    assert cache.report_loaded(w, [tid(view, 1)]) == [Verdict.NOT_HELD]
-    cache.check_invariants()
-
-
 def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
-    """Every eviction round costs each view an event message and an
+    """Each eviction round costs every view an event message and an
     acknowledgement: one round makes room for several saves, not one."""
     cache = make_cache(pages=256)
     view, w = scheduler(cache), worker(cache)
@@ -436,7 +288,7 @@ def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
         save(cache, w, f"k{i}")
     drain(view)
     assert allocate(cache, w, "new0").outcome is AllocOutcome.WAIT  # the view must ack
-    evicted = [e for e in drain(view) if isinstance(e, EvictedEvent)]
+    evicted = drain(view)
     assert [e.mm_hash for e in evicted] == ["k0", "k1", "k2", "k3"]  # 256 // 64, oldest first
     cache.acknowledge(view, [(e.mm_hash, e.entry_id) for e in evicted])
     for n in range(4):  # room for the next saves without another round
@@ -444,12 +296,279 @@ def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
     assert drain(view) == [] and cache.counters["evictions"] == 4
 
 
-def test_a_small_shortfall_is_met_even_when_less_than_a_batch_is_evictable():
+def test_a_small_shortfall_is_met_when_less_than_a_batch_is_evictable():
     cache = make_cache(pages=128)  # a batch is 2 pages
     view, w = scheduler(cache), worker(cache)
-    save(cache, w, "pinned", pages=127)
+    allocate(cache, w, "pending", pages=127)
     save(cache, w, "cold", pages=1)
-    assert cache.pin(view, tid(view, 1), "pinned", cache.lookup("ns", ["pinned"])[0].entry_id)
     drain(view)
-    assert allocate(cache, w, "new", pages=1).outcome is AllocOutcome.WAIT  # "cold" hidden
-    assert states(cache, "cold") == [State.HIDDEN]
+    assert allocate(cache, w, "new", pages=1).outcome is AllocOutcome.WAIT
+    assert states(cache, "cold") == [HIDDEN]
+
+
+# ------------------------------------------------------------ touches
+
+
+def test_a_touch_makes_an_entry_recent_and_counts_the_load(cache):
+    view, w = scheduler(cache), worker(cache)
+    ids = {h: save(cache, w, h, pages=2).entry_id for h in "abcd"}
+    cache.touch(view, [("a", ids["a"]), ("a", ids["a"])])  # two loads of one entry
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
+    assert states(cache, "a", "b") == [READY, HIDDEN]
+    assert cache.counters["loads"] == 2 and cache.counters["bytes_loaded"] == 4 * PAGE
+    assert cache.namespace_counters["ns"]["loads"] == 2
+
+
+def test_touches_of_stale_unknown_or_foreign_refs_count_the_load_but_no_bytes(cache):
+    # A view dispatched those loads; the entry may be gone by the time its
+    # heartbeat lands. They count as loads, their bytes are unknown.
+    view, w = scheduler(cache), worker(cache)
+    other = scheduler(cache, engine="G", ns="other")
+    a = save(cache, w, "a")
+    before = list(cache.policy._order)
+    cache.touch(view, [("a", a.entry_id + 100), ("missing", a.entry_id)])
+    cache.touch(other, [("a", a.entry_id)])  # another namespace has no "a"
+    assert cache.counters["loads"] == 3 and cache.counters["bytes_loaded"] == 0
+    assert cache.namespace_counters["ns"]["loads"] == 2
+    assert cache.namespace_counters["other"]["loads"] == 1
+    assert list(cache.policy._order) == before  # recency untouched
+
+
+def test_a_touch_of_a_hidden_entry_counts_the_load_but_does_not_revive_it(cache):
+    view, w = scheduler(cache), worker(cache)
+    a = save(cache, w, "a", pages=4)
+    save(cache, w, "b", pages=4)
+    assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.WAIT
+    cache.touch(view, [("a", a.entry_id)])  # dispatched before the view saw the eviction
+    assert states(cache, "a") == [HIDDEN] and cache.policy.evictable_pages == 4
+    assert cache.counters["loads"] == 1
+
+
+# ------------------------------------------------ session ends, ghosts
+
+
+def test_a_view_that_ends_without_detaching_is_awaited_as_a_ghost_for_one_lease():
+    clock = FakeClock()
+    cache = make_cache(pages=8, lease=10, clock=clock)
+    view, w = scheduler(cache), worker(cache)
+    for h in "abcd":
+        save(cache, w, h, pages=2)
+    assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT  # hides "a"
+    cache.end_session(view)  # the stream was lost: its engine may still be loading "a"
+    assert view.is_ghost and not view.alive and view.awaiting
+    assert states(cache, "a") == [HIDDEN]
+    assert allocate(cache, w, "more", pages=4).outcome is AllocOutcome.WAIT  # hides "b"
+    (b,) = cache.lookup("ns", ["b"])
+    assert b.state is HIDDEN and b.awaiting == {view}  # evictions while a ghost await it
+    assert not view.outbox  # a ghost is sent nothing
+    clock.now += 9.9
+    assert cache.release_ghosts() == []
+    assert states(cache, "a", "b") == [HIDDEN, HIDDEN]
+    clock.now += 0.1
+    assert cache.release_ghosts() == [view]
+    assert states(cache, "a", "b") == [None, None] and not view.awaiting
+    assert cache.sessions.awaited("ns") == set()
+    assert allocate(cache, w, "more", pages=4).outcome is AllocOutcome.ALLOCATED
+
+
+def test_a_hidden_entry_awaiting_a_live_view_and_a_ghost_needs_both():
+    clock = FakeClock()
+    cache = make_cache(pages=8, lease=10, clock=clock)
+    live, lost, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
+    a = save(cache, w, "a", pages=8)
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT
+    cache.end_session(lost)
+    clock.now += 10
+    assert cache.release_ghosts() == [lost]
+    assert states(cache, "a") == [HIDDEN]  # the live view still owes its ack
+    cache.acknowledge(live, [("a", a.entry_id)])
+    assert states(cache, "a") == [None]
+
+
+def test_a_detached_view_acknowledges_at_once(cache):
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "a", pages=8)
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT
+    cache.end_session(view, detached=True)
+    assert not view.is_ghost and list(cache.sessions.ghosts()) == []
+    assert states(cache, "a") == [None]
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.ALLOCATED
+
+
+def test_ending_a_session_twice_changes_nothing(cache):
+    view = scheduler(cache)
+    cache.end_session(view)
+    ghost_until = view.ghost_until
+    cache.sessions.clock.now += 5
+    cache.end_session(view, detached=True)
+    assert view.is_ghost and view.ghost_until == ghost_until
+
+
+def test_expired_leases_end_sessions_views_become_ghosts():
+    clock = FakeClock()
+    cache = make_cache(pages=8, lease=5, clock=clock, quarantine=30)
+    view, writer = scheduler(cache), worker(cache)
+    save(cache, writer, "a", pages=4)
+    allocate(cache, writer, "b", pages=2)
+    clock.now += 3
+    cache.sessions.renew(view)
+    clock.now += 3
+    assert cache.expire_sessions() == [writer]
+    assert cache.pending_pages == 0 and cache.quarantined_pages == 2
+    clock.now += 3
+    assert cache.expire_sessions() == [view]
+    assert view.is_ghost and view.ghost_until == clock.now + 5 and len(cache.sessions) == 0
+    assert cache.expire_sessions() == []
+
+
+# --------------------------------------------------------- quarantine
+
+
+def test_pending_saves_of_an_ended_writer_are_quarantined_then_freed():
+    clock = FakeClock()
+    table = stamp_table(8)
+    cache = make_cache(pages=8, lease=10, clock=clock, stamps=table, quarantine=30)
+    w = worker(cache)
+    allocate(cache, w, "a", pages=3)
+    b = allocate(cache, w, "b", pages=3)
+    cache.end_session(w, detached=True)  # detached or not: it may still be copying
+    assert cache.pending_pages == 0 and states(cache, "a", "b") == [None, None]
+    assert cache.quarantined_pages == 6 and cache.allocator.free_pages == 2
+    # The key is free again, but not the pages a frozen writer may still write.
+    retry = allocate(cache, worker(cache, engine="F"), "b", pages=2)
+    assert retry.outcome is AllocOutcome.ALLOCATED
+    assert set(page_numbers(cache, retry.extents)).isdisjoint(page_numbers(cache, b.extents))
+    with pytest.raises(ResourceExhausted, match="6144 quarantined"):
+        allocate(cache, worker(cache, engine="G"), "c")
+    clock.now += 29.9
+    assert cache.release_quarantine() == 0
+    assert table.holds(b.extents, b.entry_id)  # the dead writer's stamp stays meanwhile
+    clock.now += 0.1
+    assert cache.release_quarantine() == 6
+    assert cache.quarantined_pages == 0 and cache.allocator.free_pages == 6
+    assert table.holds(b.extents, 0)
+
+
+# ------------------------------------------------------------- stamps
+
+
+def test_allocate_stamps_every_page_of_every_run_before_returning():
+    table = stamp_table(8)
+    cache = make_cache(pages=8, stamps=table)
+    w = worker(cache)
+    held = {h: allocate(cache, w, h, pages=2) for h in "pqrs"}
+    cache.abort(w, ["p", "r"])  # free: pages 0-1 and 4-5
+    result = allocate(cache, w, "x", pages=4)
+    assert len(result.extents) == 2  # two runs
+    assert stamped(table, [0, 1, 4, 5], result.entry_id)
+    assert table.holds(result.extents, result.entry_id)
+    assert stamped(table, [2, 3], held["q"].entry_id) and stamped(table, [6, 7],
+                                                                  held["s"].entry_id)
+
+
+def test_stamps_are_written_before_the_writer_learns_the_extents():
+    class Recording(cache_module.Stamps):
+        def __init__(self):
+            self.calls = []
+
+        def write(self, runs, stamp):
+            self.calls.append(("write", list(runs), stamp))
+
+        def clear(self, runs):
+            self.calls.append(("clear", list(runs)))
+
+    stamps = Recording()
+    cache = make_cache(pages=8)
+    cache.stamps = stamps
+    w = worker(cache)
+    result = allocate(cache, w, "h", pages=3)
+    assert stamps.calls == [("write", [(0, 3)], result.entry_id)]
+    cache.abort(w, ["h"])
+    assert stamps.calls[1:] == [("clear", [(0, 3)])]
+
+
+def test_stamps_are_cleared_when_pages_come_back_and_rewritten_on_reuse():
+    table = stamp_table(8)
+    cache = make_cache(pages=8, stamps=table)
+    view, w = scheduler(cache), worker(cache)
+    a = save(cache, w, "a", pages=8)
+    assert allocate(cache, w, "b", pages=8).outcome is AllocOutcome.WAIT
+    assert table.holds(a.extents, a.entry_id)  # hidden: the bytes are intact
+    cache.acknowledge(view, [("a", a.entry_id)])
+    assert stamped(table, range(8), 0)
+    b = allocate(cache, w, "b", pages=8)
+    assert b.entry_id != a.entry_id and table.holds(b.extents, b.entry_id)
+    assert not table.holds(a.extents, a.entry_id)  # a load of "a" now would be caught
+    cache.abort(w, ["b"])
+    assert stamped(table, range(8), 0)
+
+
+# ------------------------------------------------------ namespaces, counters
+
+
+def test_namespace_counters_are_forgotten_once_nothing_uses_the_namespace():
+    clock = FakeClock()
+    cache = make_cache(pages=8, lease=10, clock=clock)
+    view, w = scheduler(cache, ns="x"), worker(cache, ns="x")
+    save(cache, w, "a")
+    cache.record_lookups(view, 3, 1)
+    cache.end_session(view, detached=True)
+    cache.end_session(w)
+    assert cache.namespace_counters["x"]["hits"] == 1  # "a" is still cached
+    assert allocate(cache, worker(cache, ns="y"), "big", pages=8).outcome is (
+        AllocOutcome.ALLOCATED)  # "a" evicted and reclaimed: nobody awaited it
+    assert "x" not in cache.namespace_counters and "x" not in cache.namespace_usage
+    ghost = scheduler(cache, ns="g")
+    cache.end_session(ghost)  # not detached: a ghost still uses its namespace
+    assert "g" in cache.namespace_counters
+    clock.now += 10
+    assert cache.release_ghosts() == [ghost]
+    assert "g" not in cache.namespace_counters
+
+
+def test_heartbeat_lookup_counters_feed_hits_and_misses(cache):
+    view = scheduler(cache)
+    cache.record_lookups(view, 10, 4)
+    cache.record_lookups(view, 0, 0)
+    assert (cache.counters["hits"], cache.counters["misses"]) == (4, 6)
+    assert cache.namespace_counters["ns"] == {"hits": 4, "misses": 6, "loads": 0}
+
+
+@pytest.mark.parametrize(("lookups", "hits"), [(1, 2), (-1, 0), (3, -1)])
+def test_impossible_lookup_counters_are_refused_and_change_nothing(cache, lookups, hits):
+    view = scheduler(cache)
+    with pytest.raises(InvalidArgument):
+        cache.record_lookups(view, lookups, hits)
+    assert cache.counters["hits"] == cache.counters["misses"] == 0
+    assert cache.namespace_counters["ns"] == {"hits": 0, "misses": 0, "loads": 0}
+
+
+# ------------------------------------------------------------- outbox
+
+
+def test_a_view_whose_outbox_passes_its_limit_is_marked_overflowed(cache, monkeypatch):
+    monkeypatch.setattr(cache_module, "OUTBOX_MIN_EVENTS", 2)
+    w = worker(cache)
+    for h in "abc":
+        save(cache, w, h)
+    view = scheduler(cache)  # a snapshot of 3 + done: the limit counts the snapshot
+    wakes = []
+    view.wake = lambda: wakes.append(1)
+    assert not view.overflowed and len(view.outbox) == 4
+    save(cache, w, "d")
+    assert not view.overflowed and len(view.outbox) == 5
+    save(cache, w, "e")  # past snapshot + 2
+    assert view.overflowed and wakes == [1, 1]  # the stream writer is told to look
+    save(cache, w, "f")
+    events = drain(view)
+    assert [getattr(e, "mm_hash", None) for e in events] == ["a", "b", "c", None, "d"]
+    # Still awaited: it missed events, so it is ended as a ghost, never trusted to ack.
+    assert view in cache.sessions.awaited("ns")
+
+
+def test_an_ended_session_is_sent_nothing(cache):
+    view, w = scheduler(cache), worker(cache)
+    drain(view)
+    cache.end_session(view, detached=True)
+    save(cache, w, "a")
+    assert not view.outbox and not view.overflowed

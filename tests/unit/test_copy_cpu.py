@@ -56,3 +56,22 @@ def test_auto_picks_cpu_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: auto picks a GPU backend")
     assert get_backend("auto").name == "cpu"
+
+
+def test_a_custom_backend_is_loaded_by_module_and_class_name():
+    backend = get_backend("ec_client.copy.cpu_backend:Backend")
+    assert backend.name == "cpu"
+
+
+@pytest.mark.parametrize("name", ["ec_client.copy.cpu_backend:", ":Backend", "a:b:c",
+                                  "not a module:Backend", "gpu"])
+def test_malformed_or_unknown_backend_names_are_refused(name):
+    with pytest.raises(ValueError):
+        get_backend(name)
+
+
+def test_a_custom_backend_that_does_not_exist_raises_import_error():
+    with pytest.raises(ImportError):
+        get_backend("ec_client.copy.cpu_backend:NoSuchBackend")
+    with pytest.raises(ImportError):
+        get_backend("no_such_package_here.copy:Backend")

@@ -45,3 +45,24 @@ def test_the_lock_is_held_for_the_daemons_life(tmp_path):
     finally:
         os.close(fd)
         region.close()
+
+
+def test_a_group_region_is_owner_only_until_its_group_is_set(tmp_path, monkeypatch):
+    modes_at_chown = []
+    real_fchown = os.fchown
+
+    def fchown(fd, uid, gid):
+        modes_at_chown.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        real_fchown(fd, uid, gid)
+
+    monkeypatch.setattr(os, "fchown", fchown)
+    old_umask = os.umask(0)  # the umask must not be what hides the window
+    try:
+        region = Region.create(tmp_path, 1 << 16, mode=0o660, gid=os.getegid())
+    finally:
+        os.umask(old_umask)
+    try:
+        assert modes_at_chown == [0o600]
+        assert stat.S_IMODE(region.path.stat().st_mode) == 0o660
+    finally:
+        region.close()

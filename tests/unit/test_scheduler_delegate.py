@@ -1,258 +1,317 @@
-"""The scheduler delegate's hot path, without a daemon: the session stream
-is replaced by a list, so every message it would send is visible."""
+"""The scheduler delegate without a daemon: the link is a stand-in whose
+freshness the test sets and whose sends are recorded, and daemon messages
+are handed to the delegate as the link thread would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
+import ec_client.scheduler as scheduler
+from ec_client.regions import RegionInfo
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.session import Attachment
 from ec_protocol.protocol import Layout, pb
 
-ATTACHMENT = Attachment(session_id="s", index=7, namespace="ns", region_path="/dev/null",
-                        region_size=1 << 20, page_bytes=4096, generation=42, lease_ms=10000,
-                        heartbeat_ms=2000)
+LAYOUT = Layout("m", "float32", {"image": 4096})
+REGION = RegionInfo("/dev/shm/ec-daemon-a.region", 1 << 20, 0xA, 4096, 4096)
+NEW_REGION = RegionInfo("/dev/shm/ec-daemon-b.region", 1 << 20, 0xB, 4096, 4096)
 
 
-def ready(mm_hash, entry_id, nbytes=4096):
+def attachment(region: RegionInfo = REGION, index: int = 7) -> Attachment:
+    return Attachment(session_id=f"s{index}", index=index, namespace="ns", region=region,
+                      lease_ms=10000, heartbeat_ms=2000)
+
+
+def ready(mm_hash: str, entry_id: int, nbytes: int = 4096) -> pb.DaemonMessage:
     return pb.DaemonMessage(ready=[pb.EntryInfo(
-        mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 2], dtype="float16",
-        extents=[pb.Extent(offset=entry_id * 4096, length=nbytes)])], snapshot_done=True)
+        mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
+        dtype="float32", extents=[pb.Extent(offset=4096 + entry_id * 4096, length=nbytes)])],
+        snapshot_done=True)
+
+
+def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
+    return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs])
+
+
+def make(role: str = "both", ranks: int = 1) -> SchedulerDelegate:
+    d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                          role=role, ranks=ranks, start=False)
+    d.acks = []
+    d.freshness = True
+    d.link.fresh = lambda: d.freshness
+
+    def send_parts(acks, touches=None):
+        d.acks += acks
+        return True
+
+    d.link.send_parts = send_parts
+    d._on_attached(attachment())
+    return d
 
 
 @pytest.fixture
-def delegate():
-    d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E",
-                          layout=Layout("m", "float16", {"image": 2}), start=False)
-    sent = []
-    # What would go on the stream, as the link thread builds it.
-    d.link.send = lambda message: sent.append(
-        message.to_message() if hasattr(message, "to_message") else message) or True
-    d.sent = sent
-    d._on_attached(ATTACHMENT)
+def delegate() -> Iterator[SchedulerDelegate]:
+    d = make()
     yield d
     d.transport.close()
 
 
-def test_misses_and_hits_come_from_the_view_without_rpcs(delegate):
+@pytest.fixture
+def two_ranks() -> Iterator[SchedulerDelegate]:
+    d = make(ranks=2)
+    yield d
+    d.transport.close()
+
+
+def dispatch(d: SchedulerDelegate, *mm_hashes: str) -> dict[str, int]:
+    """One step that hits and loads `mm_hashes`: their transfer ids."""
+    for i, mm_hash in enumerate(mm_hashes):
+        assert d.has_item(mm_hash)
+        assert d.after_alloc(f"req-{mm_hash}-{i}", mm_hash)
+    return {spec.mm_hash: spec.transfer_id for spec in d.build_step_metadata().loads}
+
+
+def test_a_hit_plans_a_load_of_the_entry_in_its_region_without_any_rpc(delegate):
     assert not delegate.has_item("a")
-    delegate._on_message(ready("a", 1))
+    delegate._on_message(ready("a", 3, nbytes=8192))
     assert delegate.has_item("a")
     assert delegate.after_alloc("req-1", "a")
-    assert not delegate.after_alloc("req-2", "b")  # a miss: computed and saved by the worker
+    assert not delegate.after_alloc("req-2", "b")  # a miss: computed (and saved) by the engine
     meta = delegate.build_step_metadata()
-    assert [s.mm_hash for s in meta.loads] == ["a"]
-    spec = meta.loads[0]
-    assert spec.transfer_id >> 32 == 7 and spec.generation == 42
-    assert spec.extents == ((4096, 4096),) and spec.shape == (2048,)
+    (spec,) = meta.loads
+    assert (spec.mm_hash, spec.entry_id, spec.generation, spec.nbytes) == ("a", 3, 0xA, 8192)
+    assert spec.extents == ((4096 + 3 * 4096, 8192),)
+    assert (spec.shape, spec.dtype) == ((2048,), "float32")
+    assert meta.regions == {0xA: REGION}
+    assert delegate.view.inflight() == 1
     assert sum(delegate.transport.calls.values()) == 0
+    assert delegate.acks == []
 
 
-def test_transfer_ids_are_unique_per_dispatch_and_session(delegate):
+def test_a_step_without_hits_sends_an_empty_metadata(delegate):
     delegate._on_message(ready("a", 1))
-    ids = []
-    for step in range(3):
-        delegate.has_item("a")
-        delegate.after_alloc(f"req-{step}", "a")
-        ids += [s.transfer_id for s in delegate.build_step_metadata().loads]
-    assert len(set(ids)) == 3
-    delegate._on_attached(Attachment(**{**ATTACHMENT.__dict__, "index": 8}))
-    delegate._on_message(ready("a", 1))
-    delegate.has_item("a")
-    delegate.after_alloc("req-x", "a")
-    (spec,) = delegate.build_step_metadata().loads
-    assert spec.transfer_id >> 32 == 8 and spec.transfer_id not in ids
-
-
-def test_same_item_twice_in_a_step_is_one_load(delegate):
-    delegate._on_message(ready("a", 1))
-    delegate.has_item("a")
-    assert delegate.after_alloc("r1", "a") and delegate.after_alloc("r2", "a")
+    assert not delegate.has_item("b")
     meta = delegate.build_step_metadata()
-    assert len(meta.loads) == 1
-    delegate.apply_worker_output(failed=[meta.loads[0].transfer_id])
+    assert meta.loads == [] and meta.regions == {}
+
+
+def test_transfer_ids_are_unique_per_dispatch(delegate):
+    delegate._on_message(ready("a", 1))
+    ids = [dispatch(delegate, "a")["a"] for _ in range(3)]
+    assert len(set(ids)) == 3
+
+
+def test_no_hit_while_the_session_is_not_fresh(delegate):
+    delegate._on_message(ready("a", 1))
+    delegate.freshness = False
+    assert not delegate.has_item("a")
+    assert not delegate.after_alloc("r", "a")
+    assert delegate.build_step_metadata().loads == []
+    delegate.freshness = True
+    assert delegate.has_item("a")
+
+
+def test_no_hit_while_detached(delegate):
+    delegate._on_message(ready("a", 1))
+    delegate._on_detached()
+    assert not delegate.has_item("a")
+    assert len(delegate.view) == 0
+
+
+def test_producers_never_hit():
+    d = make(role="producer")
+    try:
+        d._on_message(ready("a", 1))
+        assert not d.has_item("a")
+    finally:
+        d.transport.close()
+
+
+def test_requests_for_one_item_share_one_load(delegate):
+    delegate._on_message(ready("a", 1))
+    assert delegate.has_item("a") and delegate.has_item("a")
+    assert delegate.after_alloc("r1", "a") and delegate.after_alloc("r2", "a")
+    (spec,) = delegate.build_step_metadata().loads
+    assert delegate.view.inflight() == 1
+    delegate.apply_worker_output(failed=[spec.transfer_id])
     assert delegate.take_unavailable_requests() == {"r1", "r2"}
     assert delegate.take_unavailable_requests() == set()
 
 
-def test_an_eviction_during_the_step_waits_until_the_pin_is_queued(delegate):
+def test_a_hit_stays_loadable_until_the_step_end_and_its_eviction_waits_for_the_load(delegate):
     delegate._on_message(ready("a", 1))
-    delegate.sent.clear()
     assert delegate.has_item("a")
-    # The eviction arrives between has_item and after_alloc.
-    delegate._on_message(pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash="a", entry_id=1)]))
-    assert delegate.sent == []  # not acknowledged yet
-    assert delegate.after_alloc("r", "a")  # still loadable
-    delegate.build_step_metadata()
-    (message,) = delegate.sent
-    assert [p.mm_hash for p in message.pins] == ["a"]
-    assert [a.mm_hash for a in message.acks] == ["a"]  # same message: pins are applied first
-    assert not delegate.has_item("a")
-
-
-def test_evictions_of_unclaimed_entries_are_acknowledged_at_once(delegate):
-    delegate._on_message(ready("a", 1))
-    delegate.sent.clear()
-    delegate._on_message(pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash="a", entry_id=1)]))
-    assert [a.mm_hash for m in delegate.sent for a in m.acks] == ["a"]
-    assert not delegate.has_item("a")
-
-
-def test_detach_empties_the_view_and_fails_planned_loads(delegate):
-    delegate._on_message(ready("a", 1))
-    delegate.has_item("a")
-    delegate.after_alloc("r", "a")
-    delegate._on_detached()
-    delegate.link.send = lambda message: False
-    assert not delegate.has_item("a")
-    delegate.build_step_metadata()
-    assert delegate.take_unavailable_requests() == {"r"}
-
-
-def test_pin_failures_make_their_requests_unavailable(delegate):
-    delegate._on_message(ready("a", 1))
-    delegate.has_item("a")
-    delegate.after_alloc("r", "a")
+    delegate._on_message(evicted(("a", 1)))  # between has_item and after_alloc
+    assert delegate.acks == []
+    assert delegate.after_alloc("r", "a")
     (spec,) = delegate.build_step_metadata().loads
-    delegate._on_message(pb.DaemonMessage(pin_failures=[
-        pb.PinFailure(transfer_id=spec.transfer_id, reason="entry is no longer cached")]))
-    assert delegate.take_unavailable_requests() == {"r"}
+    assert delegate.acks == []  # the load is in flight
+    assert not delegate.has_item("a")
+    delegate.apply_worker_output(done=[spec.transfer_id])
+    assert delegate.acks == [("a", 1)]
 
 
-def test_heartbeats_carry_lookup_counters_as_deltas(delegate):
+def test_an_unplanned_hits_eviction_is_acknowledged_at_the_step_end(delegate):
     delegate._on_message(ready("a", 1))
-    for h in ("a", "b", "c"):
-        delegate.has_item(h)
-    beat = delegate._heartbeat()
-    assert (beat.lookups, beat.hits) == (3, 1)
-    beat = delegate._heartbeat()
-    assert (beat.lookups, beat.hits) == (0, 0)
+    assert delegate.has_item("a")  # vLLM then did not allocate it
+    delegate._on_message(evicted(("a", 1)))
+    assert delegate.acks == []
+    delegate.build_step_metadata()
+    assert delegate.acks == [("a", 1)]
 
 
-def test_producers_never_hit():
-    d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E", role="producer",
-                          layout=Layout("m", "float16", {"image": 2}), start=False)
-    d._on_attached(ATTACHMENT)
+def test_with_two_ranks_the_ack_waits_for_both_reports_in_any_order(two_ranks):
+    d = two_ranks
     d._on_message(ready("a", 1))
-    assert not d.has_item("a")
-    d.transport.close()
+    d._on_message(ready("b", 2))
+    ids = dispatch(d, "a", "b")
+    d._on_message(evicted(("a", 1), ("b", 2)))
+    assert d.acks == []
+    d.apply_worker_output(done=[ids["b"], ids["a"]])  # one rank reported both
+    d.build_step_metadata()
+    assert d.acks == []
+    d.apply_worker_output(done=[999_999])  # a report of nothing dispatched: ignored
+    d.apply_worker_output(done=[ids["b"]])  # the other rank, one step apart
+    assert d.acks == [("b", 2)]
+    d.build_step_metadata()
+    d.apply_worker_output(done=[ids["a"]])
+    assert d.acks == [("b", 2), ("a", 1)]
+    d.apply_worker_output(done=[ids["a"], ids["b"]])  # late duplicates change nothing
+    assert d.acks == [("b", 2), ("a", 1)] and d.view.inflight() == 0
 
 
-def test_a_hit_lost_to_a_detach_before_after_alloc_fails_its_request(delegate):
+def test_a_failed_report_is_that_ranks_report_and_fails_its_requests_once(two_ranks):
+    d = two_ranks
+    d._on_message(ready("a", 1))
+    ids = dispatch(d, "a")
+    d._on_message(evicted(("a", 1)))
+    d.apply_worker_output(failed=[ids["a"]])
+    assert d.take_unavailable_requests() == {"req-a-0"}
+    assert d.acks == []  # the other rank may still be copying
+    d.apply_worker_output(failed=[ids["a"]])
+    assert d.take_unavailable_requests() == set()  # once, whichever ranks failed
+    assert d.acks == [("a", 1)]
+    assert d.take_stats()["load_failures"] == 1
+
+
+def test_a_reattach_before_the_step_end_loads_the_old_region_and_spares_the_new_view(delegate):
     delegate._on_message(ready("a", 1))
     assert delegate.has_item("a")
-    delegate._on_detached()  # the link drops between has_item and after_alloc
-    assert delegate.after_alloc("r", "a")  # the engine will expect a load ...
-    delegate.link.send = lambda message: False
-    delegate.build_step_metadata()
-    assert delegate.take_unavailable_requests() == {"r"}  # ... so the request fails
+    delegate._on_detached()  # the daemon restarted between has_item and after_alloc
+    delegate._on_attached(attachment(NEW_REGION, index=8))
+    delegate._on_message(ready("a", 1))  # entry ids restart with the daemon
+    assert delegate.after_alloc("r", "a")
+    meta = delegate.build_step_metadata()
+    (spec,) = meta.loads
+    assert spec.generation == 0xA and meta.regions == {0xA: REGION}  # the saved bytes
+    assert delegate.view.inflight() == 0  # not the new view's load
+    delegate._on_message(evicted(("a", 1)))
+    assert delegate.acks == [("a", 1)]  # the new daemon's entry is not held
+    delegate.apply_worker_output(done=[spec.transfer_id])
+    assert delegate.acks == [("a", 1)]  # and the old load's report acks nothing
 
 
-def test_an_eviction_racing_the_step_end_is_acknowledged_after_the_pin(delegate):
-    import threading
-
+@pytest.mark.parametrize("moment", ["before the view is read", "after the view is read"])
+def test_a_reattach_during_a_lookup_never_pairs_an_entry_with_another_region(delegate, moment):
+    """has_item reads the attachment, then the view, and the link thread may
+    re-attach to a restarted daemon in between. Entry ids restart with the
+    daemon, so a new entry's extents in the old region may carry the same
+    stamp over other bytes: a hit must name the region its entry came from."""
     delegate._on_message(ready("a", 1))
-    delegate.sent.clear()
-    assert delegate.has_item("a")
-    delegate.after_alloc("r", "a")
-    racer = threading.Thread(target=delegate._on_message, args=(pb.DaemonMessage(
-        evicted=[pb.EntryRef(mm_hash="a", entry_id=1)]),))
-    send = delegate.link.send
 
-    def send_with_a_racing_eviction(message):
-        if not racer.is_alive() and racer.ident is None:
-            racer.start()  # the link thread delivers the eviction right now
-            racer.join(0.2)
-        return send(message)
-
-    delegate.link.send = send_with_a_racing_eviction
-    delegate.build_step_metadata()
-    racer.join(5)
-    kinds = [("pin" if m.pins else "") + ("ack" if m.acks else "") for m in delegate.sent]
-    assert kinds == ["pin", "ack"]
-
-
-@pytest.mark.parametrize("moment", ["before the claim", "between claim and read",
-                                    "after the read"])
-def test_an_eviction_racing_a_lookup_is_either_a_miss_or_deferred(delegate, moment):
-    """Lookups take no lock: the link thread's eviction can land between any
-    two of their operations. Whichever it is, a hit's pin must be queued
-    before the eviction is acknowledged."""
-    view = delegate.view
-    delegate._on_message(ready("a", 1))
-    delegate.sent.clear()
-
-    pending = [pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash="a", entry_id=1)])]
-
-    def evict():
-        if pending:
-            delegate._on_message(pending.pop())
-
-    class Claims(set):
-        def add(self, item):
-            if moment == "before the claim":
-                evict()
-            super().add(item)
-            if moment == "between claim and read":
-                evict()
+    def reattach() -> None:
+        delegate._on_detached()
+        delegate._on_attached(attachment(NEW_REGION, index=8))
+        delegate._on_message(ready("a", 1, nbytes=8192))
 
     class Entries(dict):
         def get(self, key, default=None):
+            if moment == "before the view is read":
+                reattach()
             value = super().get(key, default)
-            if moment == "after the read" and key == "a" and value is not None:
-                evict()
+            if moment == "after the view is read":
+                reattach()
             return value
 
-    view._claimed, view._entries = Claims(), Entries(view._entries)
+    delegate.view._entries = Entries(delegate.view._entries)
     hit = delegate.has_item("a")
+    delegate.view._entries = dict(delegate.view._entries)
     if hit:
         delegate.after_alloc("r", "a")
+    for spec in delegate.build_step_metadata().loads:
+        assert (spec.generation, spec.nbytes) in ((0xA, 4096), (0xB, 8192))
+    assert delegate.has_item("a")  # the next lookup answers from the new view
+    assert delegate.after_alloc("r2", "a")
+    (spec,) = delegate.build_step_metadata().loads
+    assert (spec.generation, spec.nbytes) == (0xB, 8192)
+
+
+def test_a_load_whose_reports_never_arrive_is_released_after_the_ttl(delegate, monkeypatch):
+    class Clock:
+        now = 1000.0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.now
+
+    monkeypatch.setattr(scheduler, "time", Clock)
+    delegate._on_message(ready("a", 1))
+    ids = dispatch(delegate, "a")
+    delegate._on_message(evicted(("a", 1)))
+    Clock.now += scheduler.INFLIGHT_TTL_SECONDS - 1
     delegate.build_step_metadata()
-    order = [("pin" if m.pins else "") + ("ack" if m.acks else "") for m in delegate.sent]
-    assert order == (["pinack"] if hit else ["ack"])
-    assert hit == (moment == "after the read")
-    assert not delegate.has_item("a")
+    assert delegate.acks == []
+    Clock.now += 2
+    delegate.build_step_metadata()
+    assert delegate.acks == [("a", 1)] and delegate.view.inflight() == 0
+    delegate.apply_worker_output(done=[ids["a"]])  # a report that comes after all
+    assert delegate.acks == [("a", 1)]
 
 
-def test_heartbeat_counts_are_consistent_under_concurrent_lookups(delegate):
+def test_stats_and_heartbeats_each_see_every_lookup_once(delegate):
+    delegate._on_message(ready("a", 1, nbytes=8192))
+    delegate.has_item("x")
+    delegate.has_item("y")
+    dispatch(delegate, "a")
+    stats = delegate.take_stats()
+    assert (stats["lookups"], stats["hits"], stats["loads"], stats["load_bytes"]) == (
+        3, 1, 1, 8192)
+    beat = delegate._heartbeat()  # the heartbeat counts independently of vLLM's stats
+    assert (beat.heartbeat.lookups, beat.heartbeat.hits) == (3, 1)
+    assert [(t.mm_hash, t.entry_id) for t in beat.touches] == [("a", 1)]
+    empty = delegate.take_stats()
+    assert all(v == 0 for v in empty.values())
+    beat = delegate._heartbeat()
+    assert (beat.heartbeat.lookups, beat.heartbeat.hits, len(beat.touches)) == (0, 0, 0)
+    delegate.has_item("a")
+    delegate.has_item("z")
+    beat = delegate._heartbeat()
+    assert (beat.heartbeat.lookups, beat.heartbeat.hits) == (2, 1)
+    stats = delegate.take_stats()
+    assert (stats["lookups"], stats["hits"], stats["loads"]) == (2, 1, 0)
+
+
+def test_heartbeat_counts_stay_consistent_under_concurrent_lookups(delegate):
     import threading
 
     delegate._on_message(ready("a", 1))
     stop = threading.Event()
     beats = []
 
-    def beat():
+    def beat() -> None:
         while not stop.is_set():
-            beats.append(delegate._heartbeat())
+            beats.append(delegate._heartbeat().heartbeat)
 
     thread = threading.Thread(target=beat)
     thread.start()
-    for i in range(20000):
-        delegate.has_item("a" if i % 2 else "b")
-    stop.set()
-    thread.join()
-    beats.append(delegate._heartbeat())
+    try:
+        for i in range(20000):
+            delegate.has_item("a" if i % 2 else "b")
+    finally:
+        stop.set()
+        thread.join(10)
+    beats.append(delegate._heartbeat().heartbeat)
     assert all(b.hits <= b.lookups for b in beats)
     assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000
-
-
-def test_a_reattach_during_a_lookup_never_pairs_an_old_entry_with_the_new_session(delegate):
-    """The view's entry and the transfer id must come from one session: an
-    old entry's extents under a new session's transfer id could be pinned
-    there (entry ids restart with the daemon) and load the wrong bytes."""
-    delegate._on_message(ready("a", 1))
-
-    class Entries(dict):
-        def get(self, key, default=None):
-            value = super().get(key, default)
-            if key == "a" and value is not None and value.entry_id == 1:
-                # The link detaches and re-attaches to a restarted daemon
-                # right after the lookup read the old entry.
-                delegate._on_detached()
-                delegate._on_attached(Attachment(**{**ATTACHMENT.__dict__, "index": 8}))
-                delegate._on_message(ready("a", 1))
-            return value
-
-    delegate.view._entries = Entries(delegate.view._entries)
-    assert delegate.has_item("a")
-    delegate.after_alloc("r", "a")
-    (spec,) = delegate.build_step_metadata().loads
-    assert spec.transfer_id >> 32 == 7  # the old session's: the new daemon refuses the pin

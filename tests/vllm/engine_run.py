@@ -1,13 +1,16 @@
 """One real vLLM engine on CPU, as a separate process, for the end-to-end tests.
 
-    python -m tests.vllm.engine_run MODEL --images 10,11 [--socket URI --role ec_both]
-                                    [--pause-after N]
+    python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
+        --role ec_both --copy-backend cpu] [--pause-after N]
 
-Generates greedily for each image seed (the tiny PaliGemma of tiny_model.py),
-counting the images the vision encoder really ran on in the worker process,
-and prints one line `RESULT {json}`. With --pause-after N it prints `PAUSED`
-after N images and waits for a line on stdin (the test kills the daemon then).
-Without --socket the engine has no EC connector (the reference run).
+Generates greedily for each image seed in turn, one request at a time (the
+tiny PaliGemma of tiny_model.py), counting the images the vision encoder
+really ran on in the worker process after each request, and prints one line
+`RESULT {json}`: per request its image, tokens, logprobs, finish reason and
+encoder images, or the error it raised. With --pause-after N it prints
+`PAUSED` after N requests and waits for a line on stdin (the test acts on
+the daemon then). Without --socket the engine has no EC connector (the
+reference run).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from tests.vllm.run_tiny_engine import (
     make_image,
 )
 
+MAX_TOKENS = 8
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -31,6 +36,7 @@ def main() -> int:
     parser.add_argument("--images", required=True)
     parser.add_argument("--socket", default="")
     parser.add_argument("--role", default="ec_both")
+    parser.add_argument("--copy-backend", default="cpu")
     parser.add_argument("--pause-after", type=int, default=0)
     args = parser.parse_args()
 
@@ -43,29 +49,37 @@ def main() -> int:
             "ec_connector_module_path": "ec_client.vllm_connector",
             "ec_role": args.role,
             "ec_connector_extra_config": {"ec_daemon_socket": args.socket,
-                                          "ec_daemon_copy_backend": "cpu"}}
+                                          "ec_daemon_copy_backend": args.copy_backend}}
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=128, max_num_seqs=4, limit_mm_per_prompt={"image": 1}, seed=0,
               **extra)
     llm.collective_rpc(_install_encoder_counter)
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
-    results = {}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+
+    def encoder_images() -> int:
+        return sum(c["images"] for c in llm.collective_rpc(_read_encoder_counter))
+
+    requests: list[dict[str, Any]] = []
     for i, seed in enumerate(int(s) for s in args.images.split(",")):
         if args.pause_after and i == args.pause_after:
             print("PAUSED", flush=True)
             sys.stdin.readline()
         prompt = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(seed)}}
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        try:
+            before = encoder_images()
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            encoded = encoder_images() - before
+        except Exception as exc:  # the engine failed the request, or died
+            requests.append({"image": seed, "error": f"{type(exc).__name__}: {exc}"})
+            continue
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
-        results[seed] = {"tokens": tokens,
-                         "logprobs": [lp[t].logprob for t, lp in zip(tokens, completion.logprobs,
-                                                                     strict=True)],
-                         "finish_reason": completion.finish_reason}
-    counts = llm.collective_rpc(_read_encoder_counter)
-    print("RESULT " + json.dumps({"results": results,
-                                  "encoder_images": sum(c["images"] for c in counts)}),
-          flush=True)
+        requests.append({
+            "image": seed, "tokens": tokens,
+            "logprobs": [lp[t].logprob for t, lp in zip(tokens, completion.logprobs or [],
+                                                        strict=False)],
+            "finish_reason": completion.finish_reason, "encoder_images": encoded})
+    print("RESULT " + json.dumps({"requests": requests}), flush=True)
     return 0
 
 

@@ -3,8 +3,8 @@
 Usage::
 
     tests/vllm/torchvision_shim.sh /tmp/tiny-vllm/tv
-    /work/venvs/vllm/bin/python tests/vllm/tiny_model.py /tmp/tiny-vllm/model
-    PYTHONPATH=/tmp/tiny-vllm/tv /work/venvs/vllm/bin/python \\
+    .venv-vllm/bin/python tests/vllm/tiny_model.py /tmp/tiny-vllm/model
+    PYTHONPATH=/tmp/tiny-vllm/tv .venv-vllm/bin/python \\
         tests/vllm/run_tiny_engine.py /tmp/tiny-vllm/model
 
 What it does: starts ``vllm.LLM`` (eager, prefix caching off, one image per

@@ -1,15 +1,30 @@
 """ECDaemonConnector against real vLLM: built by vLLM's factory from a real
-VllmConfig, driven through the calls vLLM's scheduler and model runner make."""
+VllmConfig, driven through the calls vLLM's scheduler and model runner make,
+with its stats fed to vLLM's own logger and Prometheus classes."""
 
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
+from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
+from ec_client.vllm_connector import (
+    ECDaemonConnectorMetadata,
+    ECDaemonWorkerMetadata,
+    expected_reports,
+)
+from ec_client.vllm_metrics import ECDaemonStats
+from ec_protocol.protocol import pb
+from tests.integration.daemon import Daemon
 from tests.vllm import vllm_harness as h
+from tests.vllm.slow_copy import SlowLoadBackend
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -20,6 +35,19 @@ def engine(tiny_model, daemon):
     yield scheduler, worker
     scheduler.shutdown()
     worker.shutdown()
+
+
+def hit_cycle(scheduler: Any, worker: Any, mm_hash: str, seed: int) -> dict[str, torch.Tensor]:
+    """A miss whose output the engine computes and saves, then a hit that
+    loads it; returns the encoder cache of the hit's step."""
+    tensor = h.encoder_output(seed)
+    _, hits = h.step(scheduler, worker, [h.request("r1", mm_hash)], {mm_hash: tensor})
+    assert hits == [False]
+    assert worker._worker.flush(20)
+    h.wait_until(lambda: scheduler._scheduler.view.get(mm_hash) is not None)
+    cache, hits = h.step(scheduler, worker, [h.request("r2", mm_hash)], {})
+    assert hits == [True]
+    return cache
 
 
 def test_factory_builds_both_roles(engine):
@@ -40,40 +68,57 @@ def test_miss_then_save_then_hit_loads_bit_exact(engine, daemon):
     assert worker._worker.flush(20)
     h.wait_until(lambda: scheduler._scheduler.view.get("img-1") is not None)
 
-    cache, hits = h.step(scheduler, worker, [h.request("r2", "img-1")], {})
-    assert hits == [True]
+    metadata = h.dispatch(scheduler, [h.request("r2", "img-1")])
+    assert isinstance(metadata, ECDaemonConnectorMetadata)
+    (spec,) = metadata.loads
+    assert spec.mm_hash == "img-1" and spec.generation in metadata.regions
+    assert scheduler._scheduler.view.inflight() == 1
+    cache: dict[str, torch.Tensor] = {}
+    meta = h.load(worker, metadata, cache)
     assert torch.equal(cache["img-1"], tensor) and cache["img-1"].dtype == tensor.dtype
+    assert isinstance(meta, ECDaemonWorkerMetadata) and meta.done == [spec.transfer_id]
+
+    scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
+    assert scheduler._scheduler.view.inflight() == 0  # the one rank reported
     assert scheduler.take_unavailable_requests() == set()
-    stats = daemon.stats()
-    assert stats["loads"] == 1 and stats["pinned_bytes"] == 0
+    # The load made no call at all; the daemon learns of it from a heartbeat.
     assert scheduler._scheduler.transport.calls_from_this_thread() == 0
+    daemon.wait_for(lambda: daemon.stats()["loads"] == 1, what="the load's touch")
 
 
-def test_a_load_that_cannot_be_served_fails_the_request_not_the_engine(engine, daemon):
+def test_a_load_dispatched_before_the_daemon_died_returns_the_saved_bytes(engine, daemon):
     scheduler, worker = engine
     tensor = h.encoder_output(2)
-    h.step(scheduler, worker, [h.request("r1", "img-2")], {"img-2": tensor})
-    worker._worker.flush(20)
-    h.wait_until(lambda: scheduler._scheduler.view.get("img-2") is not None)
-
-    req = h.request("doomed", "img-2")
-    assert scheduler.has_cache_item("img-2")
-    scheduler.update_state_after_alloc(req, 0)
-    output = h.empty_output()
-    output.ec_connector_metadata = scheduler.build_connector_meta(output)
-    daemon.kill()  # the daemon dies between dispatch and the worker's copy
+    h.save_and_publish(scheduler, worker, "img-2", tensor)
+    metadata = h.dispatch(scheduler, [h.request("r", "img-2")])
+    daemon.kill()  # between dispatch and the worker's copy; nobody reuses its pages
 
     cache: dict[str, torch.Tensor] = {}
-    worker.bind_connector_metadata(output.ec_connector_metadata)
-    worker.start_load_caches(cache)  # must not raise
-    assert torch.count_nonzero(cache["img-2"]) == 0  # a placeholder, never stale bytes
-    meta = worker.build_connector_worker_meta()
-    worker.clear_connector_metadata()
+    meta = h.load(worker, metadata, cache)
+    assert torch.equal(cache["img-2"], tensor)
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
-    assert scheduler.take_unavailable_requests() == {"doomed"}
-    # The view goes with the session, as soon as the link notices the daemon died.
+    assert scheduler.take_unavailable_requests() == set()
+    # The view goes with the session as soon as the link notices the daemon died.
     h.wait_until(lambda: scheduler._scheduler.view.get("img-2") is None, timeout=10)
     assert not scheduler.has_cache_item("img-2")
+
+
+def test_a_load_whose_stamp_no_longer_matches_raises_before_the_encoder_cache_changes(engine):
+    scheduler, worker = engine
+    h.save_and_publish(scheduler, worker, "img-good", h.encoder_output(3))
+    h.save_and_publish(scheduler, worker, "img-bad", h.encoder_output(4))
+    metadata = h.dispatch(scheduler, [h.request("r1", "img-good"), h.request("r2", "img-bad")])
+    bad = next(spec for spec in metadata.loads if spec.mm_hash == "img-bad")
+    # Its pages now belong to another entry (which no ordinary event allows).
+    h.overwrite_stamps(metadata.regions[bad.generation], bad.extents, bad.entry_id + 1000)
+
+    kept = torch.ones(2)
+    cache = {"already-there": kept}
+    with pytest.raises(RuntimeError, match=r"unusable.*stamp mismatch"):
+        h.load(worker, metadata, cache)
+    # Nothing entered vLLM's encoder cache, not even the load that was fine.
+    assert cache == {"already-there": kept} and cache["already-there"] is kept
+    assert worker._worker.stats["loads_stamp_mismatch"] == 1
 
 
 def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
@@ -89,6 +134,173 @@ def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_a_copy_backend_is_chosen_by_class_name(tiny_model, tmp_path):
+    socket = f"unix://{tmp_path}/none.sock"
+    name = "tests.vllm.slow_copy:SlowLoadBackend"
+    config = h.make_config(tiny_model, socket, ec_daemon_copy_backend=name)
+    worker = h.connector(config, ECConnectorRole.WORKER)
+    try:
+        assert isinstance(worker._worker.backend, SlowLoadBackend)
+    finally:
+        worker.shutdown()
+    malformed = h.make_config(tiny_model, socket, ec_daemon_copy_backend="tests.vllm.slow_copy:")
+    with pytest.raises(ValueError, match="malformed copy backend"):
+        h.connector(malformed, ECConnectorRole.WORKER)
+
+
+# ----------------------------------------------------------------- stats
+
+
+def test_stats_count_this_engines_lookups_hits_and_loads(engine):
+    scheduler, worker = engine
+    assert scheduler.get_ec_connector_stats() is None  # nothing happened yet
+    hit_cycle(scheduler, worker, "img-5", 5)
+
+    stats = scheduler.get_ec_connector_stats()
+    assert isinstance(stats, ECDaemonStats)
+    data = dict(stats.data)
+    load_seconds = data.pop("load_seconds")
+    assert data == {"lookups": 2, "hits": 1, "loads": 1, "load_bytes": 16 * 128 * 4,
+                    "saves_done": 1, "loads_done": 1}
+    assert len(load_seconds) == 1 and 0 < load_seconds[0] < 10
+    assert scheduler.get_ec_connector_stats() is None  # each step's counters once
+    assert worker.get_ec_connector_stats() is None  # workers' arrive through the scheduler
+
+
+@pytest.fixture
+def prometheus() -> Iterator[None]:
+    unregister_vllm_metrics()
+    yield
+    unregister_vllm_metrics()  # the next test may register the same names
+
+
+def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, prometheus):
+    scheduler, worker = engine
+    hit_cycle(scheduler, worker, "img-6", 6)
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None
+    data = stats.data
+    config = h.make_config(tiny_model, "unix:///nonexistent.sock")
+
+    # The console logger: rebuilds the stats from the plain dict, sums steps.
+    logging = ECConnectorLogging(config.ec_transfer_config)
+    logging.observe(data)
+    logging.observe(data)
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    (line,) = lines
+    assert "lookups=4" in line and "hits=2" in line and "loads=2" in line
+    assert "hit_rate=0.5" in line and "avg_load_ms=" in line
+
+    # /metrics, built as vLLM's PrometheusStatLogger builds it.
+    prom = ECConnectorProm(config, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(data, 0)
+    prom.observe(data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+
+    def sample(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    assert sample("vllm:ec_daemon_lookups_total") == 4
+    assert sample("vllm:ec_daemon_hits_total") == 2
+    assert sample("vllm:ec_daemon_loads_total") == 2
+    assert sample("vllm:ec_daemon_load_bytes_total") == 2 * data["load_bytes"]
+    assert sample("vllm:ec_daemon_saves_total") == 2
+    assert sample("vllm:ec_daemon_load_seconds_count") == 2
+    assert sample("vllm:ec_daemon_load_seconds_sum") == pytest.approx(
+        2 * sum(data["load_seconds"]))
+
+
+# -------------------------------------------------------- tensor parallel
+
+
+def test_expected_reports_count_the_ranks_whose_output_vllm_aggregates(tiny_model):
+    config = h.make_config(tiny_model, "unix:///nonexistent.sock", tensor_parallel_size=2)
+    parallel = config.parallel_config
+    assert parallel.distributed_executor_backend == "mp"
+    assert expected_reports(config) == 2
+    parallel.prefill_context_parallel_size = 2
+    assert expected_reports(config) == 4
+    parallel.distributed_executor_backend = "ray"  # delivers one rank's output
+    assert expected_reports(config) == 1
+    single = h.make_config(tiny_model, "unix:///nonexistent.sock")
+    assert expected_reports(single) == 1
+
+
+@pytest.fixture
+def tp2_engine(tiny_model) -> Iterator[tuple[Daemon, Any, list[Any]]]:
+    """A small daemon (16 pages: one entry each; a save that finds no room
+    is refused after 0.1 s) and an engine with two tensor-parallel ranks."""
+    with Daemon(cpu_bytes="1MiB", extra=("--alloc-wait-seconds", "0.1")) as daemon:
+        config = h.make_config(tiny_model, daemon.socket, "ec_both", "tp2",
+                               tensor_parallel_size=2)
+        scheduler = h.connector(config, ECConnectorRole.SCHEDULER)
+        workers = [h.rank_worker(config, rank) for rank in (0, 1)]
+        try:
+            for conn in (scheduler, *workers):
+                h.wait_attached(conn)
+            h.wait_until(lambda: scheduler._scheduler.view.synced)
+            yield daemon, scheduler, workers
+        finally:
+            for conn in (scheduler, *workers):
+                conn.shutdown()
+
+
+def lookup_state(daemon: Daemon, scheduler: Any, mm_hash: str) -> Any:
+    namespace = scheduler._scheduler.link.attachment.namespace
+    (result,) = daemon.stub.Lookup(pb.LookupRequest(namespace=namespace, mm_hashes=[mm_hash]),
+                                   timeout=5).results
+    return result
+
+
+@pytest.mark.parametrize("reports", ["rank0+rank1", "rank1+rank0", "rank0 then rank1"])
+def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, reports):
+    daemon, scheduler, (rank0, rank1) = tp2_engine
+    assert scheduler._scheduler.ranks == 2
+    assert rank0._worker.saves_enabled and not rank1._worker.saves_enabled
+    tensor = h.encoder_output(7)
+    h.save_and_publish(scheduler, rank0, "img-7", tensor)
+    metadata = h.dispatch(scheduler, [h.request("r", "img-7")])
+    caches: list[dict[str, torch.Tensor]] = [{}, {}]
+    first = 1 if reports == "rank1+rank0" else 0
+    metas = {first: h.load((rank0, rank1)[first], metadata, caches[first])}
+
+    # The entry is evicted while the other rank has not copied yet.
+    for seed in range(100, 164):
+        if scheduler._scheduler.view.get("img-7") is None:
+            break
+        rank0._worker.save(f"fill-{seed}", h.encoder_output(seed))
+        rank0._worker.flush(20)
+    assert lookup_state(daemon, scheduler, "img-7").state == pb.HIDDEN
+    if reports == "rank0 then rank1":  # a step that carried rank 0's report only
+        scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=metas[0]))
+        assert scheduler._scheduler.view.inflight() == 1
+    # More than the cache holds is saved: a page given back would be reused.
+    for seed in range(200, 220):
+        rank0._worker.save(f"more-{seed}", h.encoder_output(seed))
+        rank0._worker.flush(20)
+    assert lookup_state(daemon, scheduler, "img-7").awaiting == 1
+
+    late = 1 - first
+    metas[late] = h.load((rank0, rank1)[late], metadata, caches[late])
+    assert torch.equal(caches[0]["img-7"], tensor) and torch.equal(caches[1]["img-7"], tensor)
+
+    if reports == "rank0 then rank1":
+        meta = metas[1]
+    else:  # vLLM's aggregator: the first rank's metadata absorbs the others'
+        meta = metas[first].aggregate(metas[late])
+        (spec,) = metadata.loads
+        assert meta.done == [spec.transfer_id, spec.transfer_id]
+    scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
+    assert scheduler._scheduler.view.inflight() == 0
+    daemon.wait_for(lambda: lookup_state(daemon, scheduler, "img-7").state == pb.ABSENT,
+                    what="the eviction's acknowledgement")
+    assert scheduler.take_unavailable_requests() == set()
+
+
+# ------------------------------------------------------- two processes
 
 
 def test_two_engine_processes_share_outputs_bit_exact(tiny_model, daemon):

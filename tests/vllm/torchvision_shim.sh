@@ -14,7 +14,7 @@
 # those two registrations so they only apply when the ops exist.
 #
 # Idempotent: re-running re-uses an existing install and an applied patch.
-# Environment: PIP (default /work/venvs/vllm/bin/pip), PYTHON (for the patch
+# Environment: PIP (default: pip on PATH), PYTHON (for the patch
 # step; default: python beside PIP), TORCHVISION_VERSION (default 0.28.0).
 set -euo pipefail
 
@@ -23,7 +23,7 @@ if [[ $# -ne 1 ]]; then
     exit 2
 fi
 DEST=$1
-PIP=${PIP:-/work/venvs/vllm/bin/pip}
+PIP=${PIP:-pip}
 # Interpreter for the patch step: $PYTHON, else the one beside $PIP, else python3.
 if [[ -z "${PYTHON:-}" ]]; then
     PYTHON=$(dirname "$PIP")/python

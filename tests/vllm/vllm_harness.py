@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from vllm.config import ECTransferConfig, VllmConfig
@@ -22,19 +23,25 @@ from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
+from ec_client import vllm_connector
+from ec_client.mapping import RegionMapping
+from ec_client.regions import RegionInfo
+from ec_protocol.stamps import StampTable
+
 IMAGE_TOKENS = 16
 HIDDEN = 128
 
 
-def make_config(model: Path, socket: str, role: str = "ec_both",
-                instance_id: str = "") -> VllmConfig:
+def make_config(model: Path, socket: str, role: str = "ec_both", instance_id: str = "",
+                tensor_parallel_size: int = 1, **extra: Any) -> VllmConfig:
+    """A real VllmConfig with the connector; `extra` adds extra-config keys."""
     args = EngineArgs(
         model=str(model), enforce_eager=True, enable_prefix_caching=False, max_model_len=128,
-        limit_mm_per_prompt={"image": 1},
+        limit_mm_per_prompt={"image": 1}, tensor_parallel_size=tensor_parallel_size,
         ec_transfer_config=ECTransferConfig(
             ec_connector="ECDaemonConnector", ec_connector_module_path="ec_client.vllm_connector",
             ec_role=role, ec_connector_extra_config={"ec_daemon_socket": socket,
-                                                     "ec_daemon_copy_backend": "cpu"}))
+                                                     "ec_daemon_copy_backend": "cpu", **extra}))
     config = args.create_engine_config()
     if instance_id:
         config.instance_id = instance_id
@@ -43,6 +50,14 @@ def make_config(model: Path, socket: str, role: str = "ec_both",
 
 def connector(config: VllmConfig, role: ECConnectorRole) -> Any:
     return ECConnectorFactory.create_connector(config, role)
+
+
+def rank_worker(config: VllmConfig, rank: int) -> Any:
+    """The WORKER connector of tensor-parallel rank `rank` (vLLM's process
+    group is not set up here: the connector is told its rank instead)."""
+    world = int(config.parallel_config.tensor_parallel_size)
+    with mock.patch.object(vllm_connector, "_tp_rank_and_size", lambda _: (rank, world)):
+        return connector(config, ECConnectorRole.WORKER)
 
 
 def request(request_id: str, mm_hash: str) -> Request:
@@ -99,6 +114,50 @@ def step(scheduler: Any, worker: Any, requests: list[Request],
     worker.clear_connector_metadata()
     scheduler.update_connector_output(result)
     return encoder_cache, hits
+
+
+def dispatch(scheduler: Any, requests: list[Request]) -> Any:
+    """The scheduler's half of a step: lookups, allocations, metadata.
+    Returns the metadata bound to the workers."""
+    for req in requests:
+        for index, feature in enumerate(req.mm_features):
+            assert scheduler.has_cache_item(feature.identifier), feature.identifier
+            scheduler.update_state_after_alloc(req, index)
+    return scheduler.build_connector_meta(empty_output())
+
+
+def load(worker: Any, metadata: Any, encoder_cache: dict[str, torch.Tensor]) -> Any:
+    """The worker's half of a step for loads; returns its worker metadata."""
+    worker.bind_connector_metadata(metadata)
+    try:
+        worker.start_load_caches(encoder_cache)
+        return worker.build_connector_worker_meta()
+    finally:
+        worker.clear_connector_metadata()
+
+
+def save_and_publish(scheduler: Any, worker: Any, mm_hash: str, tensor: torch.Tensor) -> None:
+    """Engine computed `tensor` as `mm_hash`: save it and wait until the
+    scheduler's view offers it."""
+    step(scheduler, worker, [request(f"save-{mm_hash}", mm_hash)], {mm_hash: tensor})
+    assert worker._worker.flush(20)
+    wait_until(lambda: scheduler._scheduler.view.get(mm_hash) is not None)
+
+
+def overwrite_stamps(region: RegionInfo, extents: Any, stamp: int) -> None:
+    """Write `stamp` over the stamp-table slots of these extents' pages, as
+    the daemon would if it gave the pages to another entry."""
+    mapping = RegionMapping(region.path, region.size, region.generation)
+    table = StampTable(mapping.view[:region.data_offset], region.page_bytes,
+                       region.data_offset)
+    try:
+        for offset, length in extents:
+            first = (offset - region.data_offset) // region.page_bytes
+            pages = -(-length // region.page_bytes)
+            table.write([(first, pages)], stamp)
+    finally:
+        table.release()
+        mapping.close()
 
 
 def wait_until(predicate: Any, timeout: float = 20.0) -> None:

@@ -1,0 +1,95 @@
+"""This engine's EC connector figures in vLLM's own stats and /metrics.
+
+`ECDaemonStats` is what `get_ec_connector_stats` returns each step: plain
+counters since the previous step (the scheduler's lookups, hits, loads and
+load failures; the workers' saves and skipped saves, carried to the
+scheduler in their metadata) and the workers' per-step load times. vLLM's
+logger aggregates and logs them; `ECDaemonPromMetrics` turns them into
+`vllm:ec_daemon_*` counters and a load-time histogram, labelled per engine
+like vLLM's other metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+# stats key -> (metric name, help)
+COUNTERS = {
+    "lookups": ("vllm:ec_daemon_lookups", "Encoder cache lookups by the scheduler"),
+    "hits": ("vllm:ec_daemon_hits", "Lookups answered from the ec-daemon cache"),
+    "loads": ("vllm:ec_daemon_loads", "Loads dispatched to the workers"),
+    "load_bytes": ("vllm:ec_daemon_load_bytes", "Bytes of dispatched loads"),
+    "load_failures": ("vllm:ec_daemon_load_failures", "Loads a worker found unusable"),
+    "saves_done": ("vllm:ec_daemon_saves", "Encoder outputs saved to the cache"),
+    "saves_already_cached": ("vllm:ec_daemon_saves_already_cached",
+                             "Saves dropped: the key was cached or being saved"),
+    "saves_skipped_busy": ("vllm:ec_daemon_saves_skipped_busy",
+                           "Saves dropped: the save queue held its byte limit"),
+    "saves_refused": ("vllm:ec_daemon_saves_refused", "Saves refused: the cache was full"),
+}
+LOAD_SECONDS = "load_seconds"
+LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+def merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Sum counters, concatenate lists; neither argument is changed."""
+    merged = dict(a)
+    for key, value in b.items():
+        if isinstance(value, list):
+            merged[key] = [*merged.get(key, []), *value]
+        else:
+            merged[key] = merged.get(key, 0) + value
+    return merged
+
+
+class ECDaemonStats(ECConnectorStats):
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        self.data = merge_stats(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: v for k, v in self.data.items()
+                                       if not isinstance(v, list)}
+        lookups = out.get("lookups", 0)
+        if lookups:
+            out["hit_rate"] = round(out.get("hits", 0) / lookups, 4)
+        times = self.data.get(LOAD_SECONDS, [])
+        if times:
+            out["avg_load_ms"] = round(1000 * sum(times) / len(times), 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class ECDaemonPromMetrics(ECConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._per_engine(self._counter_cls(name=name, documentation=doc,
+                                                    labelnames=labelnames))
+            for key, (name, doc) in COUNTERS.items()}
+        self._load_time = self._per_engine(self._histogram_cls(
+            name="vllm:ec_daemon_load_seconds",
+            documentation="Time a worker spent loading one step's encoder outputs",
+            buckets=LOAD_BUCKETS, labelnames=labelnames))
+
+    def _per_engine(self, metric: Counter | Histogram) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key in self._counters and value:
+                self._counters[key][engine_idx].inc(value)
+        for seconds in transfer_stats_data.get(LOAD_SECONDS, []):
+            self._load_time[engine_idx].observe(seconds)

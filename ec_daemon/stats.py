@@ -1,0 +1,86 @@
+"""One snapshot of the daemon's state, read by the Stats RPC and by the
+Prometheus collector alike, so each figure is computed in one place (page
+counts become bytes here and nowhere else)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ec_daemon.cache import Cache
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    index: int
+    engine_id: str
+    role: str
+    component: str
+    namespace: str
+    awaiting: int
+    pending: int
+    client_name: str
+    age_s: float
+
+
+@dataclass(frozen=True)
+class NamespaceSnapshot:
+    name: str
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    loads: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    capacity_bytes: int
+    bytes_by_state: dict[str, int]  # free, pending, ready, hidden, quarantined
+    ready_entries: int
+    hidden_entries: int
+    largest_free_bytes: int
+    page_bytes: int
+    counters: dict[str, int]
+    namespaces: list[NamespaceSnapshot]
+    sessions: list[SessionSnapshot]
+    ghost_sessions: int
+    generation: int
+    region_path: str
+    uptime_s: float
+    sessions_by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity_bytes - self.bytes_by_state["free"]
+
+
+def take(cache: Cache, *, generation: int, region_path: str, started: float) -> Snapshot:
+    """Read everything at once (on the daemon's event loop)."""
+    page = cache.page_bytes
+    free = cache.allocator.free_pages * page
+    pending = cache.pending_pages * page
+    hidden = cache.hidden_pages * page
+    quarantined = cache.quarantined_pages * page
+    now = time.monotonic()
+    sessions = [SessionSnapshot(s.index, s.engine_id, s.role, s.component, s.namespace,
+                                len(s.awaiting), len(s.pending), s.client_name, now - s.created)
+                for s in cache.sessions]
+    namespaces = []
+    for name, counts in cache.namespace_counters.items():
+        entries, nbytes = cache.namespace_usage.get(name, (0, 0))
+        namespaces.append(NamespaceSnapshot(name, entries, nbytes, counts["hits"],
+                                            counts["misses"], counts["loads"]))
+    return Snapshot(
+        capacity_bytes=cache.capacity_bytes,
+        bytes_by_state={"free": free, "pending": pending, "hidden": hidden,
+                        "quarantined": quarantined,
+                        "ready": cache.capacity_bytes - free - pending - hidden - quarantined},
+        ready_entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
+        largest_free_bytes=cache.allocator.largest_free_run * page, page_bytes=page,
+        counters=dict(cache.counters), namespaces=namespaces, sessions=sessions,
+        ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,
+        region_path=region_path, uptime_s=now - started,
+        sessions_by_kind=dict(Counter((s.role, "scheduler" if s.is_scheduler else "worker")
+                                      for s in cache.sessions)))

@@ -1,0 +1,115 @@
+"""The session table: ids and indexes, leases, views by namespace, ghosts."""
+
+import pytest
+
+from ec_daemon.errors import NotFound
+from ec_daemon.sessions import SessionTable
+from tests.unit.cache_helpers import FakeClock
+
+LEASE = 10.0
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def table(clock):
+    return SessionTable(LEASE, clock=clock)
+
+
+def view(table, ns="ns", engine="E"):
+    return table.create(engine_id=engine, role="both", rank=None, world_size=1, namespace=ns,
+                        client_name="test")
+
+
+def rank(table, ns="ns", engine="E", r=0):
+    return table.create(engine_id=engine, role="both", rank=r, world_size=2, namespace=ns,
+                        client_name="test")
+
+
+def test_create_and_get(table, clock):
+    a, b = view(table), rank(table)
+    assert table.get(a.session_id) is a and table.get(b.session_id) is b
+    assert len(a.session_id) == 32 and a.session_id != b.session_id  # secret bearer tokens
+    assert a.index != b.index and 0 < a.index < 2**32
+    assert a.alive and a.lease_deadline == clock.now + LEASE and a.created == clock.now
+    assert (a.is_scheduler, b.is_scheduler) == (True, False)
+    assert set(table) == {a, b} and len(table) == 2
+
+
+def test_unknown_and_ended_sessions_are_not_found(table):
+    with pytest.raises(NotFound, match="attach again"):
+        table.get("no-such-session")
+    a = view(table)
+    table.remove(a)
+    assert not a.alive
+    with pytest.raises(NotFound):
+        table.get(a.session_id)
+    assert len(table) == 0
+
+
+def test_indexes_wrap_and_skip_those_in_use(table):
+    table._next_index = 0xFFFF_FFFF
+    last = view(table)
+    assert last.index == 0xFFFF_FFFF
+    table._next_index = last.index  # the next free one wraps past 2**32-1 to 1
+    assert view(table).index == 1
+
+
+def test_only_scheduler_sessions_subscribe_to_their_namespace(table):
+    a, b, other = view(table), view(table, engine="F"), view(table, ns="other")
+    rank(table)
+    assert table.subscribers("ns") == {a, b} and table.subscribers("other") == {other}
+    assert table.awaited("ns") == {a, b}
+    assert table.subscribers("none") == set() == table.awaited("none")
+
+
+def test_a_view_removed_as_a_ghost_is_awaited_for_one_lease_but_sent_nothing(table, clock):
+    a, b = view(table), view(table, engine="F")
+    table.remove(a, ghost=True)
+    assert a.is_ghost and not a.alive and a.ghost_until == clock.now + LEASE
+    assert table.subscribers("ns") == {b}  # no events go to it
+    assert table.awaited("ns") == {a, b}  # evictions still wait for it
+    assert list(table.ghosts()) == [a]
+    clock.now += LEASE - 0.5
+    assert table.expired_ghosts() == []
+    clock.now += 0.5
+    assert table.expired_ghosts() == [a]
+    assert table.awaited("ns") == {b} and list(table.ghosts()) == []
+    assert table.expired_ghosts() == []  # handed out once
+
+
+def test_a_detached_view_and_a_worker_never_become_ghosts(table):
+    a, w = view(table), rank(table)
+    table.remove(a)
+    table.remove(w, ghost=True)  # workers hold no view
+    assert not a.is_ghost and not w.is_ghost
+    assert table.awaited("ns") == set() and list(table.ghosts()) == []
+
+
+def test_expired_lists_sessions_past_their_lease_and_renew_extends_it(table, clock):
+    a, b = view(table), rank(table)
+    clock.now += LEASE
+    assert table.expired() == []  # the deadline itself is still inside the lease
+    table.renew(b)
+    clock.now += 0.1
+    assert table.expired() == [a]
+    assert b.lease_deadline == clock.now - 0.1 + LEASE
+    table.remove(a, ghost=True)
+    assert table.expired() == []  # ghosts are not live sessions
+
+
+def test_in_use_counts_live_sessions_and_ghosts(table, clock):
+    assert not table.in_use("ns")
+    w = rank(table)
+    assert table.in_use("ns") and not table.in_use("other")
+    table.remove(w)
+    assert not table.in_use("ns")
+    a = view(table)
+    table.remove(a, ghost=True)
+    assert table.in_use("ns")  # only a ghost
+    clock.now += LEASE
+    table.expired_ghosts()
+    assert not table.in_use("ns")

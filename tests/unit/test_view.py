@@ -1,0 +1,232 @@
+"""The scheduler's ReadyView: an eviction is acknowledged only when the entry
+can no longer be looked up and no load of it is in flight, wherever the
+eviction lands relative to the engine's claim and step boundary."""
+
+from __future__ import annotations
+
+import pytest
+
+from ec_client.view import ReadyView, Refs
+from ec_protocol.protocol import pb
+
+A = ("a", 1)
+
+
+def ready(mm_hash: str, entry_id: int, nbytes: int = 4096) -> pb.DaemonMessage:
+    return pb.DaemonMessage(ready=[pb.EntryInfo(
+        mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
+        dtype="float32", extents=[pb.Extent(offset=entry_id * 4096, length=nbytes)])])
+
+
+def evicted(mm_hash: str, entry_id: int) -> pb.DaemonMessage:
+    return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=mm_hash, entry_id=entry_id)])
+
+
+class Link:
+    """Stands in for the session link: records what the view sends."""
+
+    def __init__(self) -> None:
+        self.acks: Refs = []
+        self.touches: Refs = []
+
+    def __call__(self, acks: Refs, touches: Refs) -> bool:
+        self.acks += acks
+        self.touches += touches
+        return True
+
+
+@pytest.fixture
+def view() -> ReadyView:
+    v = ReadyView()
+    v.apply(ready("a", 1), Link())
+    return v
+
+
+def test_the_snapshot_fills_the_view_and_marks_it_synced():
+    view = ReadyView()
+    view.apply(ready("a", 1), Link())
+    assert not view.synced
+    view.apply(pb.DaemonMessage(ready=[], snapshot_done=True), Link())
+    assert view.synced and len(view) == 1
+    entry = view.get("a")
+    assert entry is not None
+    assert (entry.entry_id, entry.nbytes, entry.shape, entry.dtype, entry.extents) == (
+        1, 4096, (1024,), "float32", ((4096, 4096),))
+
+
+def test_an_eviction_before_the_claim_is_acknowledged_at_once_and_the_claim_misses(view):
+    link = Link()
+    view.apply(evicted("a", 1), link)
+    assert link.acks == [A]
+    assert view.claim("a") is None
+    assert view.end_step((), view.epoch, link)
+    assert link.acks == [A]  # not twice
+
+
+def test_an_eviction_between_claim_and_step_end_waits_for_the_step_end(view):
+    link = Link()
+    assert view.claim("a") is not None
+    view.apply(evicted("a", 1), link)
+    assert link.acks == []  # the engine may still dispatch this hit
+    assert view.claim("a") is None  # but nobody else gets it
+    view.end_step((), view.epoch, link)  # it did not dispatch it after all
+    assert link.acks == [A]
+
+
+def test_an_eviction_between_claim_and_step_end_of_a_dispatched_load_waits_for_the_load(view):
+    link = Link()
+    assert view.claim("a") is not None
+    view.apply(evicted("a", 1), link)
+    view.end_step([A], view.epoch, link)
+    assert link.acks == [] and view.inflight() == 1
+    view.finish([A], view.epoch, link)
+    assert link.acks == [A] and view.inflight() == 0
+
+
+def test_an_eviction_after_the_step_end_waits_for_the_load_in_flight(view):
+    link = Link()
+    view.claim("a")
+    view.end_step([A], view.epoch, link)
+    view.apply(evicted("a", 1), link)
+    assert link.acks == []
+    assert view.claim("a") is None
+    view.end_step((), view.epoch, link)  # a later step boundary releases nothing
+    assert link.acks == []
+    view.finish([A], view.epoch, link)
+    assert link.acks == [A]
+
+
+def test_an_eviction_after_the_load_finished_is_acknowledged_at_once(view):
+    link = Link()
+    view.claim("a")
+    view.end_step([A], view.epoch, link)
+    view.finish([A], view.epoch, link)
+    assert link.acks == []  # nothing was evicted
+    view.apply(evicted("a", 1), link)
+    assert link.acks == [A]
+
+
+@pytest.mark.parametrize("moment", ["before the claim", "between claim and read",
+                                    "after the read"])
+def test_an_eviction_racing_a_lock_free_claim_is_a_miss_or_waits(view, moment):
+    """`claim` takes no lock, so the link thread's eviction can land between
+    any two of its operations: either the claim misses, or the ack waits for
+    the step end (and for the load, if it was dispatched)."""
+    link = Link()
+    pending = [evicted("a", 1)]
+
+    def evict() -> None:
+        if pending:
+            view.apply(pending.pop(), link)
+
+    class Claims(set):
+        def add(self, item):
+            if moment == "before the claim":
+                evict()
+            super().add(item)
+            if moment == "between claim and read":
+                evict()
+
+    class Entries(dict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if moment == "after the read":
+                evict()
+            return value
+
+    view._claimed, view._entries = Claims(), Entries(view._entries)
+    hit = view.claim("a") is not None
+    assert hit == (moment == "after the read")
+    assert link.acks == ([A] if moment == "before the claim" else [])
+    view.end_step([A] if hit else (), view.epoch, link)
+    assert link.acks == ([] if hit else [A])
+    view.finish([A] if hit else (), view.epoch, link)
+    assert link.acks == [A]
+
+
+def test_the_ack_waits_for_the_last_of_several_loads_in_flight(view):
+    link = Link()
+    view.claim("a")
+    view.end_step([A, A], view.epoch, link)  # two dispatches in one step
+    view.claim("a")
+    view.end_step([A], view.epoch, link)  # and one more the next step
+    view.apply(evicted("a", 1), link)
+    assert view.inflight() == 3
+    view.finish([A], view.epoch, link)
+    view.finish([A], view.epoch, link)
+    assert link.acks == []
+    view.finish([A], view.epoch, link)
+    assert link.acks == [A] and view.inflight() == 0
+
+
+def test_loads_of_other_entries_do_not_hold_an_ack(view):
+    link = Link()
+    view.apply(ready("b", 2), link)
+    view.claim("a")
+    view.claim("b")
+    view.end_step([A], view.epoch, link)  # only a dispatched
+    view.apply(evicted("b", 2), link)
+    assert link.acks == [("b", 2)]
+
+
+def test_an_eviction_of_a_replaced_entry_id_leaves_the_newer_entry(view):
+    link = Link()
+    view.apply(ready("a", 5), link)  # the key was saved again under a new entry
+    view.claim("a")
+    view.apply(evicted("a", 1), link)
+    assert link.acks == [A]  # the old entry is not claimed: nothing to wait for
+    entry = view.get("a")
+    assert entry is not None and entry.entry_id == 5
+
+
+def test_after_clear_an_older_epochs_step_end_and_finish_do_nothing(view):
+    link = Link()
+    old = view.epoch
+    view.claim("a")
+    view.end_step([A], old, link)
+    view.apply(evicted("a", 1), link)
+    assert link.acks == [] and view.inflight() == 1
+    view.clear()  # the session is gone (its ghost protects the load)
+    assert view.epoch == old + 1 and len(view) == 0 and view.inflight() == 0
+    assert not view.synced
+    view.finish([A], old, link)
+    assert link.acks == []  # nothing for the new session's view
+
+    view.apply(ready("a", 1), link)  # the new daemon's entry ids restart
+    assert view.claim("a") is not None
+    view.end_step([A], old, link)  # a load planned in the old view
+    assert view.inflight() == 0 and view.take_touches() == []
+    view.apply(evicted("a", 1), link)
+    assert link.acks == [A]  # not withheld for the old view's load
+    view.finish([A], old, link)
+    assert link.acks == [A]
+
+
+def test_touches_accumulate_per_dispatched_load_until_taken(view):
+    link = Link()
+    view.apply(ready("b", 2), link)
+    view.claim("a")
+    view.claim("b")
+    view.end_step([A, ("b", 2), A], view.epoch, link)
+    view.claim("a")
+    view.end_step([A], view.epoch, link)
+    assert sorted(view.take_touches()) == [A, A, A, ("b", 2)]
+    assert view.take_touches() == []
+    assert link.touches == []  # touches ride on heartbeats, not on ack messages
+
+
+def test_counts_are_lookups_and_hits_since_the_view_was_made(view):
+    assert view.counts() == (0, 0)
+    view.claim("a")
+    view.claim("x")
+    view.claim("a")
+    assert view.counts() == (3, 2)
+    view.clear()
+    view.claim("a")
+    assert view.counts() == (4, 2)
+
+
+def test_a_failed_send_is_reported_by_the_step_end(view):
+    view.claim("a")
+    view.apply(evicted("a", 1), Link())
+    assert view.end_step((), view.epoch, lambda acks, touches: False) is False

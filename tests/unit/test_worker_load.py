@@ -1,0 +1,278 @@
+"""WorkerDelegate without a daemon: loads from region files made here (a
+stamp table, then the payload), and the byte bound of the save queue."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ec_client.copy import get_backend
+from ec_client.mapping import RegionMapping
+from ec_client.regions import RegionInfo
+from ec_client.scheduler import LoadSpec
+from ec_client.session import Attachment
+from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import Layout
+from ec_protocol.stamps import StampTable, table_bytes
+
+LAYOUT = Layout("m", "float32", {"image": 4096})
+PAGE = 4096
+PAGES = 16
+OFFSET = table_bytes(PAGES, PAGE)
+SIZE = OFFSET + PAGES * PAGE
+
+
+def page(p: int) -> int:
+    """Byte offset of payload page `p` in the region."""
+    return OFFSET + p * PAGE
+
+
+def runs_of(extents: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    return [((offset - OFFSET) // PAGE, -(-length // PAGE)) for offset, length in extents]
+
+
+class Region:
+    """A region file as a daemon lays it out, written by the test."""
+
+    def __init__(self, folder: Path, generation: int) -> None:
+        self.path = folder / f"region-{generation:x}"
+        self.path.write_bytes(bytes(SIZE))
+        self.info = RegionInfo(str(self.path), SIZE, generation, PAGE, OFFSET)
+
+    def save(self, data: np.ndarray, extents: tuple[tuple[int, int], ...],
+             entry_id: int) -> None:
+        """Stamp the pages under `extents`, then write `data` into them."""
+        self.stamp(extents, entry_id)
+        raw = data.tobytes()
+        with open(self.path, "r+b") as f:
+            done = 0
+            for offset, length in extents:
+                f.seek(offset)
+                f.write(raw[done:done + length])
+                done += length
+
+    def stamp(self, extents: tuple[tuple[int, int], ...], entry_id: int) -> None:
+        """What the daemon does when it gives these pages to another entry."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, OFFSET) as table:
+                view = memoryview(table)
+                stamps = StampTable(view, PAGE, OFFSET)
+                stamps.write(runs_of(extents), entry_id)
+                stamps.release()
+                view.release()
+        finally:
+            os.close(fd)
+
+
+def spec_for(region: Region, data: np.ndarray, extents: tuple[tuple[int, int], ...],
+             entry_id: int, transfer_id: int = 1, mm_hash: str = "a") -> LoadSpec:
+    return LoadSpec(mm_hash, transfer_id, entry_id, region.info.generation, data.nbytes,
+                    tuple(data.shape), str(data.dtype), extents)
+
+
+def attachment(region: Region) -> Attachment:
+    return Attachment(session_id="s", index=1, namespace="ns", region=region.info,
+                      lease_ms=10000, heartbeat_ms=2000)
+
+
+def payload(seed: int, nbytes: int = 3 * PAGE - 100) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1 << 31, nbytes // 4, dtype=np.int32)
+
+
+# Scattered, out of order, the last one a partial page.
+EXTENTS = ((page(5), PAGE), (page(2), PAGE), (page(9), PAGE - 100))
+
+
+@pytest.fixture
+def worker() -> Iterator[WorkerDelegate]:
+    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                       start=False)
+    yield w
+    w.close()
+
+
+def test_a_load_returns_the_saved_bytes_exactly(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(1)
+    region.save(data, EXTENTS, entry_id=3)
+    worker._on_attached(attachment(region))
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=11)],
+                         {0xA: region.info})
+    assert result.failed == {} and result.done == [11]
+    out = result.loaded["a"]
+    assert out.dtype == data.dtype and out.shape == data.shape
+    assert out.tobytes() == data.tobytes()
+    assert worker.take_stats() == {"loads_done": 1}
+    assert sum(worker.transport.calls.values()) == 0  # no daemon call on the load path
+
+
+def test_a_load_maps_the_region_it_names_without_an_attachment(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(2)
+    region.save(data, EXTENTS, entry_id=3)
+    result = worker.load([spec_for(region, data, EXTENTS, 3)], {0xA: region.info})
+    assert result.loaded["a"].tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("stamp", [4, 0], ids=["reused", "freed"])
+def test_pages_stamped_for_another_entry_fail_the_load(tmp_path, worker, stamp):
+    region = Region(tmp_path, 0xA)
+    data = payload(3)
+    region.save(data, EXTENTS, entry_id=3)
+    region.stamp(EXTENTS[1:2], stamp)  # one page of the three went elsewhere
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=12)],
+                         {0xA: region.info})
+    assert result.loaded == {} and result.done == []
+    assert "stamp mismatch" in result.failed[12]
+    assert worker.stats["loads_stamp_mismatch"] == 1 and worker.stats["loads_failed"] == 1
+
+
+def test_pages_reused_during_the_copy_fail_the_load(tmp_path, worker):
+    """The stamps are checked after the copy: a daemon that reused the pages
+    while the bytes were being read is caught."""
+    region = Region(tmp_path, 0xA)
+    data = payload(4)
+    region.save(data, EXTENTS, entry_id=3)
+
+    class ReusedDuringTheCopy:
+        name = "cpu"
+
+        def __init__(self) -> None:
+            self._cpu = get_backend("cpu")
+            self.copies = 0
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self._cpu, attr)
+
+        def load(self, mapping: RegionMapping, extents: Any, out: Any) -> Any:
+            self._cpu.load(mapping, extents, out)
+            self.copies += 1
+            region.stamp(EXTENTS, 8)  # the bytes it read may be half new
+            return out
+
+    backend = ReusedDuringTheCopy()
+    worker.backend = backend
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=13)],
+                         {0xA: region.info})
+    assert backend.copies == 1
+    assert result.loaded == {} and result.done == [] and "stamp" in result.failed[13]
+
+
+def test_a_load_without_its_region_fails(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(5)
+    region.save(data, EXTENTS, entry_id=3)
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=14)], {})
+    assert result.loaded == {} and "no region of generation" in result.failed[14]
+
+
+def test_a_failed_load_does_not_fail_the_others_in_the_step(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    a, b = payload(6, PAGE), payload(7, PAGE)
+    region.save(a, ((page(0), PAGE),), entry_id=1)
+    region.save(b, ((page(1), PAGE),), entry_id=2)
+    specs = [spec_for(region, a, ((page(0), PAGE),), 1, transfer_id=1, mm_hash="a"),
+             spec_for(region, b, ((page(1), PAGE),), 5, transfer_id=2, mm_hash="b")]
+    result = worker.load(specs, {0xA: region.info})
+    assert result.done == [1] and list(result.failed) == [2]
+    assert list(result.loaded) == ["a"] and result.loaded["a"].tobytes() == a.tobytes()
+
+
+def test_an_old_generations_load_reads_the_old_file_after_a_restart(tmp_path, worker):
+    old, new = Region(tmp_path, 0xA), Region(tmp_path, 0xB)
+    data = payload(8)
+    old.save(data, EXTENTS, entry_id=3)
+    new.save(payload(9), EXTENTS, entry_id=3)  # entry ids restart: same id, other bytes
+    worker._on_attached(attachment(old))
+    worker._on_detached()
+    worker._on_attached(attachment(new))
+    old.path.unlink()  # the old daemon removed its file on exit
+    result = worker.load([spec_for(old, data, EXTENTS, 3)], {0xA: old.info, 0xB: new.info})
+    assert result.failed == {}
+    assert result.loaded["a"].tobytes() == data.tobytes()  # the old region's, not the new
+
+
+def test_a_load_of_a_gone_region_no_longer_mapped_fails(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(10)
+    region.save(data, EXTENTS, entry_id=3)
+    region.path.unlink()
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=15)],
+                         {0xA: region.info})
+    assert result.loaded == {} and "FileNotFoundError" in result.failed[15]
+
+
+# ------------------------------------------------------------- saves
+
+
+class Saver:
+    """Stands in for the saver's daemon calls: blocks until let go."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.started = threading.Semaphore(0)
+        self.go = threading.Event()
+        self.fail = fail
+        self.saved: list[str] = []
+
+    def __call__(self, mm_hash: str, output: Any, ready: Any) -> None:
+        self.started.release()
+        assert self.go.wait(10)
+        if self.fail:
+            raise RuntimeError("the copy failed")
+        self.saved.append(mm_hash)
+
+
+@pytest.fixture
+def saving(tmp_path) -> Iterator[WorkerDelegate]:
+    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                       save_queue_bytes=3000, start=False)
+    w.link._attachment = attachment(Region(tmp_path, 0xA))  # as if attached
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["saved", "failed"])
+def test_the_save_queue_is_bounded_in_bytes(saving, fail):
+    saver = Saver(fail)
+    saving._save_one = saver
+    chunk = np.zeros(1000, np.uint8)
+    try:
+        assert saving.save("a", chunk)
+        assert saver.started.acquire(timeout=10)  # being saved: still counted
+        assert saving.save("b", chunk) and saving.save("c", chunk)
+        assert saving.queued_bytes == 3000
+        assert not saving.save("d", chunk)  # 4000 bytes would be held
+        assert not saving.save("e", np.zeros(1, np.uint8))
+        assert saving.stats["saves_skipped_busy"] == 2
+    finally:
+        saver.go.set()
+    assert saving.flush(10)
+    assert saving.queued_bytes == 0
+    assert saver.saved == ([] if fail else ["a", "b", "c"])
+    assert saving.stats["save_errors"] == (3 if fail else 0)
+    assert saving.save("f", np.zeros(3000, np.uint8))  # room again
+    assert saving.flush(10)
+
+
+def test_a_detached_worker_skips_saves(worker):
+    assert not worker.save("a", np.zeros(10, np.uint8))
+    assert worker.stats["saves_skipped_detached"] == 1 and worker.queued_bytes == 0
+
+
+def test_only_the_save_rank_saves(tmp_path):
+    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT, rank=1,
+                       world_size=2, start=False)
+    try:
+        w.link._attachment = attachment(Region(tmp_path, 0xA))
+        assert not w.save("a", np.zeros(10, np.uint8))
+        assert w.queued_bytes == 0
+    finally:
+        w.close()
