@@ -32,7 +32,7 @@ ready and evicted events flow into the connector's view, with
 acknowledgements. Upstream's cache there holds the hits plus 7 steps of
 misses. Ours holds the hits plus 256 steps of misses, filled beforehand so
 it evicts from the first step, under a 2 s lease: recency reaches the daemon
-only as touches on heartbeats (every lease/5, here 0.4 s), so an entry hit
+only as touches on heartbeats (every lease/10, here 0.2 s), so an entry hit
 every step stays only in a cache that turns over more slowly than that (at
 7 steps the hits were evicted before their first touch landed).
 
@@ -113,7 +113,7 @@ HIT_RATIOS = (0.0, 0.5, 1.0)
 EVICTION_CASE = (8, 1024, 0.5, 600)
 EVICTION_CACHE_STEPS = 7  # upstream's small cache: the hits plus this many steps of misses
 # Ours: the hits plus this many steps of misses (filled before the run), and
-# a lease whose heartbeats (lease/5) carry touches well within that turnover.
+# a lease whose heartbeats (lease/10) carry touches well within that turnover.
 EVICTION_DAEMON_STEPS = 256
 EVICTION_LEASE_SECONDS = 2.0
 FILL_BATCH = 64  # saves queued at once (the worker's save queue is bounded)
@@ -335,7 +335,7 @@ class StreamCount:
         def counted_heartbeat() -> Any:
             message = heartbeat()
             self.heartbeats += 1
-            self.touches += len(message.touches)
+            self.touches += sum(max(1, t.loads) for t in message.touches)
             return message
 
         link._heartbeat = counted_heartbeat

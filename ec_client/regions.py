@@ -27,7 +27,7 @@ from ec_protocol.stamps import StampTable
 # A retired mapping stays at least this long after it was retired (and
 # while any copy uses it), for loads dispatched before the scheduler saw the
 # daemon change.
-RETIRE_SECONDS = 30.0
+RETIRE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)

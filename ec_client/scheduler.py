@@ -23,6 +23,7 @@ taken at the step boundary when the step looked anything up.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 from ec_client.regions import RegionInfo
 from ec_client.session import Attachment, SessionLink
+from ec_client.trust import socket_owner
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
 from ec_protocol.protocol import Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -257,6 +259,8 @@ class SchedulerDelegate:
     # ------------------------------------------------- link callbacks
 
     def _on_attached(self, attachment: Attachment) -> None:
+        with contextlib.suppress(FileNotFoundError):  # gone again: the stream ends anyway
+            socket_owner(self.transport.uri)  # a stranger's socket raises: we re-attach
         self.view.clear()
         self._current = _Current(attachment.region, self.view.epoch)
         log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",
@@ -277,4 +281,4 @@ class SchedulerDelegate:
         touches = self.view.take_touches()
         return pb.ClientMessage(
             heartbeat=pb.Heartbeat(lookups=lookups, hits=hits),
-            touches=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in touches])
+            touches=[pb.Touch(mm_hash=h, entry_id=e, loads=n) for h, e, n in touches])

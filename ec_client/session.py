@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from ec_client.regions import RegionInfo
-from ec_protocol.protocol import PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
+from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,9 @@ Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
 class _Parts(NamedTuple):
     acks: Refs
-    touches: Refs
 
     def to_message(self) -> Any:
-        return pb.ClientMessage(acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks],
-                                touches=[pb.EntryRef(mm_hash=h, entry_id=e)
-                                         for h, e in self.touches])
+        return pb.ClientMessage(acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks])
 
 
 @dataclass(frozen=True)
@@ -142,10 +139,14 @@ class SessionLink:
         return True
 
     def send_parts(self, acks: Refs, touches: Refs | None = None) -> bool:
-        """Queue acknowledgements and touches (mm_hash, entry_id) as one
+        """Queue acknowledgements (mm_hash, entry_id), at most MAX_BATCH per
         message, built on the link's thread so the caller pays for a queue
-        put only. False (dropped) while detached."""
-        return self.send(_Parts(acks, touches or []))
+        put only. False (dropped) while detached. (Touches ride on
+        heartbeats; `touches` is accepted for the view's callback shape.)"""
+        ok = True
+        for start in range(0, len(acks), MAX_BATCH):
+            ok = self.send(_Parts(acks[start:start + MAX_BATCH])) and ok
+        return ok
 
     def stop(self, timeout: float = 2.0) -> None:
         """Detach (the daemon releases everything the session held: this

@@ -26,12 +26,18 @@ deferred to the step boundary. Everything else takes the view's lock.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ec_protocol.protocol import MAX_BATCH
+
 Ref = tuple[str, int]  # (mm_hash, entry_id)
+# Distinct entries whose loads wait for a heartbeat; beyond, recency and load
+# counts of further entries are dropped until the next one.
+MAX_PENDING_TOUCHES = 1 << 16
 Refs = list[Ref]
 # Send(acks, touches) -> False when the link is down.
 Send = Callable[[Refs, Refs], bool]
@@ -53,7 +59,7 @@ class ReadyView:
         self._deferred: Refs = []  # evicted while claimed: decided at end_step
         self._inflight: dict[Ref, int] = {}  # loads dispatched and not finished
         self._withheld: set[Ref] = set()  # evicted while in flight
-        self._touches: Refs = []  # loads dispatched since the last heartbeat
+        self._touches: dict[Ref, int] = {}  # loads dispatched since the last heartbeat
         self._lock = threading.Lock()
         self.epoch = 0  # bumped by `clear`: refs of an older epoch are void
         self.synced = False  # the initial snapshot has arrived
@@ -81,9 +87,11 @@ class ReadyView:
         with self._lock:
             self._claimed.clear()
             if epoch == self.epoch:
+                touches = self._touches
                 for ref in dispatched:
                     self._inflight[ref] = self._inflight.get(ref, 0) + 1
-                    self._touches.append(ref)
+                    if ref in touches or len(touches) < MAX_PENDING_TOUCHES:
+                        touches[ref] = touches.get(ref, 0) + 1
             deferred, self._deferred = self._deferred, []
             acks = []
             for ref in deferred:
@@ -142,11 +150,17 @@ class ReadyView:
             if acks:
                 send(acks, [])
 
-    def take_touches(self) -> Refs:
-        """Loads dispatched since the previous call (for the heartbeat)."""
+    def take_touches(self, limit: int = MAX_BATCH) -> list[tuple[str, int, int]]:
+        """(mm_hash, entry_id, loads) dispatched since the previous call, at
+        most `limit` entries (the rest wait for the next heartbeat)."""
         with self._lock:
-            touches, self._touches = self._touches, []
-        return touches
+            touches = self._touches
+            if len(touches) <= limit:
+                self._touches = {}
+                taken = list(touches.items())
+            else:
+                taken = [(ref, touches.pop(ref)) for ref in list(itertools.islice(touches, limit))]
+        return [(h, e, n) for (h, e), n in taken]
 
     def counts(self) -> tuple[int, int]:
         """(lookups, hits) since the view was made (any thread)."""

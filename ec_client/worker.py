@@ -37,13 +37,14 @@ from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
 from ec_client.trust import socket_owner
 from ec_protocol.protocol import RETRYABLE, Layout, pb
+from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 # How often the idle saver thread unmaps retired regions.
-PRUNE_SECONDS = 5.0
+PRUNE_SECONDS = 1.0
 
 
 @dataclass
@@ -154,13 +155,22 @@ class WorkerDelegate:
             self.stats["saves_refused" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                        else "saves_failed"] += 1
             log.debug("ec-daemon did not take %s: %s", mm_hash, exc.details())
+            if exc.code() in RETRYABLE:  # it may have been applied: do not leave it pending
+                self._report(attachment, aborted=[mm_hash])
             return
         if reply.status != pb.ALLOCATED:
             self.stats["saves_already_cached"] += 1
             return
         extents = [(e.offset, e.length) for e in reply.extents]
         try:
-            with self.regions.use(attachment.region) as (mapping, _):
+            with self.regions.use(attachment.region) as (mapping, stamps):
+                # A writer frozen past its lease and its quarantine must not
+                # copy into pages reused since: copy only while the session is
+                # known alive and the pages still carry this allocation's stamp.
+                if not self.link.fresh() or not stamps.holds(extents, reply.entry_id):
+                    self.stats["saves_stale"] += 1
+                    self._report(attachment, aborted=[mm_hash])
+                    return
                 self.backend.save(output, mapping, extents, ready)
         except Exception:
             self._report(attachment, aborted=[mm_hash])
@@ -192,6 +202,8 @@ class WorkerDelegate:
     def _load_one(self, spec: LoadSpec, info: RegionInfo | None, result: LoadResult) -> str | None:
         if info is None:
             return f"no region of generation {spec.generation:016x} came with the load"
+        if spec.entry_id == FREE:
+            return "entry id 0 names no entry (it is the stamp of free pages)"
         try:
             with self.regions.use(info) as (mapping, stamps):
                 out = self.allocate_out(spec.shape, spec.dtype)
@@ -199,7 +211,7 @@ class WorkerDelegate:
                 if not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
                     self.stats["loads_stamp_mismatch"] += 1
                     return "its pages were reused (stamp mismatch): the bytes are not the entry's"
-        except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
             return f"{type(exc).__name__}: {exc}"
         result.loaded[spec.mm_hash] = out
         return None

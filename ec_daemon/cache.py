@@ -252,20 +252,20 @@ class Cache:
             if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
                 self._acknowledge(entry, session)
 
-    def touch(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
+    def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
         """Loads `session`'s view dispatched: recency for eviction, and the
         load counters (bytes only for entries still known)."""
         namespace = self._namespaces.get(session.namespace, {})
         counters = self.namespace_counters[session.namespace]
-        for mm_hash, entry_id in refs:
-            counters["loads"] += 1  # dispatched, whatever became of the entry since
-            self.counters["loads"] += 1
+        for mm_hash, entry_id, loads in touches:
+            counters["loads"] += loads  # dispatched, whatever became of the entry since
+            self.counters["loads"] += loads
             entry = namespace.get(mm_hash)
             if entry is None or entry.entry_id != entry_id:
                 continue
             if entry.state is State.READY:
                 self.policy.touch(entry.key)
-            self.counters["bytes_loaded"] += entry.nbytes
+            self.counters["bytes_loaded"] += loads * entry.nbytes
 
     def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
         """Entries as tools see them: pending ones are absent."""

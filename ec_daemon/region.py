@@ -47,6 +47,11 @@ class RegionError(Exception):
     """The region cannot be created; the message is for the operator."""
 
 
+class RegionTooLarge(RegionError):
+    """The tmpfs has not enough space now (it may come back: clients of a
+    previous daemon unmap its region within seconds)."""
+
+
 def new_generation() -> int:
     """A random non-zero 63-bit number, different on every start."""
     return secrets.randbits(63) | 1
@@ -75,7 +80,7 @@ class Region:
             raise RegionError(f"shm directory {folder} is not writable by this user")
         available = _available_bytes(folder)
         if size > available:
-            raise RegionError(
+            raise RegionTooLarge(
                 f"a region of {format_size(size)} does not fit in {folder} "
                 f"({format_size(available)} available): lower --cpu-bytes or enlarge the "
                 "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -32,7 +33,7 @@ from ec_daemon.auth import (
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
 from ec_daemon.metrics import start_exporter
-from ec_daemon.region import Region, RegionError, clean_stale
+from ec_daemon.region import Region, RegionError, RegionTooLarge, clean_stale
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
 from ec_daemon.startup import StartupError, prepare_socket
@@ -43,6 +44,9 @@ log = logging.getLogger("ec_daemon")
 
 SERVICE_NAME = "ec_daemon.v1.ECDaemon"
 SHUTDOWN_GRACE_SECONDS = 5.0
+# How long a start waits for tmpfs space that a previous daemon's clients
+# still hold (they unmap a retired region within a few seconds).
+SHM_WAIT_SECONDS = 20.0
 
 
 def sd_notify(state: str) -> bool:
@@ -89,11 +93,7 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
             log.info("removed stale region %s of a dead daemon", path)
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
         data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
-        try:
-            region = Region.create(config.shm_dir, data_offset + capacity,
-                                   mode=config.socket_mode, gid=gid, progress=log.info)
-        except (RegionError, OSError) as exc:
-            raise StartupError(str(exc)) from None
+        region = await _create_region(config, data_offset + capacity, gid)
         with region:
             await _serve_region(config, server, region, data_offset, stop or asyncio.Event())
         log.info("stopped; region %s removed", region.path)
@@ -102,6 +102,34 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         if socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(socket_path)
+
+
+async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Region:
+    """Create the region; while the tmpfs is short, wait up to
+    SHM_WAIT_SECONDS (after a restart, clients still map the previous
+    daemon's region for a few seconds), saying so. Raises StartupError."""
+    deadline = time.monotonic() + SHM_WAIT_SECONDS
+    said = 0.0
+    while True:
+        try:
+            return Region.create(config.shm_dir, size, mode=config.socket_mode, gid=gid,
+                                 progress=log.info)
+        except RegionTooLarge as exc:
+            now = time.monotonic()
+            if now >= deadline or size > _tmpfs_bytes(config.shm_dir):
+                raise StartupError(str(exc)) from None  # it can never fit: say so at once
+            if now - said >= 5:
+                said = now
+                log.warning("%s; waiting up to %.0fs for clients of a previous daemon to "
+                            "unmap its region", exc, deadline - now)
+            await asyncio.sleep(0.5)
+        except (RegionError, OSError) as exc:
+            raise StartupError(str(exc)) from None
+
+
+def _tmpfs_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_blocks * st.f_frsize
 
 
 def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:

@@ -327,7 +327,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if beat is not None and beat.hits > beat.lookups:
             raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
         acks = wire.refs(message.acks, "acks")
-        touches = wire.refs(message.touches, "touches")
+        touches = wire.touches(message.touches)
         if (acks or touches or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, touch or count "
                                      "lookups")
@@ -351,18 +351,24 @@ class ECDaemonService(rpc.ECDaemonServicer):
         interval = min(1.0, self.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
-            for session in self.cache.sessions:
-                if session.overflowed:
-                    self.drop_slow_reader(session)
-            for session in self.cache.expire_sessions():
-                log.warning("session %d expired (engine %r %s): no message for %.1fs",
-                            session.index, session.engine_id, session.component,
-                            self.lease_seconds)
-            for ghost in self.cache.release_ghosts():
-                log.info("session %d (engine %r) no longer awaited: its lease ran out",
-                         ghost.index, ghost.engine_id)
-            self.cache.release_quarantine()
-            self.verify()
+            try:
+                self._upkeep_once()
+            except Exception:  # never stop expiring: the cache would fill for good
+                log.exception("upkeep failed; trying again in %.1fs", interval)
+
+    def _upkeep_once(self) -> None:
+        for session in self.cache.sessions:
+            if session.overflowed:
+                self.drop_slow_reader(session)
+        for session in self.cache.expire_sessions():
+            log.warning("session %d expired (engine %r %s): no message for %.1fs",
+                        session.index, session.engine_id, session.component,
+                        self.lease_seconds)
+        for ghost in self.cache.release_ghosts():
+            log.info("session %d (engine %r) no longer awaited: its lease ran out",
+                     ghost.index, ghost.engine_id)
+        self.cache.release_quarantine()
+        self.verify()
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

@@ -23,11 +23,10 @@ from ec_daemon.events import (
 from ec_daemon.limits import DTYPE_RE
 from ec_daemon.records import Entry, State
 from ec_daemon.stats import Snapshot
-from ec_protocol.protocol import ROLE_NAMES, ROLES, pb
+from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, pb
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
-MAX_BATCH = 4096
 MAX_WORLD_SIZE = 4096
 U64_MAX = 2**64 - 1
 
@@ -109,6 +108,11 @@ def batch(values: Any, what: str) -> list[Any]:
 def refs(values: Any, what: str) -> list[tuple[str, int]]:
     """(mm_hash, entry_id) pairs of repeated EntryRef, bounded."""
     return [(r.mm_hash, r.entry_id) for r in batch(values, what)]
+
+
+def touches(values: Any) -> list[tuple[str, int, int]]:
+    """(mm_hash, entry_id, loads) of repeated Touch, bounded (0 loads is 1)."""
+    return [(t.mm_hash, t.entry_id, max(1, t.loads)) for t in batch(values, "touches")]
 
 
 def extents(values: tuple[tuple[int, int], ...]) -> list[Any]:

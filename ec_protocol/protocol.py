@@ -22,6 +22,8 @@ except ImportError as exc:  # a source checkout that was never built
     ) from exc
 
 PROTOCOL_VERSION = 2
+# The most items of one kind a request or stream message may carry.
+MAX_BATCH = 4096
 SOCKET_ENV = "EC_DAEMON_SOCKET"
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -30,6 +32,7 @@ ROLES = {"producer": pb.ROLE_PRODUCER, "consumer": pb.ROLE_CONSUMER, "both": pb.
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 
 __all__ = [
+    "MAX_BATCH",
     "PROTOCOL_VERSION",
     "RETRYABLE",
     "ROLES",

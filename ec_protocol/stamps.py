@@ -45,7 +45,8 @@ class StampTable:
         self.write(runs, FREE)
 
     def holds(self, extents: Iterable[tuple[int, int]], stamp: int) -> bool:
-        """Do all pages under these byte extents carry `stamp`?"""
+        """Do all pages under these byte extents carry `stamp`? (A reader
+        checks an entry's stamp, never FREE: entry ids start at 1.)"""
         for offset, length in extents:
             first = (offset - self.data_offset) // self.page_bytes
             last = (offset + length - 1 - self.data_offset) // self.page_bytes

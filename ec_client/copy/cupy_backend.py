@@ -79,10 +79,12 @@ class Backend:
         base = self._bases[id(mapping)]
         if ready is not None:
             ready.synchronize()
-        for offset, length, done in spans(extents):
-            cupy.cuda.runtime.memcpyAsync(base + offset, pointer + done, length, _D2H,
-                                          self._stream.ptr)
-        self._stream.synchronize()
+        try:
+            for offset, length, done in spans(extents):
+                cupy.cuda.runtime.memcpyAsync(base + offset, pointer + done, length, _D2H,
+                                              self._stream.ptr)
+        finally:  # what was queued lands before a caller may abort the save
+            self._stream.synchronize()
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         pointer, nbytes = _device_pointer(out)

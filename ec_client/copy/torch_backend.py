@@ -69,14 +69,21 @@ class Backend:
         host = self._host[id(mapping)]
         data = source.contiguous().view(-1).view(torch.uint8)
         check_extents(mapping, extents, data.numel())
-        with torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            for offset, length, done in spans(extents):
-                host[offset:offset + length].copy_(data[done:done + length], non_blocking=True)
-            data.record_stream(self._stream)
-            landed = torch.cuda.Event()
-            landed.record(self._stream)
+        try:
+            with torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                for offset, length, done in spans(extents):
+                    host[offset:offset + length].copy_(data[done:done + length],
+                                                       non_blocking=True)
+                data.record_stream(self._stream)
+                landed = torch.cuda.Event()
+                landed.record(self._stream)
+        except BaseException:
+            # Copies already queued must land before the caller aborts the save
+            # (its pages are then reused at once).
+            self._stream.synchronize()
+            raise
         landed.synchronize()
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:

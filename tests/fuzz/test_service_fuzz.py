@@ -176,7 +176,8 @@ def test_huge_batches_are_refused_before_any_work(world: World) -> None:
         protocol_version=PROTOCOL_VERSION, engine_id="Z", role=pb.ROLE_BOTH,
         layout=LAYOUT.to_pb(), scheduler=pb.SchedulerComponent()))
     refs = [pb.EntryRef(mm_hash="h", entry_id=1)] * 5000
-    for message in (pb.ClientMessage(acks=refs), pb.ClientMessage(touches=refs)):
+    touches = [pb.Touch(mm_hash="h", entry_id=1)] * 5000
+    for message in (pb.ClientMessage(acks=refs), pb.ClientMessage(touches=touches)):
         responses = world.stub.Session(iter([
             pb.ClientMessage(open_session_id=scheduler.session_id), message]), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
@@ -203,9 +204,11 @@ def test_stream_messages_get_precise_codes(world: World, record_property: Any) -
             st.just(attached.session_id), text)))]
         for _ in range(data.draw(st.integers(0, 3))):
             message = pb.ClientMessage()
-            for refs in (message.acks, message.touches):
-                for mm_hash, entry_id in data.draw(st.lists(ref, max_size=3)):
-                    refs.add(mm_hash=mm_hash, entry_id=entry_id)
+            for mm_hash, entry_id in data.draw(st.lists(ref, max_size=3)):
+                message.acks.add(mm_hash=mm_hash, entry_id=entry_id)
+            for mm_hash, entry_id in data.draw(st.lists(ref, max_size=3)):
+                message.touches.add(mm_hash=mm_hash, entry_id=entry_id,
+                                    loads=data.draw(st.integers(0, 2**32 - 1)))
             if data.draw(st.booleans()):
                 message.heartbeat.seq = data.draw(U64)
                 message.heartbeat.lookups = lookups = data.draw(COUNTS)

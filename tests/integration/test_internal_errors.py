@@ -94,7 +94,7 @@ def test_bugs_are_internal_and_logged_with_their_stack(monkeypatch, caplog, shm_
         stream = RawStream(stub, view.session_id)
         try:
             assert stream.next(10).snapshot_done
-            stream.send(touches=[pb.EntryRef(mm_hash="h", entry_id=1)])
+            stream.send(touches=[pb.Touch(mm_hash="h", entry_id=1)])
             deadline = time.monotonic() + 10
             while stream.next(10) is not None and time.monotonic() < deadline:
                 pass  # until the stream ends

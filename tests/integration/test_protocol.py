@@ -180,7 +180,7 @@ def test_only_scheduler_sessions_acknowledge_touch_or_count(daemon):
     writer = attach(stub).session_id
     save(stub, writer, "k")
     for message in (pb.ClientMessage(acks=[pb.EntryRef(mm_hash="k", entry_id=1)]),
-                    pb.ClientMessage(touches=[pb.EntryRef(mm_hash="k", entry_id=1)]),
+                    pb.ClientMessage(touches=[pb.Touch(mm_hash="k", entry_id=1)]),
                     pb.ClientMessage(heartbeat=pb.Heartbeat(lookups=1))):
         worker = attach(stub, engine="W").session_id
         stream = RawStream(stub, worker)
@@ -202,10 +202,9 @@ def test_touches_count_loads_and_keep_entries_recent(small_daemon):
     stream = RawStream(stub, view.session_id)
     try:
         assert len(stream.next().ready) == 4  # the snapshot
-        stream.send(touches=[pb.EntryRef(mm_hash="k0", entry_id=ids["k0"]),
-                             pb.EntryRef(mm_hash="k0", entry_id=ids["k0"]),
-                             pb.EntryRef(mm_hash="k1", entry_id=ids["k1"] + 100),  # stale
-                             pb.EntryRef(mm_hash="zz", entry_id=1)],  # unknown
+        stream.send(touches=[pb.Touch(mm_hash="k0", entry_id=ids["k0"], loads=2),
+                             pb.Touch(mm_hash="k1", entry_id=ids["k1"] + 100),  # stale
+                             pb.Touch(mm_hash="zz", entry_id=1)],  # unknown
                     heartbeat=pb.Heartbeat(seq=1))
         assert stream.next().heartbeat_seq == 1  # applied
         stats = small_daemon.stats()

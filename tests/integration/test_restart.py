@@ -110,3 +110,64 @@ def test_engine_keeps_going_while_the_daemon_is_down():
         scheduler.close()
         worker.close()
         daemon.cleanup()
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A 40 MiB tmpfs of our own (root only), so a daemon can be short of space."""
+    import subprocess
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ecd-tmpfs-", dir="/tmp"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0700", "tmpfs",
+                              str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        folder.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+    folder.rmdir()
+
+
+# Protects: after a kill -9 restart, clients still map the dead daemon's region
+# for a few seconds (loads dispatched before the restart read it); a tmpfs sized
+# for one region is short meanwhile, and the new daemon waits for the space,
+# saying so, instead of failing to start.
+def test_a_restart_waits_for_the_previous_regions_space(small_tmpfs):
+    folder = short_tmpdir()
+    first = Daemon(folder=folder, shm_dir=str(small_tmpfs), cpu_bytes="24MiB").start()
+    second = None
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    try:
+        assert worker.link.wait_attached(10) is not None  # maps the 24 MiB region
+        first.kill()
+        second = Daemon(folder=folder, shm_dir=str(small_tmpfs), cpu_bytes="24MiB")
+        second.start(wait=False)
+        second.wait_serving(timeout=60)
+        assert "waiting up to" in second.log()  # it said what it was waiting for
+        assert len(second.region_files()) == 1
+        assert worker.link.wait_attached(20) is not None
+    finally:
+        worker.close()
+        if second is not None:
+            second.cleanup()
+        first.cleanup()
+
+
+# Protects: a writer copies only while its session is known alive; one that
+# was frozen past its lease (and maybe its quarantine) aborts instead of
+# writing into pages that may belong to a newer entry by now.
+def test_a_writer_whose_session_is_not_fresh_aborts_instead_of_copying(daemon):
+    worker = WorkerDelegate(daemon.socket, engine_id="E", layout=LAYOUT)
+    copies: list[int] = []
+    try:
+        assert worker.link.wait_attached(10) is not None
+        real_save = worker.backend.save
+        worker.backend.save = lambda *a, **k: (copies.append(1), real_save(*a, **k))
+        worker.link.fresh = lambda: False  # as after a long freeze
+        assert worker.save("k", np.ones((16, 1024), np.float32)) and worker.flush(10)
+        assert copies == [] and worker.stats["saves_stale"] == 1
+        stats = daemon.stats()
+        assert stats["pending_bytes"] == 0 and stats["entries"] == 0  # aborted, not left
+    finally:
+        worker.close()

@@ -312,7 +312,7 @@ def test_a_small_shortfall_is_met_when_less_than_a_batch_is_evictable():
 def test_a_touch_makes_an_entry_recent_and_counts_the_load(cache):
     view, w = scheduler(cache), worker(cache)
     ids = {h: save(cache, w, h, pages=2).entry_id for h in "abcd"}
-    cache.touch(view, [("a", ids["a"]), ("a", ids["a"])])  # two loads of one entry
+    cache.touch(view, [("a", ids["a"], 2)])  # two loads of one entry
     assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
     assert states(cache, "a", "b") == [READY, HIDDEN]
     assert cache.counters["loads"] == 2 and cache.counters["bytes_loaded"] == 4 * PAGE
@@ -326,8 +326,8 @@ def test_touches_of_stale_unknown_or_foreign_refs_count_the_load_but_no_bytes(ca
     other = scheduler(cache, engine="G", ns="other")
     a = save(cache, w, "a")
     before = list(cache.policy._order)
-    cache.touch(view, [("a", a.entry_id + 100), ("missing", a.entry_id)])
-    cache.touch(other, [("a", a.entry_id)])  # another namespace has no "a"
+    cache.touch(view, [("a", a.entry_id + 100, 1), ("missing", a.entry_id, 1)])
+    cache.touch(other, [("a", a.entry_id, 1)])  # another namespace has no "a"
     assert cache.counters["loads"] == 3 and cache.counters["bytes_loaded"] == 0
     assert cache.namespace_counters["ns"]["loads"] == 2
     assert cache.namespace_counters["other"]["loads"] == 1
@@ -339,7 +339,7 @@ def test_a_touch_of_a_hidden_entry_counts_the_load_but_does_not_revive_it(cache)
     a = save(cache, w, "a", pages=4)
     save(cache, w, "b", pages=4)
     assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.WAIT
-    cache.touch(view, [("a", a.entry_id)])  # dispatched before the view saw the eviction
+    cache.touch(view, [("a", a.entry_id, 1)])  # dispatched before the view saw the eviction
     assert states(cache, "a") == [HIDDEN] and cache.policy.evictable_pages == 4
     assert cache.counters["loads"] == 1
 

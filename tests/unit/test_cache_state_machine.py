@@ -323,7 +323,7 @@ class CacheMachine(RuleBasedStateMachine):
             if kind == "ack":
                 self.cache.acknowledge(view.session, [ref])
             else:
-                self.cache.touch(view.session, [ref])
+                self.cache.touch(view.session, [(*ref, 1)])
 
     @precondition(lambda self: any(v.session.alive for v in self.views))
     @rule(data=st.data(), detached=st.booleans())

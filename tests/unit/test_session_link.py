@@ -109,7 +109,7 @@ def test_heartbeats_carry_a_rising_seq_and_the_callers_message():
     clock = Clock()
     link = link_on(clock, heartbeat=lambda: pb.ClientMessage(
         heartbeat=pb.Heartbeat(lookups=5, hits=2),
-        touches=[pb.EntryRef(mm_hash="a", entry_id=1)]))
+        touches=[pb.Touch(mm_hash="a", entry_id=1, loads=3)]))
     beats = [link._beat() for _ in range(3)]
     assert [b.heartbeat.seq for b in beats] == [1, 2, 3]
     assert all((b.heartbeat.lookups, b.heartbeat.hits) == (5, 2) for b in beats)
@@ -281,3 +281,16 @@ def test_a_raising_on_attached_attaches_again(quick_backoff):
         link.stop()
     transport.ended()
     assert calls == ["s1", "s2"]
+
+
+def test_acknowledgements_leave_in_messages_of_at_most_max_batch():
+    from ec_protocol.protocol import MAX_BATCH
+
+    link = link_on(Clock())
+    outbox: list[Any] = []
+    link._outbox = type("Queue", (), {"put": staticmethod(outbox.append)})()
+    acks = [(f"k{i}", i) for i in range(2 * MAX_BATCH + 1)]
+    assert link.send_parts(acks)
+    sizes = [len(part.to_message().acks) for part in outbox]
+    assert sizes == [MAX_BATCH, MAX_BATCH, 1]
+    assert [(r.mm_hash, r.entry_id) for p in outbox for r in p.to_message().acks] == acks

@@ -210,7 +210,7 @@ def test_touches_accumulate_per_dispatched_load_until_taken(view):
     view.end_step([A, ("b", 2), A], view.epoch, link)
     view.claim("a")
     view.end_step([A], view.epoch, link)
-    assert sorted(view.take_touches()) == [A, A, A, ("b", 2)]
+    assert sorted(view.take_touches()) == [(*A, 3), ("b", 2, 1)]
     assert view.take_touches() == []
     assert link.touches == []  # touches ride on heartbeats, not on ack messages
 
@@ -230,3 +230,35 @@ def test_a_failed_send_is_reported_by_the_step_end(view):
     view.claim("a")
     view.apply(evicted("a", 1), Link())
     assert view.end_step((), view.epoch, lambda acks, touches: False) is False
+
+
+def test_a_heartbeat_takes_a_bounded_batch_of_touches_and_leaves_the_rest(view):
+    # A daemon refuses a message with more than MAX_BATCH touches (and would
+    # end the session): an engine loading more distinct entries than that
+    # between heartbeats sends them over several.
+    link = Link()
+    refs = [(f"k{i}", i + 1) for i in range(10)]
+    for mm_hash, entry_id in refs:
+        view.apply(ready(mm_hash, entry_id), link)
+        view.claim(mm_hash)
+    view.end_step(refs, view.epoch, link)
+    first = view.take_touches(limit=4)
+    second = view.take_touches(limit=4)
+    rest = view.take_touches(limit=4)
+    assert [len(first), len(second), len(rest)] == [4, 4, 2]
+    assert sorted((h, e) for h, e, _ in first + second + rest) == sorted(refs)
+    assert view.take_touches() == []
+
+
+def test_touches_of_too_many_distinct_entries_are_dropped_not_grown(view, monkeypatch):
+    from ec_client import view as view_module
+
+    monkeypatch.setattr(view_module, "MAX_PENDING_TOUCHES", 3)
+    link = Link()
+    refs = [(f"k{i}", i + 1) for i in range(5)]
+    for mm_hash, entry_id in refs:
+        view.apply(ready(mm_hash, entry_id), link)
+        view.claim(mm_hash)
+    view.end_step(refs + refs[:1], view.epoch, link)
+    touches = view.take_touches()
+    assert len(touches) == 3 and ("k0", 1, 2) in touches  # a known entry still counts
