@@ -76,6 +76,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
+# How often get_ec_connector_stats hands vLLM a summary (it asks every step).
+STATS_INTERVAL_SECONDS = 1.0
 
 
 @dataclass
@@ -161,6 +163,7 @@ class ECDaemonConnector(ECConnectorBase):
         self._scheduler: SchedulerDelegate | None = None
         self._worker: WorkerDelegate | None = None
         self._worker_stats: dict[str, Any] = {}
+        self._next_stats = 0.0
         self._done: list[int] = []
         self._load_seconds: list[float] = []
         layout = layout_of(vllm_config, self.settings.namespace)
@@ -255,7 +258,8 @@ class ECDaemonConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, ECDaemonWorkerMetadata):
             self._scheduler.apply_worker_output(meta.done)
-            self._worker_stats = merge_stats(self._worker_stats, meta.stats)
+            if meta.stats:
+                self._worker_stats = merge_stats(self._worker_stats, meta.stats)
 
     def take_unavailable_requests(self) -> set[str]:
         if self._scheduler is None:
@@ -273,10 +277,18 @@ class ECDaemonConnector(ECConnectorBase):
         their metadata)."""
         if self._scheduler is None:
             return None
+        # vLLM asks every step; its logger and Prometheus sum what they get,
+        # so a summary every STATS_INTERVAL_SECONDS keeps this off the hot path.
+        now = time.monotonic()
+        if now < self._next_stats:
+            return None
         data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
         self._worker_stats = {}
         stats = ECDaemonStats(data=data)
-        return None if stats.is_empty() else stats
+        if stats.is_empty():
+            return None
+        self._next_stats = now + STATS_INTERVAL_SECONDS
+        return stats
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECDaemonStats:

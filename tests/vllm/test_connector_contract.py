@@ -169,6 +169,23 @@ def test_stats_count_this_engines_lookups_hits_and_loads(engine):
     assert worker.get_ec_connector_stats() is None  # workers' arrive through the scheduler
 
 
+def test_stats_reach_vllm_at_most_once_an_interval_and_nothing_is_lost(engine, monkeypatch):
+    # vLLM asks every step: a summary per interval keeps the hot path cheap.
+    from ec_client import vllm_connector
+
+    scheduler, worker = engine
+    monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
+    hit_cycle(scheduler, worker, "img-7", 7)
+    first = scheduler.get_ec_connector_stats()
+    assert first is not None and first.data["hits"] == 1
+    _, hits = h.step(scheduler, worker, [h.request("r3", "img-7")], {})  # another hit
+    assert hits == [True]
+    assert scheduler.get_ec_connector_stats() is None
+    scheduler._next_stats = 0.0  # the interval is over
+    later = scheduler.get_ec_connector_stats()
+    assert later is not None and later.data["hits"] == 1 and later.data["loads"] == 1
+
+
 @pytest.fixture
 def prometheus() -> Iterator[None]:
     unregister_vllm_metrics()
