@@ -110,6 +110,7 @@ class SchedulerDelegate:
         self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
         self._next_expiry = 0.0
         self._taken: dict[str, tuple[int, int]] = {}
+        self._loads = self._load_bytes = 0  # since the last take_stats (hot path: plain ints)
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -181,9 +182,8 @@ class SchedulerDelegate:
             regions[current.region.generation] = current.region
             nbytes += spec.nbytes
         self.view.end_step(in_view, epoch, self._send)
-        stats = self.stats
-        stats["loads"] += len(loads)
-        stats["load_bytes"] += nbytes
+        self._loads += len(loads)
+        self._load_bytes += nbytes
         return metadata
 
     def apply_worker_output(self, done: Iterable[int] = (),
@@ -215,7 +215,10 @@ class SchedulerDelegate:
         stats, self.stats = self.stats, Counter()
         stats["lookups"] += lookups
         stats["hits"] += hits
-        return stats
+        stats["loads"] += self._loads
+        stats["load_bytes"] += self._load_bytes
+        self._loads = self._load_bytes = 0
+        return +stats  # without zero counts
 
     def close(self) -> None:
         self.link.stop()
