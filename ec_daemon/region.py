@@ -48,8 +48,9 @@ class RegionError(Exception):
 
 
 class RegionTooLarge(RegionError):
-    """The tmpfs has not enough space now (it may come back: clients of a
-    previous daemon unmap its region within seconds)."""
+    """The tmpfs could hold the region but has not enough space free now (it
+    may come back: clients of a previous daemon unmap its region within
+    seconds). A region larger than the whole tmpfs raises RegionError."""
 
 
 def new_generation() -> int:
@@ -78,9 +79,9 @@ class Region:
             raise RegionError(f"shm directory {folder} does not exist")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise RegionError(f"shm directory {folder} is not writable by this user")
-        available = _available_bytes(folder)
+        available, total = _space(folder)
         if size > available:
-            raise RegionTooLarge(
+            raise (RegionTooLarge if size <= total else RegionError)(
                 f"a region of {format_size(size)} does not fit in {folder} "
                 f"({format_size(available)} available): lower --cpu-bytes or enlarge the "
                 "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")
@@ -165,9 +166,10 @@ def _mtime(path: Path) -> float:
         return float("inf")
 
 
-def _available_bytes(folder: Path) -> int:
+def _space(folder: Path) -> tuple[int, int]:
+    """(bytes available to us, bytes in all) of the filesystem of `folder`."""
     st = os.statvfs(folder)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def _prefault(fd: int, size: int, path: Path, progress: Callable[[str], None] | None) -> None:

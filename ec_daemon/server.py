@@ -116,8 +116,8 @@ async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Re
                                  progress=log.info)
         except RegionTooLarge as exc:
             now = time.monotonic()
-            if now >= deadline or size > _tmpfs_bytes(config.shm_dir):
-                raise StartupError(str(exc)) from None  # it can never fit: say so at once
+            if now >= deadline:
+                raise StartupError(str(exc)) from None
             if now - said >= 5:
                 said = now
                 log.warning("%s; waiting up to %.0fs for clients of a previous daemon to "
@@ -125,11 +125,6 @@ async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Re
             await asyncio.sleep(0.5)
         except (RegionError, OSError) as exc:
             raise StartupError(str(exc)) from None
-
-
-def _tmpfs_bytes(folder: str) -> int:
-    st = os.statvfs(folder)
-    return st.f_blocks * st.f_frsize
 
 
 def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
