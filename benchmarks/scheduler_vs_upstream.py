@@ -40,7 +40,7 @@ Measured per step on the calling thread, around the calls above only: wall
 time (perf_counter), thread CPU time (thread_time), blocking RPCs made on the
 thread (ours: the transport's per-thread count; upstream has no transport
 without NIXL, so 0), messages queued on our session stream from the thread
-(`SessionLink.send`, which `send_parts` uses: acknowledgements the step
+(`SessionLink.send`, which `send_acks` uses: acknowledgements the step
 released; touches ride on the heartbeats, which the link's own timer sends
 whether or not anything was looked up, so none is the steps'), and the
 pickled size of the step's connector metadata (what vLLM ships to workers).
@@ -324,7 +324,7 @@ class DaemonEngine:
 
 class StreamCount:
     """Counts what a SessionLink queues on its session stream, per thread
-    (`send_parts` goes through `send`), and the heartbeats its timer sends
+    (`send_acks` goes through `send`), and the heartbeats its timer sends
     with the touches they carry."""
 
     def __init__(self, link: Any) -> None:

@@ -276,8 +276,8 @@ class SchedulerDelegate:
     def _on_message(self, message: Any) -> None:
         self.view.apply(message, self._send)
 
-    def _send(self, acks: Refs, touches: Refs) -> bool:
-        return self.link.send_parts(acks, touches)
+    def _send(self, acks: Refs) -> bool:
+        return self.link.send_acks(acks)
 
     def _heartbeat(self) -> Any:
         lookups, hits = self._counts_since("heartbeat")

@@ -52,7 +52,7 @@ MAX_BEATS_IN_FLIGHT = 64
 Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
 
-class _Parts(NamedTuple):
+class _Acks(NamedTuple):
     acks: Refs
 
     def to_message(self) -> Any:
@@ -138,14 +138,14 @@ class SessionLink:
         outbox.put(message)
         return True
 
-    def send_parts(self, acks: Refs, touches: Refs | None = None) -> bool:
+    def send_acks(self, acks: Refs) -> bool:
         """Queue acknowledgements (mm_hash, entry_id), at most MAX_BATCH per
         message, built on the link's thread so the caller pays for a queue
         put only. False (dropped) while detached. (Touches ride on
-        heartbeats; `touches` is accepted for the view's callback shape.)"""
+        heartbeats, built by the `heartbeat` callback.)"""
         ok = True
         for start in range(0, len(acks), MAX_BATCH):
-            ok = self.send(_Parts(acks[start:start + MAX_BATCH])) and ok
+            ok = self.send(_Acks(acks[start:start + MAX_BATCH])) and ok
         return ok
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -286,7 +286,7 @@ class SessionLink:
                 message = _NOTHING
             if message is None:
                 return
-            if isinstance(message, _Parts):
+            if isinstance(message, _Acks):
                 yield message.to_message()
             elif message is not _NOTHING:
                 yield message

@@ -39,8 +39,8 @@ Ref = tuple[str, int]  # (mm_hash, entry_id)
 # counts of further entries are dropped until the next one.
 MAX_PENDING_TOUCHES = 1 << 16
 Refs = list[Ref]
-# Send(acks, touches) -> False when the link is down.
-Send = Callable[[Refs, Refs], bool]
+# Send(acks) -> False when the link is down.
+Send = Callable[[Refs], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ class ReadyView:
                     self._withheld.add(ref)
                 else:
                     acks.append(ref)
-            return not acks or send(acks, [])
+            return not acks or send(acks)
 
     def finish(self, refs: list[Ref], epoch: int, send: Send) -> None:
         """These loads of view `epoch` landed on every rank (or failed):
@@ -120,7 +120,7 @@ class ReadyView:
                     self._withheld.discard(ref)
                     acks.append(ref)
             if acks:
-                send(acks, [])
+                send(acks)
 
     # --------------------------------------------------- link thread
 
@@ -148,7 +148,7 @@ class ReadyView:
             if message.snapshot_done:
                 self.synced = True
             if acks:
-                send(acks, [])
+                send(acks)
 
     def take_touches(self, limit: int = MAX_BATCH) -> list[tuple[str, int, int]]:
         """(mm_hash, entry_id, loads) dispatched since the previous call, at

@@ -42,11 +42,11 @@ def make(role: str = "both", ranks: int = 1) -> SchedulerDelegate:
     d.freshness = True
     d.link.fresh = lambda: d.freshness
 
-    def send_parts(acks, touches=None):
+    def send_acks(acks):
         d.acks += acks
         return True
 
-    d.link.send_parts = send_parts
+    d.link.send_acks = send_acks
     d._on_attached(attachment())
     return d
 

@@ -290,7 +290,7 @@ def test_acknowledgements_leave_in_messages_of_at_most_max_batch():
     outbox: list[Any] = []
     link._outbox = type("Queue", (), {"put": staticmethod(outbox.append)})()
     acks = [(f"k{i}", i) for i in range(2 * MAX_BATCH + 1)]
-    assert link.send_parts(acks)
+    assert link.send_acks(acks)
     sizes = [len(part.to_message().acks) for part in outbox]
     assert sizes == [MAX_BATCH, MAX_BATCH, 1]
     assert [(r.mm_hash, r.entry_id) for p in outbox for r in p.to_message().acks] == acks

@@ -27,11 +27,9 @@ class Link:
 
     def __init__(self) -> None:
         self.acks: Refs = []
-        self.touches: Refs = []
 
-    def __call__(self, acks: Refs, touches: Refs) -> bool:
+    def __call__(self, acks: Refs) -> bool:
         self.acks += acks
-        self.touches += touches
         return True
 
 
@@ -212,7 +210,7 @@ def test_touches_accumulate_per_dispatched_load_until_taken(view):
     view.end_step([A], view.epoch, link)
     assert sorted(view.take_touches()) == [(*A, 3), ("b", 2, 1)]
     assert view.take_touches() == []
-    assert link.touches == []  # touches ride on heartbeats, not on ack messages
+    assert link.acks == []  # loads send nothing: touches ride on heartbeats
 
 
 def test_counts_are_lookups_and_hits_since_the_view_was_made(view):
@@ -229,7 +227,7 @@ def test_counts_are_lookups_and_hits_since_the_view_was_made(view):
 def test_a_failed_send_is_reported_by_the_step_end(view):
     view.claim("a")
     view.apply(evicted("a", 1), Link())
-    assert view.end_step((), view.epoch, lambda acks, touches: False) is False
+    assert view.end_step((), view.epoch, lambda acks: False) is False
 
 
 def test_a_heartbeat_takes_a_bounded_batch_of_touches_and_leaves_the_rest(view):
