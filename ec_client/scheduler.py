@@ -101,7 +101,6 @@ class SchedulerDelegate:
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
-        self.stats: Counter[str] = Counter()  # since the last `take_stats`
         self._current: _Current | None = None
         self._ids = itertools.count(1)
         self._planned: dict[str, tuple[LoadSpec, list[str], _Current]] = {}
@@ -110,7 +109,8 @@ class SchedulerDelegate:
         self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
         self._next_expiry = 0.0
         self._taken: dict[str, tuple[int, int]] = {}
-        self._loads = self._load_bytes = 0  # since the last take_stats (hot path: plain ints)
+        # Since the last take_stats (plain ints: the hot path counts them).
+        self._loads = self._load_bytes = self._load_failures = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -196,7 +196,7 @@ class SchedulerDelegate:
             if transfer is not None and not transfer.failed:
                 transfer.failed = True
                 self._unavailable.update(transfer.request_ids)
-                self.stats["load_failures"] += 1
+                self._load_failures += 1
             self._reported(transfer_id, finished)
         for transfer_id in done:
             self._reported(transfer_id, finished)
@@ -212,12 +212,9 @@ class SchedulerDelegate:
     def take_stats(self) -> Counter[str]:
         """Counters since the previous call (vLLM's connector stats)."""
         lookups, hits = self._counts_since("stats")
-        stats, self.stats = self.stats, Counter()
-        stats["lookups"] += lookups
-        stats["hits"] += hits
-        stats["loads"] += self._loads
-        stats["load_bytes"] += self._load_bytes
-        self._loads = self._load_bytes = 0
+        stats = Counter(lookups=lookups, hits=hits, loads=self._loads,
+                        load_bytes=self._load_bytes, load_failures=self._load_failures)
+        self._loads = self._load_bytes = self._load_failures = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
