@@ -23,7 +23,6 @@ taken at the step boundary when the step looked anything up.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -34,7 +33,7 @@ from typing import Any, NamedTuple
 
 from ec_client.regions import RegionInfo
 from ec_client.session import Attachment, SessionLink
-from ec_client.trust import socket_owner
+from ec_client.trust import attached_socket_owner
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
 from ec_protocol.protocol import Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -259,8 +258,7 @@ class SchedulerDelegate:
     # ------------------------------------------------- link callbacks
 
     def _on_attached(self, attachment: Attachment) -> None:
-        with contextlib.suppress(FileNotFoundError):  # gone again: the stream ends anyway
-            socket_owner(self.transport.uri)  # a stranger's socket raises: we re-attach
+        attached_socket_owner(self.transport.uri)  # a stranger's socket raises: we re-attach
         self.view.clear()
         self._current = _Current(attachment.region, self.view.epoch)
         log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",

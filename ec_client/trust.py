@@ -55,6 +55,16 @@ def socket_owner(uri: str) -> int | None:
     return info.st_uid
 
 
+def attached_socket_owner(uri: str) -> int | None:
+    """`socket_owner` for a client that just attached through `uri`: None
+    also when the socket is gone again (a restart under way). Raises
+    UntrustedError for a socket this client must not use."""
+    try:
+        return socket_owner(uri)
+    except FileNotFoundError:
+        return None
+
+
 def open_region(path: str, expected_uid: int | None = None) -> int:
     """Open the region file read-write and return the descriptor (the caller
     closes it). Refuses a symlink, anything but a regular file, and, when

@@ -35,7 +35,7 @@ from ec_client.mapping import RegionMapping
 from ec_client.regions import RegionInfo, Regions
 from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
-from ec_client.trust import socket_owner
+from ec_client.trust import attached_socket_owner
 from ec_protocol.protocol import RETRYABLE, Layout, pb
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -247,20 +247,12 @@ class WorkerDelegate:
         and without one, only this user's or root's files are mapped."""
         owner = self._region_owner
         if owner is None:
-            owner = self._socket_owner()
+            owner = attached_socket_owner(self.transport.uri)
         return RegionMapping(info.path, info.size, info.generation,
                              expected_uid=os.getuid() if owner is None else owner)
 
-    def _socket_owner(self) -> int | None:
-        """The socket's owner (None for TCP, or when the socket is gone);
-        raises UntrustedError for a socket this client must not use."""
-        try:
-            return socket_owner(self.transport.uri)
-        except FileNotFoundError:
-            return None
-
     def _on_attached(self, attachment: Attachment) -> None:
-        self._region_owner = self._socket_owner()  # raises if untrusted
+        self._region_owner = attached_socket_owner(self.transport.uri)  # raises if untrusted
         self.regions.make_current(attachment.region)
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
                  attachment.index, attachment.region.generation)
