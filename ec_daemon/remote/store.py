@@ -1,0 +1,527 @@
+"""One remote store behind a small interface (`RemoteStore`): Redis (one node or
+a cluster) now, Mooncake Store next.
+
+The interface is what the tier needs and nothing more: put a value with a
+TTL, get it back (in parts: large values are read in chunks, which is twice
+as fast as one GET of 8+ MiB through redis-py), announce it on an index,
+read that index, and say which failure domain (node) a key lives on, so a
+dead node costs only its keys. Every call is bounded by socket timeouts and
+raises `RemoteError` (never a client library's exception); nothing here
+retries or backs off, the tier's breakers do.
+
+Keys (`ecd1:` is the key scheme's version)::
+
+    ecd1:v:{<fp>:<mm_hash>}   a value (values.py), with the TTL; the hash tag
+                              spreads values over every slot of a cluster
+    ecd1:i:{<k>}              index shard k of INDEX_SHARDS: a stream of
+                              announcements (ns, h, n, e), trimmed to the TTL
+
+<fp> is the first 16 hex digits of the namespace's sha256. A publisher
+announces on a shard that lives on the same node as the value (in a cluster),
+so the node that holds a value holds its announcement: losing it costs
+exactly its keys.
+
+URLs: ``redis://HOST:PORT`` (one node), ``rediss://`` (TLS),
+``redis+cluster://HOST:PORT[,HOST:PORT...]`` (seed nodes of a cluster),
+``rediss+cluster://`` (TLS). TLS options go in the query string:
+``?ca_certs=FILE&certfile=FILE&keyfile=FILE&check_hostname=false``. Credentials
+never go in the URL (it shows in process lists): the token file holds the
+password on its first line, or a user name and a password on two lines (an
+ACL user).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, cast
+from urllib.parse import parse_qs, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection, PythonRespSerializer, SSLConnection
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.retry import Retry
+
+from ec_daemon.remote.breaker import CLOSED, Breakers
+
+log = logging.getLogger("ec_daemon.remote")
+
+KEY_PREFIX = "ecd1"
+INDEX_SHARDS = 16
+FIRST_READ_BYTES = (1 << 20) + (64 << 10)  # one round trip reads up to this (1 MiB + header)
+CHUNK_BYTES = 1 << 20  # larger values: pipelined GETRANGEs of this size
+SOCKET_READ_BYTES = 256 << 10  # redis-py reads 64 KiB at a time by default: 8% slower
+ACCEPTED_URLS = ("redis://HOST:PORT, rediss://HOST:PORT (TLS), "
+                 "redis+cluster://HOST:PORT[,HOST:PORT...] (cluster seed nodes), "
+                 "rediss+cluster://HOST:PORT[,HOST:PORT...]; TLS options: "
+                 "?ca_certs=FILE&certfile=FILE&keyfile=FILE&check_hostname=false")
+_TLS_OPTIONS = ("ca_certs", "certfile", "keyfile", "check_hostname")
+
+
+class RemoteError(Exception):
+    """A store call failed (unreachable, timed out, refused); str() says which
+    call and why."""
+
+
+class RemoteAuthError(RemoteError):
+    """The store refused our credentials (a wrong or missing token): an
+    operator's mistake, worth failing start-up for."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Another daemon (or this one) published (namespace, mm_hash) of nbytes
+    payload bytes, available until expires_at (wall clock, time.time())."""
+
+    namespace: str
+    mm_hash: str
+    nbytes: int
+    expires_at: float
+
+
+class RemoteStore(Protocol):
+    """What the tier needs from a store. Every method may raise RemoteError;
+    each is safe to call from several threads at once."""
+
+    def put(self, namespace: str, mm_hash: str, parts: Sequence[bytes | memoryview],
+            ttl_s: float) -> None:
+        """Store the concatenation of `parts` under the key, atomically, for ttl_s."""
+
+    def get(self, namespace: str, mm_hash: str) -> list[bytes] | None:
+        """The value's bytes, in one or more consecutive parts; None when
+        absent or expired. (Parts of one read may come from two writers when
+        a key is rewritten meanwhile: values.decode refuses such a mix.)"""
+
+    def announce(self, namespace: str, mm_hash: str, nbytes: int, ttl_s: float) -> None:
+        """Tell every follower of the index that the key is in the store."""
+
+    def read_index(self, cursor: str | None, block_s: float, count: int,
+                   breakers: Breakers | None = None) -> tuple[list[Announcement], str]:
+        """Announcements after `cursor` (None: the oldest kept), waiting up
+        to block_s for one, at most `count` per shard; and the next cursor.
+        With `breakers`, shards whose domain's breaker refuses are skipped and
+        failures are reported to the breakers instead of raised."""
+
+    def domain(self, namespace: str, mm_hash: str) -> str:
+        """The failure domain (node address) of a key; never touches the network."""
+
+    def ping(self) -> None:
+        """Raise RemoteError (RemoteAuthError for credentials) unless the store answers."""
+
+    def close(self) -> None:
+        """Release connections; calls after close raise RemoteError."""
+
+
+@functools.lru_cache(maxsize=1024)
+def fingerprint(namespace: str) -> str:
+    """16 hex digits of the namespace's sha256: short keys, any namespace."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:16]
+
+
+def value_key(namespace: str, mm_hash: str) -> str:
+    return f"{KEY_PREFIX}:v:{{{fingerprint(namespace)}:{mm_hash}}}"
+
+
+def index_key(shard: int) -> str:
+    return f"{KEY_PREFIX}:i:{{{shard}}}"
+
+
+def _shard_of(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % INDEX_SHARDS
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A parsed --remote URL."""
+
+    cluster: bool
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    tls_options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        return f"{scheme}://" + ",".join(_address(h, p) for h, p in self.nodes)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_url(url: str) -> StoreSpec:
+    """Parse a --remote URL; ValueError (naming the accepted forms) otherwise."""
+
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"invalid remote store URL {url!r}: {reason}; accepted: {ACCEPTED_URLS}")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise bad("no scheme")
+    schemes = {"redis": (False, False), "rediss": (False, True),
+               "redis+cluster": (True, False), "rediss+cluster": (True, True)}
+    if scheme.lower() not in schemes:
+        raise bad(f"unknown scheme {scheme!r}")
+    cluster, tls = schemes[scheme.lower()]
+    netloc, _, query = rest.partition("?")
+    netloc, slash, path = netloc.partition("/")
+    if slash and path:
+        raise bad("no path or database number is accepted")
+    if "@" in netloc:
+        raise bad("credentials do not go in the URL (it shows in process lists); "
+                  "use the token file")
+    if not netloc:
+        raise bad("no host")
+    nodes = []
+    for item in netloc.split(","):
+        try:
+            parts = urlsplit("//" + item)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise bad(f"bad address {item!r} ({exc})") from None
+        if not host:
+            raise bad(f"bad address {item!r}")
+        nodes.append((host, port or 6379))
+    if len(nodes) > 1 and not cluster:
+        raise bad("several addresses need redis+cluster:// (or rediss+cluster://)")
+    options: dict[str, str] = {}
+    for name, values in parse_qs(query, keep_blank_values=True, strict_parsing=False).items():
+        if name not in _TLS_OPTIONS:
+            raise bad(f"unknown option {name!r}")
+        if not tls:
+            raise bad(f"option {name!r} needs TLS (rediss://)")
+        options[name] = values[-1]
+    if options.get("check_hostname", "true").lower() not in ("true", "false", "1", "0", "yes",
+                                                               "no"):
+        raise bad("check_hostname must be true or false")
+    return StoreSpec(cluster=cluster, tls=tls, nodes=tuple(nodes), tls_options=options)
+
+
+def read_credentials(token_file: str) -> tuple[str | None, str | None]:
+    """(username, password) from a token file: the password alone on the
+    first line, or a user name then a password on two lines. ValueError when
+    the file cannot be read or is empty."""
+    if not token_file:
+        return None, None
+    try:
+        lines = [line.strip() for line in Path(token_file).read_text().splitlines()]
+    except OSError as exc:
+        raise ValueError(f"cannot read remote token file {token_file}: {exc.strerror}") from None
+    lines = [line for line in lines if line]
+    if len(lines) == 1:
+        return None, lines[0]
+    if len(lines) == 2:
+        return lines[0], lines[1]
+    raise ValueError(f"remote token file {token_file} must hold a password (one line) or a "
+                     f"user name and a password (two lines), found {len(lines)} lines")
+
+
+def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> RemoteStore:
+    """A store for `url`. Connects lazily: a store that is down at start is
+    not an error here (ping() tells). Raises ValueError for a bad URL or an
+    unreadable token file."""
+    spec = parse_url(url)
+    username, password = read_credentials(token_file)
+    return RedisStore(spec, username=username, password=password, timeout_s=timeout_s)
+
+
+def _failed(what: str, exc: BaseException) -> RemoteError:
+    auth = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError,
+            NoPermissionError)
+    text = f"{what}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, auth) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+        return RemoteAuthError(text)
+    return RemoteError(text)
+
+
+_ERRORS = (RedisError, RedisClusterException, OSError)
+
+
+class RedisStore:
+    """A Redis node or cluster through redis-py (RESP2, no client retries,
+    socket timeouts on every call). Thread-safe: redis-py clients share a
+    connection pool; pipelines are per call."""
+
+    def __init__(self, spec: StoreSpec, *, username: str | None = None,
+                 password: str | None = None, timeout_s: float = 2.0) -> None:
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._cluster: RedisCluster | None = None
+        kwargs: dict[str, Any] = {
+            "username": username, "password": password, "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s, "protocol": 2, "client_name": "ec-daemon",
+            "socket_read_size": SOCKET_READ_BYTES,
+        }
+        if spec.tls:
+            options = spec.tls_options
+            kwargs.update(ssl_cert_reqs="required",
+                          ssl_ca_certs=options.get("ca_certs") or None,
+                          ssl_certfile=options.get("certfile") or None,
+                          ssl_keyfile=options.get("keyfile") or None,
+                          ssl_check_hostname=options.get("check_hostname", "true").lower()
+                          in ("true", "1", "yes"))
+        self._kwargs = kwargs
+        self._connection_class = _SSLConnection if spec.tls else _Connection
+        self._single: redis.Redis | None = None
+        if not spec.cluster:
+            host, port = spec.nodes[0]
+            self._single = redis.Redis(connection_pool=redis.ConnectionPool(
+                connection_class=self._connection_class, host=host, port=port,
+                retry=Retry(NoBackoff(), 0), **kwargs))
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.spec.display})"
+
+    # -- clients
+
+    def _client(self) -> redis.Redis | RedisCluster:
+        if self._closed.is_set():
+            raise RemoteError(f"{self.spec.display}: store closed")
+        if self._single is not None:
+            return self._single
+        if self._cluster is None:
+            with self._lock:
+                if self._cluster is None:
+                    # `url` (not host/port) makes redis-py build each node's pool
+                    # from these kwargs, our connection class included.
+                    first, *others = self.spec.nodes
+                    try:
+                        self._cluster = RedisCluster(
+                            url=f"redis://{_address(*first)}",
+                            startup_nodes=[ClusterNode(h, p) for h, p in others],
+                            connection_class=self._connection_class,
+                            require_full_coverage=False, retry=Retry(NoBackoff(), 0),
+                            **self._kwargs)
+                    except _ERRORS as exc:
+                        raise _failed(f"connect to {self.spec.display}", exc) from None
+        return self._cluster
+
+    def domain(self, namespace: str, mm_hash: str) -> str:
+        return self._domain_of(value_key(namespace, mm_hash))
+
+    def _domain_of(self, key: str) -> str:
+        if self._single is not None or self._cluster is None:
+            return _address(*self.spec.nodes[0]) if self._single is not None \
+                else self.spec.display
+        try:
+            node = self._cluster.get_node_from_key(key)
+        except _ERRORS:
+            return self.spec.display
+        return str(node.name)
+
+    # -- values
+
+    def put(self, namespace: str, mm_hash: str, parts: Sequence[bytes | memoryview],
+            ttl_s: float) -> None:
+        key = value_key(namespace, mm_hash)
+        try:
+            pipe = self._client().pipeline(transaction=True)
+            pipe.set(key, _arg(parts[0]), px=max(1, int(ttl_s * 1000)))
+            for part in parts[1:]:
+                pipe.append(key, _arg(part))
+            pipe.execute()
+        except _ERRORS as exc:
+            raise _failed(f"put {key}", exc) from None
+
+    def get(self, namespace: str, mm_hash: str) -> list[bytes] | None:
+        key = value_key(namespace, mm_hash)
+        try:
+            client = self._client()
+            # Most values fit in the first read: one command, one round trip.
+            first = cast(bytes, client.getrange(key, 0, FIRST_READ_BYTES - 1))
+            if not first:
+                return None
+            parts = [first]
+            if len(first) == FIRST_READ_BYTES:
+                size = int(client.strlen(key))
+                pipe = client.pipeline(transaction=False)
+                for start in range(len(first), size, CHUNK_BYTES):
+                    pipe.getrange(key, start, min(start + CHUNK_BYTES, size) - 1)
+                parts += pipe.execute()
+            return parts
+        except _ERRORS as exc:
+            raise _failed(f"get {key}", exc) from None
+
+    # -- the index
+
+    def _shard_for(self, key: str) -> int:
+        """The index shard for a value key: in a cluster, one on the value's
+        node when there is one (so a node's loss costs exactly its keys)."""
+        shard = _shard_of(key)
+        if self._cluster is None:
+            return shard
+        node = self._domain_of(key)
+        local = [k for k in range(INDEX_SHARDS) if self._domain_of(index_key(k)) == node]
+        return local[shard % len(local)] if local else shard
+
+    def announce(self, namespace: str, mm_hash: str, nbytes: int, ttl_s: float) -> None:
+        try:
+            client = self._client()
+            key = index_key(self._shard_for(value_key(namespace, mm_hash)))
+            now = time.time()
+            ttl_ms = max(1, int(ttl_s * 1000))
+            pipe = client.pipeline(transaction=False)
+            pipe.xadd(key, {"ns": namespace, "h": mm_hash, "n": nbytes,
+                            "e": f"{now + ttl_s:.3f}"},
+                      minid=max(0, int(now * 1000) - ttl_ms), approximate=True)
+            # An index nobody writes to any more goes away a minute after its last entry.
+            pipe.pexpire(key, ttl_ms + 60_000)
+            pipe.execute()
+        except _ERRORS as exc:
+            raise _failed(f"announce {namespace!r} {mm_hash!r}", exc) from None
+
+    def read_index(self, cursor: str | None, block_s: float, count: int,
+                   breakers: Breakers | None = None) -> tuple[list[Announcement], str]:
+        positions = _parse_cursor(cursor)
+        if self._single is None and self._cluster is None and breakers is not None:
+            # No cluster client yet: connecting is the seeds' domain's call.
+            seeds = breakers.get(self.spec.display)
+            if not seeds.allow():
+                self._closed.wait(max(0.05, min(block_s, seeds.retry_in())))
+                return [], _cursor(positions)
+            try:
+                self._client()
+            except RemoteError as exc:
+                seeds.failure(exc)
+                self._closed.wait(block_s)
+                return [], _cursor(positions)
+            seeds.success()
+        client = self._client()
+        # Shards by failure domain; one node answers for all of its shards.
+        by_domain: dict[str, list[int]] = {}
+        for shard in range(INDEX_SHARDS):
+            by_domain.setdefault(self._domain_of(index_key(shard)), []).append(shard)
+        # One node: one XREAD BLOCK over every shard. A cluster refuses
+        # multi-key reads across slots: non-blocking reads, then a pause.
+        blocking = self._single is not None
+        found: list[Announcement] = []
+        waited = False
+        pause = block_s
+        for domain, shards in by_domain.items():
+            breaker = breakers.get(domain) if breakers is not None else None
+            if breaker is not None and not breaker.allow():
+                pause = min(pause, max(0.05, breaker.retry_in()))
+                continue
+            # A probe (half-open) answers at once: other calls wait for its verdict.
+            block_ms = None
+            if blocking and (breaker is None or breaker.state == CLOSED):
+                block_ms = max(1, int(min(block_s, self.timeout_s / 2) * 1000))
+            try:
+                replies = self._read_shards(client, shards, positions, count, block_ms)
+            except _ERRORS as exc:
+                failure = _failed(f"read index on {domain}", exc)
+                if breaker is None:
+                    raise failure from None
+                breaker.failure(failure)
+                pause = min(pause, 0.1)  # count failures quickly: the breaker decides
+                continue
+            if breaker is not None:
+                breaker.success()
+            waited = waited or block_ms is not None
+            for reply in replies:
+                for stream, entries in reply or ():
+                    shard = _shard_from_key(stream)
+                    for entry_id, fields in entries:
+                        positions[shard] = entry_id.decode()
+                        announcement = _announcement(fields)
+                        if announcement is not None:
+                            found.append(announcement)
+        if not found and not waited:
+            self._closed.wait(pause)
+        return found, _cursor(positions)
+
+    def _read_shards(self, client: redis.Redis | RedisCluster, shards: list[int],
+                     positions: list[str], count: int, block_ms: int | None) -> list[Any]:
+        if len(shards) > 1 and self._single is not None:
+            streams: dict[Any, Any] = {index_key(k): positions[k] for k in shards}
+            return [client.xread(streams, count=count, block=block_ms)]
+        pipe = client.pipeline(transaction=False)
+        for k in shards:
+            pipe.xread({index_key(k): positions[k]}, count=count)
+        return list(pipe.execute())
+
+    # -- the rest
+
+    def ping(self) -> None:
+        try:
+            self._client().ping()
+        except RemoteError:
+            raise
+        except _ERRORS as exc:
+            raise _failed(f"ping {self.spec.display}", exc) from None
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            if self._single is not None:
+                self._single.close()
+            with self._lock:
+                if self._cluster is not None:
+                    self._cluster.close()
+        except _ERRORS as exc:
+            log.debug("closing %s: %s", self.spec.display, exc)
+
+
+class _Connection(Connection):
+    """Sends large arguments to the socket as they are. With hiredis installed
+    redis-py packs every command through hiredis, which copies a payload
+    twice (10x the CPU of a 32 MiB put); reads still use the hiredis parser."""
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class _SSLConnection(SSLConnection):
+    __doc__ = _Connection.__doc__
+
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+def _arg(part: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """redis-py sends bytes and memoryviews as they are (no copy)."""
+    if isinstance(part, bytes):
+        return part
+    return memoryview(part).cast("B")
+
+
+def _parse_cursor(cursor: str | None) -> list[str]:
+    if cursor:
+        positions = cursor.split(",")
+        if len(positions) == INDEX_SHARDS:
+            return positions
+    return ["0-0"] * INDEX_SHARDS
+
+
+def _cursor(positions: list[str]) -> str:
+    return ",".join(positions)
+
+
+def _shard_from_key(stream: bytes | str) -> int:
+    name = stream.decode() if isinstance(stream, bytes) else stream
+    return int(name.rsplit("{", 1)[1].rstrip("}"))
+
+
+def _announcement(fields: dict[bytes, bytes]) -> Announcement | None:
+    try:
+        return Announcement(namespace=fields[b"ns"].decode(), mm_hash=fields[b"h"].decode(),
+                            nbytes=int(fields[b"n"]), expires_at=float(fields[b"e"]))
+    except (KeyError, ValueError):
+        return None

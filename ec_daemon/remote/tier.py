@@ -1,0 +1,421 @@
+"""The second tier beside the daemon's event loop: a publisher thread, an
+index follower thread, and a blocking `fetch` for the daemon's worker pool.
+
+The event loop only ever calls what cannot block: `publish` enqueues (bounded
+in bytes, dropped when full or while the store is down), `available` reads a
+local dict (the index: what other daemons announced, learnt ahead of any
+lookup), `follow`, `snapshot`. Everything that talks to the store runs on the
+tier's threads or the caller's worker thread, through one circuit breaker per
+failure domain (a node), so a store that is down or slow costs misses and
+dropped publications, never a stuck daemon, and comes back by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ec_daemon.remote.breaker import CLOSED, STATE_CODES, Breakers
+from ec_daemon.remote.store import Announcement, RemoteError, RemoteStore
+from ec_daemon.remote.values import BadValue, Value, decode, encode
+
+log = logging.getLogger("ec_daemon.remote")
+
+# Niceness of the publisher thread (write-behind, below the daemon's loop).
+PUBLISHER_NICE = 10
+COUNTERS = {
+    "publishes": "Entries written to the store and announced",
+    "publish_bytes": "Payload bytes written to the store",
+    "publish_drops": "Publications dropped: queue full, store down, or stopped",
+    "publish_skips": "Publications skipped: the pages were reused before they were read",
+    "publish_errors": "Publications that failed (store errors, unreadable payloads)",
+    "remote_hits": "Fetches that returned a verified value",
+    "remote_misses": "Fetches that found nothing (absent or expired)",
+    "fetch_bytes": "Payload bytes fetched and verified",
+    "fetch_refused": "Fetches not attempted: the key's store node is down (breaker open)",
+    "bad_values": "Values refused by verification (corrupt, truncated, foreign)",
+    "errors": "Store calls that failed (fetches, publications, index reads)",
+    "index_announcements": "Announcements read from the index (every namespace)",
+    "index_evictions": "Index entries dropped to keep within index_max_entries",
+}
+GAUGES = {
+    "publish_queue_bytes": "Payload bytes waiting to be published",
+    "index_entries": "Entries the local index holds (followed namespaces, not expired)",
+    "followed_namespaces": "Namespaces whose announcements are kept",
+    "reachable": "1 when no store node's breaker is open",
+    "breaker_state": "Worst breaker state: 0 closed, 1 half-open, 2 open",
+    "breakers_open": "Store nodes currently refused (breaker open or half-open)",
+}
+BAD_VALUE_LOG_S = 60.0
+RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
+
+
+def latency_histogram() -> Histogram:
+    """Store call latency by operation; registered by whoever collects the tier."""
+    return Histogram("ec_daemon_remote_op_duration_seconds",
+                     "Second-tier store call latency", ["op"], registry=None,
+                     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
+                              0.25, 0.5, 1.0, 2.5))
+
+
+@dataclass
+class _Job:
+    namespace: str
+    mm_hash: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    read: Callable[[], Any]
+    release: Callable[[], None] | None
+
+
+class RemoteTier:
+    """The tier's threads and state. Thread-safe: every public method may be
+    called from any thread; only `fetch` blocks (on the network)."""
+
+    def __init__(self, store: RemoteStore, *, ttl_s: float, publish_queue_bytes: int,
+                 index_max_entries: int = 1_000_000, block_s: float = 0.5,
+                 index_batch: int = 1000, breaker_threshold: int = 3,
+                 breaker_base_s: float = 0.5, breaker_max_s: float = 30.0) -> None:
+        if ttl_s <= 0 or publish_queue_bytes <= 0 or index_max_entries <= 0:
+            raise ValueError("ttl_s, publish_queue_bytes and index_max_entries must be positive")
+        self.store = store
+        self.ttl_s = ttl_s
+        self.publish_queue_bytes = publish_queue_bytes
+        self.index_max_entries = index_max_entries
+        self.block_s = block_s
+        self.index_batch = index_batch
+        self.breakers = Breakers(threshold=breaker_threshold, base_s=breaker_base_s,
+                                 max_s=breaker_max_s)
+        self.latency = latency_histogram()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # Publisher queue.
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._queued_bytes = 0
+        # The index: (namespace, mm_hash) -> (nbytes, expires_at), oldest first.
+        self._index_lock = threading.Lock()
+        self._index: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
+        self._followed: set[str] = set()
+        self._rescan = False
+        # Counters and rate-limited logs.
+        self._stats_lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._bad_logged: dict[tuple[str, str], float] = {}
+
+    # ------------------------------------------------------------ life
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        for name, target in (("ec-remote-publisher", self._publisher),
+                             ("ec-remote-index", self._follower)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop the threads (within about block_s plus one store call), drop
+        what is queued, and close the store."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        deadline = time.monotonic() + self.block_s + getattr(self.store, "timeout_s", 2.0) + 1
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._drain()
+        self.store.close()
+
+    # ------------------------------------------------------------ index
+
+    def follow(self, namespace: str) -> None:
+        """Keep index entries of `namespace` (entries announced before are
+        read again from the index)."""
+        with self._index_lock:
+            if namespace not in self._followed:
+                self._followed.add(namespace)
+                self._rescan = True
+
+    def available(self, namespace: str, mm_hash: str) -> int | None:
+        """nbytes when the index says the store holds the key and it has not
+        expired; never touches the network."""
+        with self._index_lock:
+            entry = self._index.get((namespace, mm_hash))
+        if entry is None or entry[1] <= time.time():
+            return None
+        return entry[0]
+
+    def _forget(self, namespace: str, mm_hash: str) -> None:
+        with self._index_lock:
+            self._index.pop((namespace, mm_hash), None)
+
+    def _absorb(self, found: list[Announcement]) -> None:
+        now = time.time()
+        evicted = 0
+        with self._index_lock:
+            for a in found:
+                if a.namespace not in self._followed or a.expires_at <= now:
+                    continue
+                key = (a.namespace, a.mm_hash)
+                old = self._index.get(key)
+                self._index[key] = (a.nbytes, max(a.expires_at, old[1] if old else 0.0))
+                self._index.move_to_end(key)
+                while len(self._index) > self.index_max_entries:
+                    self._index.popitem(last=False)
+                    evicted += 1
+        self._count(index_announcements=len(found), index_evictions=evicted)
+
+    def _sweep(self) -> None:
+        """Drop expired entries from the front (entries arrive roughly in
+        expiry order; what is left behind is refused by `available`)."""
+        now = time.time()
+        with self._index_lock:
+            while self._index:
+                key, (_nbytes, expires_at) = next(iter(self._index.items()))
+                if expires_at > now:
+                    break
+                del self._index[key]
+
+    def _follower(self) -> None:
+        cursor: str | None = None
+        next_sweep = time.monotonic()
+        while not self._stopping.is_set():
+            with self._index_lock:
+                if self._rescan:
+                    cursor, self._rescan = None, False
+            try:
+                found, cursor = self.store.read_index(cursor, self.block_s, self.index_batch,
+                                                      breakers=self.breakers)
+            except RemoteError as exc:
+                if self._stopping.is_set():
+                    break
+                self._count(errors=1)
+                log.debug("index read failed: %s", exc)
+                self._stopping.wait(self.block_s)
+                continue
+            except Exception:
+                if self._stopping.is_set():
+                    break
+                self._count(errors=1)
+                log.exception("index read failed")
+                self._stopping.wait(self.block_s)
+                continue
+            if found:
+                self._absorb(found)
+            if time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + 5.0
+
+    # ------------------------------------------------------------ publish
+
+    def publish(self, namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
+                nbytes: int, read: Callable[[], Any],
+                release: Callable[[], None] | None = None) -> bool:
+        """Queue (namespace, mm_hash) for writing to the store; never blocks.
+        False (nothing queued, `release` not called) when stopped, when the
+        key's store node is down, or when the queue would exceed
+        publish_queue_bytes. Otherwise the publisher thread calls `read()`
+        (the payload, any buffer of nbytes, or None when the bytes are gone:
+        skipped), writes and announces it, then calls `release()` (always
+        once, even when the job is dropped or fails)."""
+        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+        if self._stopping.is_set() or breaker.rejecting():
+            self._count(publish_drops=1)
+            return False
+        with self._cond:
+            if self._queued_bytes + nbytes > self.publish_queue_bytes:
+                dropped = True
+            else:
+                dropped = False
+                self._queue.append(_Job(namespace, mm_hash, tuple(shape), dtype, nbytes,
+                                        read, release))
+                self._queued_bytes += nbytes
+                self._cond.notify()
+        if dropped:
+            self._count(publish_drops=1)
+        return not dropped
+
+    def _publisher(self) -> None:
+        _background_priority()
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping.is_set():
+                    self._cond.wait()
+                if self._stopping.is_set():
+                    return
+                job = self._queue.popleft()
+            try:
+                self._publish_one(job)
+            except Exception:
+                self._count(publish_errors=1)
+                log.exception("publishing %s failed", job.mm_hash)
+            finally:
+                with self._cond:
+                    self._queued_bytes -= job.nbytes
+                _release(job)
+
+    def _publish_one(self, job: _Job) -> None:
+        payload = job.read()
+        if payload is None:
+            self._count(publish_skips=1)
+            return
+        parts = encode(job.namespace, job.mm_hash, job.shape, job.dtype, payload)
+        if len(parts[1]) != job.nbytes:
+            raise ValueError(f"read() returned {len(parts[1])} bytes, expected {job.nbytes}")
+        breaker = self.breakers.get(self.store.domain(job.namespace, job.mm_hash))
+        if not breaker.allow():
+            self._count(publish_drops=1)
+            return
+        started = time.time()
+        try:
+            self.store.put(job.namespace, job.mm_hash, parts, self.ttl_s)
+            self.latency.labels("put").observe(time.time() - started)
+            announced = time.time()
+            # The announcement must not outlive the value: its TTL runs from the put.
+            self.store.announce(job.namespace, job.mm_hash, job.nbytes,
+                                self.ttl_s - (announced - started))
+            self.latency.labels("announce").observe(time.time() - announced)
+        except RemoteError as exc:
+            breaker.failure(exc)
+            self._count(publish_errors=1, errors=1)
+            log.debug("publishing %s failed: %s", job.mm_hash, exc)
+            return
+        except BaseException as exc:
+            breaker.failure(exc)
+            raise
+        breaker.success()
+        self._count(publishes=1, publish_bytes=job.nbytes)
+
+    def _drain(self) -> None:
+        with self._cond:
+            jobs = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes -= sum(job.nbytes for job in jobs)
+        if jobs:
+            self._count(publish_drops=len(jobs))
+        for job in jobs:
+            _release(job)
+
+    # ------------------------------------------------------------ fetch
+
+    def fetch(self, namespace: str, mm_hash: str) -> Value | None:
+        """The verified value of (namespace, mm_hash), blocking on the store
+        (call it from a worker thread). None when absent or expired, when the
+        value fails verification (counted, logged at most once per key a
+        minute), or when the key's node is down. Never raises."""
+        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+        for attempt in (1, 2):
+            if not breaker.allow():
+                self._count(fetch_refused=1)
+                return None
+            started = time.perf_counter()
+            try:
+                parts = self.store.get(namespace, mm_hash)
+            except RemoteError as exc:
+                breaker.failure(exc)
+                self._count(errors=1)
+                log.debug("fetch of %s failed: %s", mm_hash, exc)
+                return None
+            except Exception as exc:
+                breaker.failure(exc)
+                self._count(errors=1)
+                log.exception("fetch of %s failed", mm_hash)
+                return None
+            breaker.success()
+            self.latency.labels("get").observe(time.perf_counter() - started)
+            if parts is None:
+                self._count(remote_misses=1)
+                self._forget(namespace, mm_hash)
+                return None
+            try:
+                value = decode(parts, namespace=namespace, mm_hash=mm_hash)
+            except BadValue as exc:
+                if attempt == 1:
+                    continue  # a rewrite or an expiry may have raced the read: once more
+                self._bad_value(namespace, mm_hash, exc)
+                return None
+            self._count(remote_hits=1, fetch_bytes=value.nbytes)
+            return value
+        return None
+
+    def _bad_value(self, namespace: str, mm_hash: str, exc: BadValue) -> None:
+        self._count(bad_values=1)
+        self._forget(namespace, mm_hash)
+        now = time.monotonic()
+        key = (namespace, mm_hash)
+        with self._stats_lock:
+            if len(self._bad_logged) > 10_000:
+                self._bad_logged = {k: t for k, t in self._bad_logged.items()
+                                    if now - t < BAD_VALUE_LOG_S}
+            last = self._bad_logged.get(key)
+            if last is not None and now - last < BAD_VALUE_LOG_S:
+                return
+            self._bad_logged[key] = now
+        log.warning("remote value %s in namespace %r refused (not served): %s",
+                    mm_hash, namespace, exc)
+
+    # ------------------------------------------------------------ stats
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def snapshot(self) -> dict[str, float | int | bool]:
+        """Counters and gauges for the Stats RPC, the CLI and /metrics."""
+        with self._stats_lock:
+            data: dict[str, float | int | bool] = dict(self._counts)
+        with self._cond:
+            data["publish_queue_bytes"] = self._queued_bytes
+        with self._index_lock:
+            data["index_entries"] = len(self._index)
+            data["followed_namespaces"] = len(self._followed)
+        states = [b.state for b in self.breakers.recent(RECENT_S)]
+        down = [s for s in states if s != CLOSED]
+        data["breakers_open"] = len(down)
+        data["breaker_state"] = max((STATE_CODES[s] for s in states), default=0)
+        data["reachable"] = not down
+        return data
+
+    def collect(self) -> Iterator[Metric]:
+        """The tier's Prometheus families (ec_daemon_remote_*): register the
+        tier itself as a collector."""
+        data = self.snapshot()
+        for name, help_text in COUNTERS.items():
+            yield CounterMetricFamily(f"ec_daemon_remote_{name}", help_text,
+                                      value=float(data[name]))
+        for name, help_text in GAUGES.items():
+            yield GaugeMetricFamily(f"ec_daemon_remote_{name}", help_text,
+                                    value=float(data[name]))
+        yield from self.latency.collect()
+
+    def states(self) -> dict[str, str]:
+        """Each failure domain's breaker state (diagnostics)."""
+        return {b.name: b.state for b in self.breakers.all()}
+
+
+def _background_priority() -> None:
+    """Lower this thread's CPU priority (Linux: per thread): publishing is
+    write-behind and must yield the cores to the engines' saves and loads."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISHER_NICE)
+
+
+def _release(job: _Job) -> None:
+    if job.release is None:
+        return
+    try:
+        job.release()
+    except Exception:
+        log.exception("release callback of %s failed", job.mm_hash)

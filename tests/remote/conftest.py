@@ -1,0 +1,63 @@
+"""Fixtures for the second tier's tests: real redis-server processes on
+127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import redis_servers
+
+needs_redis = pytest.mark.skipif(not redis_servers.available(),
+                                 reason="redis-server is not installed")
+NAMESPACE = "Qwen/Qwen2.5-VL-3B-Instruct|bfloat16|image=2304|" + "v" * 200
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, step_s: float = 0.02) -> bool:
+    """Poll `predicate` until it is truthy or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    return (os.urandom(16) * ((size + 15) // 16))[:size] if seed else os.urandom(size)
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[redis_servers.RedisServer]:
+    """A single node shared by a module's tests (which must not kill it)."""
+    with redis_servers.single_node() as server:
+        yield server
+
+
+@pytest.fixture()
+def own_node() -> Iterator[redis_servers.RedisServer]:
+    """A single node for one test (it may kill and restart it)."""
+    with redis_servers.single_node() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[redis_servers.Cluster]:
+    with redis_servers.cluster(3) as group:
+        yield group
+
+
+@pytest.fixture()
+def token_file(tmp_path: Path) -> Callable[[str], str]:
+    def write(text: str) -> str:
+        path = tmp_path / "redis-token"
+        path.write_text(text)
+        path.chmod(0o600)
+        return str(path)
+
+    return write

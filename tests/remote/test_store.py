@@ -1,0 +1,331 @@
+"""The Redis store against real servers: values, TTLs, the index, AUTH, TLS,
+a cluster; and the URL forms."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ec_daemon.remote.store import (
+    CHUNK_BYTES,
+    FIRST_READ_BYTES,
+    INDEX_SHARDS,
+    RemoteAuthError,
+    RemoteError,
+    RemoteStore,
+    index_key,
+    open_store,
+    parse_url,
+    value_key,
+)
+from ec_daemon.remote.values import decode, encode
+from tests import redis_servers
+from tests.remote.conftest import NAMESPACE, needs_redis, payload, wait_for
+
+# ------------------------------------------------------------------ URLs
+
+
+@pytest.mark.parametrize(("url", "cluster", "tls", "nodes"), [
+    ("redis://127.0.0.1:7000", False, False, (("127.0.0.1", 7000),)),
+    ("redis://cache.internal", False, False, (("cache.internal", 6379),)),
+    ("redis://[::1]:7000/", False, False, (("::1", 7000),)),
+    ("rediss://cache:6380", False, True, (("cache", 6380),)),
+    ("redis+cluster://a:7000,b:7001,c", True, False, (("a", 7000), ("b", 7001), ("c", 6379))),
+    ("REDISS+CLUSTER://a:7000", True, True, (("a", 7000),)),
+])
+def test_urls(url: str, cluster: bool, tls: bool, nodes: tuple[tuple[str, int], ...]) -> None:
+    spec = parse_url(url)
+    assert (spec.cluster, spec.tls, spec.nodes) == (cluster, tls, nodes)
+
+
+def test_tls_options() -> None:
+    spec = parse_url("rediss://h:1?ca_certs=/ca.pem&certfile=/c.pem&keyfile=/k.pem"
+                     "&check_hostname=false")
+    assert spec.tls_options == {"ca_certs": "/ca.pem", "certfile": "/c.pem",
+                                "keyfile": "/k.pem", "check_hostname": "false"}
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("", "no scheme"),
+    ("127.0.0.1:6379", "no scheme"),
+    ("http://h:1", "unknown scheme 'http'"),
+    ("redis://", "no host"),
+    ("redis://user:secret@h:1", "credentials do not go in the URL"),
+    ("redis://h:1/2", "no path or database number"),
+    ("redis://h:99999", "bad address"),
+    ("redis://h:port", "bad address"),
+    ("redis://a:1,b:2", "several addresses need redis\\+cluster"),
+    ("redis+cluster://a:1,", "bad address"),
+    ("redis://h:1?ca_certs=/x", "needs TLS"),
+    ("rediss://h:1?password=x", "unknown option 'password'"),
+    ("rediss://h:1?check_hostname=maybe", "check_hostname must be true or false"),
+])
+def test_bad_urls_name_the_accepted_forms(url: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason) as caught:
+        parse_url(url)
+    assert "accepted: redis://HOST:PORT, rediss://HOST:PORT" in str(caught.value)
+    assert "redis+cluster://HOST:PORT[,HOST:PORT...]" in str(caught.value)
+
+
+def test_token_files(token_file: Callable[[str], str], tmp_path: Path) -> None:
+    from ec_daemon.remote.store import read_credentials
+
+    assert read_credentials(token_file("s3cret:with:colons\n")) == (None, "s3cret:with:colons")
+    assert read_credentials(token_file("\nalice\n  pw  \n")) == ("alice", "pw")
+    with pytest.raises(ValueError, match="must hold a password"):
+        read_credentials(token_file(""))
+    with pytest.raises(ValueError, match="must hold a password"):
+        read_credentials(token_file("a\nb\nc\n"))
+    with pytest.raises(ValueError, match="cannot read remote token file"):
+        open_store("redis://127.0.0.1:1", token_file=str(tmp_path / "missing"))
+
+
+def test_a_store_that_is_down_is_not_an_error_until_used() -> None:
+    store = open_store(f"redis://127.0.0.1:{redis_servers.free_port()}", timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="ConnectionError"):
+        store.ping()
+    with pytest.raises(RemoteError, match="get ecd1:v:"):
+        store.get(NAMESPACE, "x")
+    assert time.monotonic() - started < 2.0
+    store.close()
+    with pytest.raises(RemoteError, match="store closed"):
+        store.get(NAMESPACE, "x")
+
+
+# ------------------------------------------------------------------ one node
+
+def put_value(store: RemoteStore, mm_hash: str, data: bytes, ttl_s: float = 60.0,
+              namespace: str = NAMESPACE) -> None:
+    store.put(namespace, mm_hash, encode(namespace, mm_hash, (len(data),), "uint8", data),
+              ttl_s)
+
+
+@needs_redis
+@pytest.mark.parametrize("size", [0, 1, 1000, FIRST_READ_BYTES - 200, FIRST_READ_BYTES,
+                                  FIRST_READ_BYTES + 1, 3 * CHUNK_BYTES + 17])
+def test_put_get_round_trip(node: redis_servers.RedisServer, size: int) -> None:
+    store = open_store(node.url)
+    data = payload(size)
+    put_value(store, f"rt-{size}", data)
+    parts = store.get(NAMESPACE, f"rt-{size}")
+    assert parts is not None
+    got = decode(parts, namespace=NAMESPACE, mm_hash=f"rt-{size}")
+    assert bytes(got.payload) == data and got.shape == (size,)
+    store.close()
+
+
+@needs_redis
+def test_absent_is_none_and_keys_carry_the_namespace(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    assert store.get(NAMESPACE, "never-put") is None
+    put_value(store, "k", b"abc")
+    assert store.get(NAMESPACE + "-other", "k") is None  # another namespace, another key
+    client = node.client()
+    key = value_key(NAMESPACE, "k")
+    assert key.startswith("ecd1:v:{") and len(key) < 100 and client.exists(key)
+    assert 59_000 < client.pttl(key) <= 60_000
+    store.close()
+
+
+@needs_redis
+def test_ttl_expiry(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    put_value(store, "short", b"x" * 100, ttl_s=0.3)
+    assert store.get(NAMESPACE, "short") is not None
+    assert wait_for(lambda: store.get(NAMESPACE, "short") is None, 3.0)
+    store.close()
+
+
+@needs_redis
+def test_the_index(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
+    before = time.time()
+    for i in range(30):
+        store.announce(NAMESPACE, f"idx-{i}", 1000 + i, 60.0)
+    found, cursor = store.read_index(None, 0.1, 1000)
+    assert sorted(a.mm_hash for a in found) == sorted(f"idx-{i}" for i in range(30))
+    a = next(a for a in found if a.mm_hash == "idx-7")
+    assert a.namespace == NAMESPACE and a.nbytes == 1007
+    assert before + 59 < a.expires_at < time.time() + 61
+    # Sharded: the announcements spread over several streams.
+    assert sum(1 for k in range(INDEX_SHARDS) if node.client().exists(index_key(k))) > 5
+    # The cursor moves on; a blocking read returns what comes next.
+    started = time.monotonic()
+    assert store.read_index(cursor, 0.2, 1000)[0] == []
+    assert 0.15 < time.monotonic() - started < 1.5
+    store.announce(NAMESPACE, "idx-late", 5, 60.0)
+    found, cursor = store.read_index(cursor, 0.2, 1000)
+    assert [a.mm_hash for a in found] == ["idx-late"]
+    # count bounds each shard's batch.
+    found, _ = store.read_index(None, 0.1, 1)
+    assert len(found) <= INDEX_SHARDS
+    store.close()
+
+
+@needs_redis
+def test_the_index_is_trimmed_to_the_ttl(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
+    for i in range(200):
+        store.announce(NAMESPACE, f"old-{i}", 1, 0.2)
+    time.sleep(0.3)
+    for i in range(200):
+        store.announce(NAMESPACE, f"new-{i}", 1, 0.2)
+    client = node.client()
+    lengths = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS))
+    assert lengths < 400  # MINID ~ trims whole nodes of old entries
+    assert all(client.pttl(index_key(k)) <= 60_200 for k in range(INDEX_SHARDS))
+    store.close()
+
+
+# ------------------------------------------------------------------ AUTH
+
+
+@needs_redis
+def test_auth_with_a_token_file(token_file: Callable[[str], str]) -> None:
+    with redis_servers.single_node(password="correct horse battery") as server:
+        store = open_store(server.url, token_file=token_file("correct horse battery\n"))
+        store.ping()
+        put_value(store, "auth", b"secret bytes")
+        assert store.get(NAMESPACE, "auth") is not None
+        store.close()
+        # An ACL user: user name and password on two lines.
+        server.client().execute_command("ACL", "SETUSER", "ecd", "on", ">ecd-password-123",
+                                        "~ecd1:*", "+@all")
+        store = open_store(server.url, token_file=token_file("ecd\necd-password-123\n"))
+        store.ping()
+        assert store.get(NAMESPACE, "auth") is not None
+        store.close()
+        wrong = open_store(server.url, token_file=token_file("wrong horse\n"))
+        with pytest.raises(RemoteAuthError, match=r"WRONGPASS|invalid username-password"):
+            wrong.ping()
+        with pytest.raises(RemoteAuthError):
+            wrong.get(NAMESPACE, "auth")
+        wrong.close()
+        missing = open_store(server.url)
+        with pytest.raises(RemoteAuthError, match=r"NOAUTH|Authentication required"):
+            missing.ping()
+        missing.close()
+
+
+# ------------------------------------------------------------------ TLS
+
+
+@needs_redis
+@pytest.mark.skipif(redis_servers.OPENSSL is None, reason="openssl is not installed")
+def test_tls(tmp_path: Path) -> None:
+    tls = redis_servers.make_tls_files(tmp_path)
+    assert tls is not None
+    with redis_servers.single_node(tls=tls) as server:
+        store = open_store(server.url)  # rediss://...?ca_certs=...
+        put_value(store, "tls", b"over tls" * 1000)
+        parts = store.get(NAMESPACE, "tls")
+        assert parts is not None
+        assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="tls").payload) == \
+            b"over tls" * 1000
+        store.close()
+        untrusted = open_store(f"rediss://{server.address}", timeout_s=1.0)
+        with pytest.raises(RemoteError, match=r"(?i)certificate"):
+            untrusted.ping()
+        untrusted.close()
+        plain = open_store(f"redis://{server.address}", timeout_s=1.0)
+        with pytest.raises(RemoteError):
+            plain.ping()
+        plain.close()
+    with redis_servers.cluster(3, tls=tls) as group:
+        assert group.url.startswith("rediss+cluster://")
+        store = open_store(group.url)
+        for i in range(6):
+            put_value(store, f"tls-{i}", b"cluster over tls")
+            assert store.get(NAMESPACE, f"tls-{i}") is not None
+        assert len({store.domain(NAMESPACE, f"tls-{i}") for i in range(6)}) > 1
+        store.close()
+    with redis_servers.single_node(tls=tls, tls_auth_clients=True) as server:
+        mutual = open_store(f"{server.url}&certfile={tls.cert}&keyfile={tls.key}")
+        mutual.ping()
+        mutual.close()
+        anonymous = open_store(server.url, timeout_s=1.0)
+        with pytest.raises(RemoteError):
+            anonymous.ping()
+        anonymous.close()
+
+
+# ------------------------------------------------------------------ cluster
+
+
+@needs_redis
+def test_cluster_spreads_values_over_the_nodes(cluster: redis_servers.Cluster) -> None:
+    store = open_store(cluster.url)
+    data = {f"c-{i}": payload(1000 + i) for i in range(30)}
+    for mm_hash, value in data.items():
+        put_value(store, mm_hash, value)
+    for mm_hash, value in data.items():
+        parts = store.get(NAMESPACE, mm_hash)
+        assert parts is not None
+        assert bytes(decode(parts, namespace=NAMESPACE, mm_hash=mm_hash).payload) == value
+        assert store.domain(NAMESPACE, mm_hash) == cluster.node_of(
+            value_key(NAMESPACE, mm_hash)).address
+    per_node = [len(n.client().keys("ecd1:v:*")) for n in cluster.nodes]
+    assert sum(per_node) >= 30 and all(count > 0 for count in per_node), per_node
+    big = payload(3 * CHUNK_BYTES + 5)
+    put_value(store, "c-big", big)
+    parts = store.get(NAMESPACE, "c-big")
+    assert parts is not None and len(parts) > 1
+    assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="c-big").payload) == big
+    store.close()
+
+
+@needs_redis
+def test_cluster_announcements_live_beside_their_values(cluster: redis_servers.Cluster) -> None:
+    """A value's announcement goes to an index shard on the value's node."""
+    store = open_store(cluster.url)
+    store.ping()
+    for n in cluster.nodes:
+        keys = [k for k in range(INDEX_SHARDS) if cluster.node_of(index_key(k)) is n]
+        assert keys, "every node holds some index shard (16 shards, 3 nodes)"
+    for i in range(20):
+        mm_hash = f"beside-{i}"
+        node = cluster.node_of(value_key(NAMESPACE, mm_hash))
+        client = node.client()
+        before = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)
+                     if cluster.node_of(index_key(k)) is node)
+        store.announce(NAMESPACE, mm_hash, 1, 60.0)
+        after = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)
+                    if cluster.node_of(index_key(k)) is node)
+        assert after == before + 1
+    found, _ = store.read_index(None, 0.1, 10_000)
+    assert {f"beside-{i}" for i in range(20)} <= {a.mm_hash for a in found}
+    store.close()
+
+
+@needs_redis
+def test_payloads_go_out_without_copies(node: redis_servers.RedisServer,
+                                        cluster: redis_servers.Cluster) -> None:
+    """Every connection (one node, each cluster node) packs commands in Python,
+    which sends a large payload as it is; the hiredis packer copies it twice."""
+    from redis.connection import PythonRespSerializer
+
+    from ec_daemon.remote.store import RedisStore
+
+    for url in (node.url, cluster.url):
+        store = open_store(url)
+        assert isinstance(store, RedisStore)
+        put_value(store, "no-copies", b"p" * 100_000)
+        assert store.get(NAMESPACE, "no-copies") is not None
+        if store._single is not None:
+            pools = [store._single.connection_pool]
+        else:
+            assert store._cluster is not None
+            pools = [n.redis_connection.connection_pool for n in store._cluster.get_nodes()]
+        for pool in pools:
+            connection = pool.get_connection()
+            try:
+                assert isinstance(connection._command_packer, PythonRespSerializer)
+            finally:
+                pool.release(connection)
+        store.close()

@@ -1,0 +1,140 @@
+"""The value format: round trips and every refusal, no server needed."""
+
+from __future__ import annotations
+
+import array
+import itertools
+import struct
+
+import pytest
+
+from ec_daemon.remote.values import (
+    FORMAT_VERSION,
+    BadValue,
+    Value,
+    decode,
+    encode,
+)
+
+NS = "model|bfloat16|image=2304|variant"
+HASH = "a" * 64
+
+
+def whole(parts: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def value(payload: bytes = b"0123456789abcdef" * 64, ns: str = NS, mm_hash: str = HASH,
+          shape: tuple[int, ...] = (64, 16), dtype: str = "uint8") -> bytes:
+    return whole(encode(ns, mm_hash, shape, dtype, payload))
+
+
+def refused(raw: bytes | list[bytes], match: str, ns: str = NS, mm_hash: str = HASH) -> None:
+    with pytest.raises(BadValue, match=match):
+        decode(raw, namespace=ns, mm_hash=mm_hash)
+
+
+def test_round_trip() -> None:
+    data = bytes(range(256)) * 40
+    got = decode(value(data, shape=(40, 256)), namespace=NS, mm_hash=HASH)
+    assert (got.shape, got.dtype, got.nbytes) == ((40, 256), "uint8", len(data))
+    assert bytes(got.payload) == data
+
+
+def test_encode_does_not_copy_the_payload() -> None:
+    data = bytearray(b"x" * 4096)
+    parts = encode(NS, HASH, (4096,), "uint8", data)
+    assert len(parts) == 2 and isinstance(parts[1], memoryview)
+    assert parts[1].obj is data
+
+
+def test_any_contiguous_buffer_and_empty_shapes() -> None:
+    floats = array.array("f", [1.5] * 100)
+    got = decode(whole(encode(NS, HASH, (100,), "float32", floats)), namespace=NS, mm_hash=HASH)
+    assert bytes(got.payload) == floats.tobytes() and got.nbytes == 400
+    empty = decode(whole(encode(NS, HASH, (), "uint8", b"")), namespace=NS, mm_hash=HASH)
+    assert empty.nbytes == 0 and bytes(empty.payload) == b"" and empty.shape == ()
+
+
+@pytest.mark.parametrize("cuts", [[1], [10, 30], [50, 51, 52, 200], [100, 1000, 2000]])
+def test_decode_in_parts_any_boundaries(cuts: list[int]) -> None:
+    """A chunked read hands over consecutive parts; the header may straddle them."""
+    data = bytes(range(256)) * 16
+    raw = value(data, shape=(16, 256))
+    bounds = [0, *cuts, len(raw)]
+    parts = [raw[a:b] for a, b in itertools.pairwise(bounds)]
+    got = decode(parts, namespace=NS, mm_hash=HASH)
+    assert bytes(got.payload) == data
+    out = [bytearray(1000), bytearray(len(data) - 1000)]
+    got.copy_into(out)
+    assert bytes(out[0] + out[1]) == data
+
+
+def test_copy_into_scatters_and_checks_sizes() -> None:
+    parts = (memoryview(b"abc"), memoryview(b"defgh"), memoryview(b"ij"))
+    got = Value(shape=(10,), dtype="uint8", nbytes=10, parts=parts)
+    targets = [bytearray(4), bytearray(1), bytearray(5)]
+    got.copy_into(targets)
+    assert b"".join(targets) == b"abcdefghij"
+    assert bytes(got.payload) == b"abcdefghij"
+    with pytest.raises(ValueError, match="targets hold 9 bytes"):
+        got.copy_into([bytearray(9)])
+
+
+def test_refuses_a_corrupt_payload_byte() -> None:
+    raw = bytearray(value())
+    raw[-100] ^= 0x01
+    refused(bytes(raw), "checksum mismatch")
+
+
+def test_refuses_a_corrupt_shape() -> None:
+    raw = bytearray(value())
+    raw[24] ^= 0x01  # the first dim
+    refused(bytes(raw), "checksum mismatch")
+
+
+def test_refuses_truncated_and_trailing() -> None:
+    raw = value()
+    refused(raw[:-1], "truncated: payload of 1023 bytes, the header says 1024")
+    refused(raw[:40], "truncated: 40 bytes, shorter than its header")
+    refused(raw[:10], "truncated: 10 bytes, shorter than the fixed header")
+    refused(raw + b"\0", "trailing bytes")
+
+
+def test_refuses_a_foreign_namespace_and_another_mm_hash() -> None:
+    refused(value(ns="other-model|float16|image=1024|"), "stored for namespace 'other-model")
+    refused(value(mm_hash="b" * 64), "stored for mm_hash 'bbbb")
+
+
+def test_refuses_another_format_version() -> None:
+    raw = bytearray(value())
+    raw[4] = FORMAT_VERSION + 1
+    refused(bytes(raw), f"format version {FORMAT_VERSION + 1}; this daemon reads version 1")
+
+
+def test_refuses_garbage() -> None:
+    refused(b"hello world, not a value at all", "not an ec-daemon value")
+    refused(b"", "not an ec-daemon value")
+    refused([b"", b""], "not an ec-daemon value")
+
+
+def test_refuses_a_malformed_header() -> None:
+    raw = bytearray(value())
+    struct.pack_into("<I", raw, 12, 9999)  # the header length
+    refused(bytes(raw), "malformed header: length field 9999")
+    raw = bytearray(value())
+    raw[5] = 7  # the checksum algorithm
+    refused(bytes(raw), "unknown checksum algorithm 7")
+
+
+def test_encode_refuses_what_the_format_cannot_carry() -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        encode("", HASH, (1,), "uint8", b"x")
+    with pytest.raises(ValueError, match="mm_hash"):
+        encode(NS, "h" * 5000, (1,), "uint8", b"x")
+    with pytest.raises(ValueError, match="dtype"):
+        encode(NS, HASH, (1,), "", b"x")
+    with pytest.raises(ValueError, match="shape"):
+        encode(NS, HASH, (1,) * 17, "uint8", b"x")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        encode(NS, HASH, (2,), "uint8", memoryview(b"abcd")[::2])
