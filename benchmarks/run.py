@@ -8,7 +8,9 @@ process tree, printed as tables and written to results/bench-<time>.json.
 2. cpu copy backend vs numpy copies; 3. the stamp check vs the copy it
    follows; 4. allocator extents under churn; 5. start-up vs a MAP_POPULATE
    mmap; 6. eight engines at 100 steps/s; 7. daemon bookkeeping memory with
-   1M entries.
+   1M entries; 8. the second tier: a verified fetch and a promotion vs a raw
+   redis GET of the same bytes, promotion end to end through two daemons,
+   and saves and hits with the tier on vs off (benchmarks/remote.py, tier.py).
 `--quick` shrinks every benchmark (a couple of minutes in all) to check that
 they run; its numbers are not results. This machine is noisy: ratios hold,
 absolute times do not.
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import concurrency, micro
+from benchmarks import concurrency, micro, remote, tier
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -148,6 +150,11 @@ TARGETS: list[tuple[str, str, float, Check]] = [
      lambda r: [row[k] for row in r["concurrency"]
                 for k in ("blocking_rpcs_per_step", "worker_rpcs_per_step")]),
     ("failed loads, 8 engines", "max", 0, _mix("loads_failed")),
+    ("promotion (verified fetch + copy) / raw GET, 1-32 MiB", "min", 0.8,
+     lambda r: [row["promote_ratio"] for row in r.get("remote", [])
+                if row["parser"] == "hiredis"]),
+    ("saves and hits, second tier on / off", "min", 0.95,
+     lambda r: [row["ratio"] for row in r.get("tier", [])]),
 ]
 
 
@@ -179,22 +186,26 @@ def main() -> None:
     sizes = Sizes(args.quick)
     started = time.monotonic()
     results: dict[str, Any] = {"quick": args.quick}
-    print(">> 1/7 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+    print(">> 1/8 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
     results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
         args.vllm_python, args.torchvision, sizes.upstream_scale)
-    print(">> 2/7 copy throughput", flush=True)
+    print(">> 2/8 copy throughput", flush=True)
     results["copy"] = micro.copy_throughput(sizes.copy_sizes)
-    print(">> 3/7 stamp check", flush=True)
+    print(">> 3/8 stamp check", flush=True)
     results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
-    print(">> 4/7 allocator quality", flush=True)
+    print(">> 4/8 allocator quality", flush=True)
     results["allocator"] = micro.allocator_quality(**sizes.allocator)
-    print(">> 5/7 start-up", flush=True)
+    print(">> 5/8 start-up", flush=True)
     results["startup"] = micro.startup(**sizes.startup)
-    print(f">> 6/7 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
+    print(f">> 6/8 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
           "each)", flush=True)
     results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
-    print(">> 7/7 memory", flush=True)
+    print(">> 7/8 memory", flush=True)
     results["memory"] = micro.memory(sizes.memory_entries)
+    print(">> 8/8 second tier (a local redis-server)", flush=True)
+    results["remote"] = remote.measure(quick=args.quick)
+    results["tier"] = tier.measure(args.quick)
+    results["promotion"] = tier.promotion_latency(args.quick)
     results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
@@ -225,6 +236,17 @@ def main() -> None:
                  "event_lag_p50_ms", "event_lag_p99_ms", "lag_p99_vs_floor",
                  "lag_after_reply_p99_ms", "fanout_spread_p99_ms", "daemon_cpu_percent",
                  "host_cpu_busy_percent"]))
+    print()
+    print(table("8a. second tier: raw GET vs verified fetch, and fetch + copy into the "
+                "region (GB/s; ratio = GET time / ours)", results["remote"],
+                ["parser", "MiB", "get_gbps", "fetch_gbps", "fetch_ratio", "promote_gbps",
+                 "promote_ratio"]))
+    print()
+    print(table("8b. second tier on vs off, same host (ratio = on / off)", results["tier"],
+                ["what", "off", "on", "ratio"]))
+    print()
+    print(table("8c. promotion end to end: a miss deferred until the entry is ready (best)",
+                results["promotion"], ["MiB", "promote_ms", "promote_gbps"]))
     print()
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
         print(table(f"{number}. {name}", [results[name]], list(results[name])))

@@ -10,6 +10,15 @@ until every rank reported that transfer through vLLM's worker metadata
 (`apply_worker_output`). Recency and load counts reach the daemon as
 touches on the next heartbeat. Saves need nothing from the scheduler.
 
+Before vLLM schedules a request with media it asks `ensure`: an item the
+view does not hold is *wanted* (one stream message, no wait) and the
+request deferred until the daemon answers: encode it (nobody else is), or
+wait for another engine's save or a promotion from the second tier, which
+ends with a ready event (then `has_item` hits). Every deferral is bounded
+(`max_defer_seconds`, and ANSWER_SECONDS for an answer), and wants are sent
+only where they help: another engine shares the namespace, or a second tier
+is on (the daemon says which).
+
 While detached (daemon down or restarting) every lookup misses and the view
 is empty; the link re-attaches in the background and the view refills from
 the new session's snapshot. A load dispatched before a restart still reads
@@ -35,7 +44,7 @@ from ec_client.regions import RegionInfo
 from ec_client.session import Attachment, SessionLink
 from ec_client.trust import attached_socket_owner
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
-from ec_protocol.protocol import Layout, pb
+from ec_protocol.protocol import MAX_BATCH, Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
@@ -44,6 +53,14 @@ log = logging.getLogger(__name__)
 # (a backstop: vLLM returns every step's worker output, and a load takes
 # milliseconds). Its eviction is then acknowledged, logged.
 INFLIGHT_TTL_SECONDS = 120.0
+# A want unanswered this long (a daemon that dropped it) is encoded.
+ANSWER_SECONDS = 1.0
+# How long a request is deferred at most for another engine's encode or a
+# promotion (extra-config `ec_daemon_max_defer_s`).
+DEFAULT_MAX_DEFER_SECONDS = 10.0
+# Items wanted and remembered at once; beyond, items are encoded without asking.
+MAX_WANTS = 1 << 14
+_WAITS = (pb.VERDICT_PROMOTING, pb.VERDICT_ENCODING)
 
 
 class LoadSpec(NamedTuple):
@@ -79,6 +96,14 @@ class _Current(NamedTuple):
 
 
 @dataclass(slots=True)
+class _Want:
+    asked: float
+    deadline: float  # defer no longer than this
+    verdict: int = 0  # pb.Verdict; 0 until answered (written by the link thread)
+    gave_up: bool = False
+
+
+@dataclass(slots=True)
 class _Transfer:
     ref: Ref
     epoch: int
@@ -92,9 +117,13 @@ class SchedulerDelegate:
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: str = "both",
                  ranks: int = 1, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "", token_file: str | None = None,
-                 tls_ca: str | None = None, start: bool = True) -> None:
+                 tls_ca: str | None = None, start: bool = True,
+                 max_defer_seconds: float = DEFAULT_MAX_DEFER_SECONDS) -> None:
         """`ranks`: how many worker ranks load (and report) each dispatched load."""
         self.role = role
+        self.max_defer_seconds = max_defer_seconds
+        self._wants: dict[str, _Want] = {}
+        self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
         self.can_load = role in ("consumer", "both")
         self.ranks = ranks
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
@@ -110,6 +139,7 @@ class SchedulerDelegate:
         self._taken: dict[str, tuple[int, int]] = {}
         # Since the last take_stats (plain ints: the hot path counts them).
         self._loads = self._load_bytes = self._load_failures = 0
+        self._deferred = self._defer_timeouts = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -138,6 +168,46 @@ class SchedulerDelegate:
         self._hits_this_step[mm_hash] = (entry, current)
         return True
 
+    def ensure(self, mm_hashes: Iterable[str]) -> bool:
+        """May a request needing these items be scheduled now? False defers
+        it (vLLM asks again next step): an item is wanted and unanswered, or
+        another engine or a promotion is making it. Never waits."""
+        if not self._wanting or not self.can_load or not self.link.fresh():
+            return True
+        wants = self._wants
+        now = 0.0
+        fresh: list[str] = []
+        ready = True
+        for mm_hash in mm_hashes:
+            if self.view.get(mm_hash) is not None:
+                continue
+            want = wants.get(mm_hash)
+            if want is None:
+                if len(wants) >= MAX_WANTS:
+                    continue
+                now = now or time.monotonic()
+                wants[mm_hash] = _Want(now, now + ANSWER_SECONDS)
+                fresh.append(mm_hash)
+                ready = False
+                continue
+            if want.verdict and want.verdict not in _WAITS:
+                continue  # encode it (or it was ready and is gone again)
+            now = now or time.monotonic()
+            if now >= want.deadline:
+                if not want.gave_up:
+                    want.gave_up = True
+                    self._defer_timeouts += 1
+                    log.warning("ec-daemon: %s still not ready after %.1fs (%s); encoding it "
+                                "here", mm_hash, now - want.asked,
+                                pb.Verdict.Name(want.verdict) if want.verdict else "no answer")
+                continue
+            ready = False
+        if fresh:
+            self._deferred += len(fresh)
+            for start in range(0, len(fresh), MAX_BATCH):
+                self.link.send(pb.ClientMessage(wants=fresh[start:start + MAX_BATCH]))
+        return ready
+
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
         """vLLM allocated encoder space for this item; plan its load if it
         was a hit. Returns True when the item will be loaded."""
@@ -161,7 +231,7 @@ class SchedulerDelegate:
         if self._hits_this_step:
             self._hits_this_step = {}
         now = time.monotonic()
-        if self._dispatched and now >= self._next_expiry:
+        if (self._dispatched or self._wants) and now >= self._next_expiry:
             self._expire(now)
         if not planned:
             self.view.end_step((), self.view.epoch, self._send)
@@ -212,8 +282,10 @@ class SchedulerDelegate:
         """Counters since the previous call (vLLM's connector stats)."""
         lookups, hits = self._counts_since("stats")
         stats = Counter(lookups=lookups, hits=hits, loads=self._loads,
-                        load_bytes=self._load_bytes, load_failures=self._load_failures)
+                        load_bytes=self._load_bytes, load_failures=self._load_failures,
+                        deferred=self._deferred, defer_timeouts=self._defer_timeouts)
         self._loads = self._load_bytes = self._load_failures = 0
+        self._deferred = self._defer_timeouts = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
@@ -246,6 +318,12 @@ class SchedulerDelegate:
 
     def _expire(self, now: float) -> None:
         self._next_expiry = now + 1.0
+        # Answered or given-up wants are kept a while (vLLM asks every step
+        # until the request runs), then forgotten.
+        horizon = now - 2 * self.max_defer_seconds
+        stale_wants = [h for h, w in list(self._wants.items()) if w.asked < horizon]
+        for mm_hash in stale_wants:
+            self._wants.pop(mm_hash, None)
         stale = [t for t, x in self._dispatched.items()
                  if now - x.started > INFLIGHT_TTL_SECONDS]
         for transfer_id in stale:
@@ -259,6 +337,8 @@ class SchedulerDelegate:
 
     def _on_attached(self, attachment: Attachment) -> None:
         attached_socket_owner(self.transport.uri)  # a stranger's socket raises: we re-attach
+        self._wanting = False  # until the new session's NamespaceInfo
+        self._wants = {}  # answers of the old daemon mean nothing to the new one
         self.view.clear()
         self._current = _Current(attachment.region, self.view.epoch)
         log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",
@@ -266,10 +346,22 @@ class SchedulerDelegate:
 
     def _on_detached(self) -> None:
         self._current = None
+        self._wanting = False
         self.view.clear()
 
     def _on_message(self, message: Any) -> None:
-        self.view.apply(message, self._send)
+        self.view.apply(message, self._send)  # ready events before the answers
+        if message.answers:
+            wants, patience = self._wants, self.max_defer_seconds
+            for answer in message.answers:
+                want = wants.get(answer.mm_hash)
+                if want is not None:
+                    if answer.verdict in _WAITS:
+                        want.deadline = want.asked + patience
+                    want.verdict = answer.verdict
+        if message.HasField("namespace_info"):
+            info = message.namespace_info
+            self._wanting = info.engines > 1 or info.remote_tier
 
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)

@@ -17,7 +17,9 @@ a custom class as `package.module:ClassName`: see `ec_client.copy`; default
 auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
 (extra text in the layout fingerprint, default ""),
 `ec_daemon_save_queue_bytes` (GPU memory held by outputs waiting to be
-saved, default 256 MiB; a full queue skips the save), and for a TCP daemon
+saved, default 256 MiB; a full queue skips the save), `ec_daemon_max_defer_s`
+(how long a request waits at most for another engine's encode of the same
+item or a promotion from the second tier, default 10), and for a TCP daemon
 `ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE
 and $EC_DAEMON_TLS_CA).
 
@@ -59,7 +61,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.logger import init_logger
 
 from ec_client.regions import RegionInfo
-from ec_client.scheduler import LoadSpec, SchedulerDelegate
+from ec_client.scheduler import DEFAULT_MAX_DEFER_SECONDS, LoadSpec, SchedulerDelegate
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
 from ec_client.worker import DEFAULT_SAVE_QUEUE_BYTES
 from ec_protocol.protocol import SOCKET_ENV, Layout, default_socket_uri
@@ -111,6 +113,7 @@ class ConnectorSettings:
     deadline_seconds: float
     namespace: str
     save_queue_bytes: int
+    max_defer_seconds: float
     token_file: str | None
     tls_ca: str | None
 
@@ -125,6 +128,8 @@ class ConnectorSettings:
             namespace=str(extra.get("ec_daemon_namespace", "")),
             save_queue_bytes=int(extra.get("ec_daemon_save_queue_bytes",
                                            DEFAULT_SAVE_QUEUE_BYTES)),
+            max_defer_seconds=float(extra.get("ec_daemon_max_defer_s",
+                                              DEFAULT_MAX_DEFER_SECONDS)),
             token_file=extra.get("ec_daemon_token_file"),
             tls_ca=extra.get("ec_daemon_tls_ca"),
         )
@@ -171,7 +176,8 @@ class ECDaemonConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
-                ranks=expected_reports(vllm_config), **self.settings.transport)
+                ranks=expected_reports(vllm_config),
+                max_defer_seconds=self.settings.max_defer_seconds, **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
         else:
@@ -242,6 +248,17 @@ class ECDaemonConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         assert self._scheduler is not None
         return self._scheduler.has_item(identifier)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """False defers the request a step: an item it still needs is being
+        made by another engine of this host or promoted from the second tier
+        (bounded; see `SchedulerDelegate.ensure`). Items already computed are
+        not asked about (vLLM asks every step, decodes included)."""
+        if self._scheduler is None:
+            return True
+        needed = [f.identifier for f in request.mm_features
+                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
+        return not needed or self._scheduler.ensure(needed)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None

@@ -32,6 +32,11 @@ COUNTERS = {
     "saves_skipped_busy": ("vllm:ec_daemon_saves_skipped_busy",
                            "Saves dropped: the save queue held its byte limit"),
     "saves_refused": ("vllm:ec_daemon_saves_refused", "Saves refused: the cache was full"),
+    "deferred": ("vllm:ec_daemon_deferred_items",
+                 "Items a request was deferred for: asked whether another engine or the "
+                 "second tier makes them"),
+    "defer_timeouts": ("vllm:ec_daemon_defer_timeouts",
+                       "Deferrals given up (ec_daemon_max_defer_s): the engine encoded"),
 }
 LOAD_SECONDS = "load_seconds"
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)

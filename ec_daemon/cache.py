@@ -65,6 +65,9 @@ class Stamps:
     def clear(self, runs: Iterable[Run]) -> None:
         return None
 
+    def holds(self, extents: Iterable[Extent], stamp: int) -> bool:
+        return True  # no table, no region: nothing was read from pages
+
 
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
@@ -98,6 +101,8 @@ class Cache:
         self.namespace_counters: dict[str, dict[str, int]] = {}
         # Hook for the service: pages came back (a save may be waiting).
         self.on_reclaim: Callable[[], None] = lambda: None
+        # Hook for watchers (`watch`): an entry just became READY or HIDDEN.
+        self.on_entry_change: Callable[[Entry], None] = lambda entry: None
 
     # ----------------------------------------------------------- sessions
 
@@ -273,6 +278,15 @@ class Cache:
         found = [entries.get(h) for h in _valid(mm_hashes)]
         return [e if e is not None and e.state is not State.PENDING else None for e in found]
 
+    def state_of(self, namespace: str, mm_hash: str) -> State | None:
+        """The state of a key's entry; None when there is none."""
+        entry = self.get(namespace, mm_hash)
+        return None if entry is None else entry.state
+
+    def get(self, namespace: str, mm_hash: str) -> Entry | None:
+        """A key's entry in any state (the service's second tier)."""
+        return self._namespaces.get(namespace, {}).get(mm_hash)
+
     def extents(self, entry: Entry) -> tuple[Extent, ...]:
         """Byte extents of `entry` in the region file, in payload order; the
         last is trimmed to the entry's size."""
@@ -321,6 +335,7 @@ class Cache:
         usage[1] += entry.nbytes
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += entry.nbytes
+        self.on_entry_change(entry)
         event = self._ready_event(entry)
         for view in self.sessions.subscribers(entry.key[0]):
             view.send(event)
@@ -349,6 +364,7 @@ class Cache:
         self.ready_entries -= 1
         self.hidden_entries += 1
         self.counters["evictions"] += 1
+        self.on_entry_change(entry)
         entry.awaiting = set(self.sessions.awaited(entry.key[0]))
         event = EvictedEvent(entry.mm_hash, entry.entry_id)
         for view in entry.awaiting:

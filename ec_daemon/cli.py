@@ -1,8 +1,9 @@
-"""`ec-daemon`: serve (the default), `health` and `stats`.
+"""`ec-daemon`: serve (the default), `health`, `stats` and `events`.
 
     ec-daemon [serve] --cpu-bytes 64GiB --socket unix:///run/ec-daemon/ec.sock
     ec-daemon health [--socket URI]      exit 0 only when the daemon serves
     ec-daemon stats [--socket URI] [--json]
+    ec-daemon events [--socket URI] [--namespace NS] [--json]   until Ctrl-C
 
 Flags of `serve` come from the settings table in `config` (each with an
 EC_DAEMON_* environment fallback). Errors are one line on stderr and a
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import grpc
@@ -24,16 +29,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_daemon import __version__, config
 from ec_daemon.server import SERVICE_NAME, StartupError, serve
-from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb
+from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb, rpc
 from ec_protocol.transport import Transport
 
-COMMANDS = ("serve", "health", "stats")
+COMMANDS = ("serve", "health", "stats", "events")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and args[0] in COMMANDS else "serve"
-    return {"serve": _serve, "health": _health, "stats": _stats}[command](args)
+    return {"serve": _serve, "health": _health, "stats": _stats,
+            "events": _events}[command](args)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -44,7 +50,7 @@ def _fail(message: str, code: int = 2) -> int:
 def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ec-daemon", description="Serve a shared CPU encoder cache for vLLM engines. "
-        "Other commands: `ec-daemon health`, `ec-daemon stats`.")
+        "Other commands: `ec-daemon health`, `ec-daemon stats`, `ec-daemon events`.")
     parser.add_argument("--version", action="version", version=f"ec-daemon {__version__}")
     config.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -140,7 +146,9 @@ def stats_dict(reply: Any) -> dict[str, Any]:
     for field in reply.DESCRIPTOR.fields:
         if field.name in ("namespaces", "session_list"):
             continue
-        data[field.name] = getattr(reply, field.name)
+        value = getattr(reply, field.name)
+        data[field.name] = dict(sorted(value.items())) if field.message_type is not None \
+            and field.message_type.GetOptions().map_entry else value
     data["namespaces"] = [
         {f.name: getattr(ns, f.name) for f in ns.DESCRIPTOR.fields} for ns in reply.namespaces]
     data["session_list"] = [
@@ -166,7 +174,27 @@ def format_stats(data: dict[str, Any]) -> str:
         f"({size(data['bytes_loaded'])}), {data['evictions']} evictions, "
         f"{data['refused_saves']} refused saves",
         f"sessions   {data['sessions']} ({data['ghost_sessions']} ghosts)",
+        f"watchers   {data['watchers']} ({data['dropped_watchers']} dropped as too slow)",
     ]
+    conv = data.get("convergence") or {}
+    if conv.get("wants"):
+        lines.append(
+            f"wanted     {conv['wants']} items: {conv.get('claims', 0)} claimed to encode, "
+            f"{conv.get('waits', 0)} waits, {conv.get('handovers', 0)} handed over, "
+            f"{conv.get('promotions', 0)} promoted ({size(conv.get('promoted_bytes', 0))}), "
+            f"{conv.get('promotion_failures', 0)} promotions failed")
+    tier = data.get("remote_tier") or {}
+    if tier:
+        lines.append(
+            f"2nd tier   {'reachable' if tier.get('reachable') else 'UNREACHABLE'}: "
+            f"{int(tier.get('publishes', 0))} published "
+            f"({size(int(tier.get('publish_bytes', 0)))}), "
+            f"{int(tier.get('publish_drops', 0))} dropped, "
+            f"{int(tier.get('remote_hits', 0))} fetched "
+            f"({size(int(tier.get('fetch_bytes', 0)))}), "
+            f"{int(tier.get('remote_misses', 0))} missing, "
+            f"{int(tier.get('bad_values', 0))} bad values, "
+            f"{int(tier.get('index_entries', 0))} entries indexed")
     for s in data["session_list"]:
         lines.append(f"  #{s['session_index']:<10} {s['engine_id']:<24} {s['component']:<14} "
                      f"{s['role']:<8} awaiting {s['awaiting']:<5} pending {s['pending']}")
@@ -177,6 +205,105 @@ def format_stats(data: dict[str, Any]) -> str:
             lines.append(f"  {ns['namespace']}: {ns['entries']} entries, {size(ns['bytes'])}, "
                          f"{ns['hits']} hits, {ns['misses']} misses, {ns['loads']} loads")
     return "\n".join(lines)
+
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _events(argv: list[str]) -> int:
+    parser = _client_parser(
+        "events", "Print what the daemon stores and evicts, one line per event: first the "
+        "ready entries (a snapshot), then live events, until Ctrl-C. The message format is "
+        "in docs/events.md.")
+    parser.add_argument("--namespace", default="",
+                        help="only this namespace, as `ec-daemon stats` lists it (default: all)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per line (fields: docs/events.md)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C
+    try:
+        transport = _transport(args)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    answered = threading.Event()
+    timer: threading.Timer | None = None
+    stream: Any = None
+    try:
+        stream = rpc.ECDaemonStub(transport.channel).Watch(
+            pb.WatchRequest(namespace=args.namespace), metadata=transport.metadata)
+        # The snapshot's first message comes at once: past --timeout, give up.
+        timer = threading.Timer(args.timeout, lambda: answered.is_set() or stream.cancel())
+        timer.daemon = True
+        timer.start()
+        snapshot = True
+        entries = 0
+        for message in stream:
+            answered.set()
+            for data in watch_dicts(message, snapshot=snapshot, entries=entries):
+                print(json.dumps(data) if args.json else format_event(data), flush=True)
+            if snapshot:
+                entries += len(message.events)
+                snapshot = not message.snapshot_done
+        return _fail(f"daemon at {args.socket} ended the event stream", 1)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # piped into `head`, say: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
+    except grpc.RpcError as exc:
+        return _watch_failed(args, exc, answered.is_set())
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if stream is not None:
+            stream.cancel()
+        transport.close()
+
+
+def _watch_failed(args: argparse.Namespace, exc: grpc.RpcError, answered: bool) -> int:
+    code, details = exc.code(), exc.details() or ""
+    where = f"daemon at {args.socket}"
+    if not answered and code == grpc.StatusCode.CANCELLED:
+        return _fail(f"{where} did not answer within {args.timeout:g}s", 1)
+    if not answered and code == grpc.StatusCode.UNAVAILABLE:
+        return _fail(f"{where} is not reachable: {code.name}", 1)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return _fail(f"{where} refused the watch: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _fail(f"{where} dropped this watcher: {details}", 1)
+    verb = "ended the event stream" if answered else "refused the watch"
+    return _fail(f"{where} {verb}: {code.name}: {details}", 1)
+
+
+def watch_dicts(message: Any, *, snapshot: bool, entries: int = 0) -> list[dict[str, Any]]:
+    """A WatchMessage as `ec-daemon events --json` prints it, one object per
+    event (`snapshot`: the message is part of the snapshot; `entries`: how
+    many snapshot events came before it). See docs/events.md."""
+    generation = f"{message.generation:016x}"
+    out = [{"event": pb.WatchEvent.Kind.Name(e.kind).lower(), "generation": generation,
+             "namespace": e.namespace, "mm_hash": e.mm_hash, "entry_id": e.entry_id,
+             "nbytes": e.nbytes, "shape": list(e.shape), "dtype": e.dtype,
+             "time": round(e.time_unix_ns / 1e9, 6), "snapshot": snapshot}
+           for e in message.events]
+    if message.snapshot_done:
+        out.append({"event": "snapshot_done", "generation": generation,
+                    "entries": entries + len(message.events)})
+    return out
+
+
+def format_event(data: dict[str, Any]) -> str:
+    """One line of `ec-daemon events` (without --json)."""
+    if data["event"] == "snapshot_done":
+        return (f"-- snapshot complete: {data['entries']} ready entries (generation "
+                f"{data['generation']}); live events follow")
+    when = datetime.datetime.fromtimestamp(data["time"], datetime.timezone.utc)
+    shape = ",".join(map(str, data["shape"]))
+    return (f"{when.isoformat(timespec='microseconds')[:-6]}Z {data['event']:<7} "
+            f"{data['mm_hash']} "
+            f"id={data['entry_id']} {config.format_size(data['nbytes'])} "
+            f"{data['dtype']}[{shape}] {data['namespace']}")
 
 
 if __name__ == "__main__":

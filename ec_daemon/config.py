@@ -83,6 +83,14 @@ def _mode(text: str) -> int:
     return parse_mode(text)
 
 
+def _remote_url(text: str) -> str:
+    if text:
+        from ec_daemon.remote.store import parse_url
+
+        parse_url(text)  # raises ValueError naming the accepted forms
+    return text
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text.lower() not in choices:
@@ -141,6 +149,18 @@ SETTINGS: tuple[Setting, ...] = (
             "serve Prometheus metrics on this port (0: off)", "PORT"),
     Setting("metrics_address", str, lambda: "127.0.0.1",
             "address of the metrics endpoint (0.0.0.0 to scrape from other hosts)", "ADDR"),
+    Setting("remote", _remote_url, lambda: "",
+            "a second tier shared by the daemons of many hosts: redis://HOST:PORT, "
+            "rediss://HOST:PORT (TLS) or redis+cluster://HOST:PORT[,HOST:PORT...] "
+            "(empty: off)", "URL"),
+    Setting("remote_ttl", _positive_float, lambda: "3600",
+            "how long an entry published to the second tier stays there", "S"),
+    Setting("remote_token_file", str, lambda: "",
+            "file with the second tier's AUTH password (one line; or a user name and a "
+            "password on two lines)", "FILE"),
+    Setting("remote_queue_bytes", _positive_size, lambda: "256MiB",
+            "entries waiting to be published, at most this many bytes (more are dropped)",
+            "SIZE"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), lambda: "info",
             "debug, info, warning or error", "LEVEL"),
     Setting("log_format", _choice("text", "json"), lambda: "text",
@@ -177,6 +197,10 @@ class DaemonConfig:
     check_invariants: bool
     metrics_port: int
     metrics_address: str
+    remote: str
+    remote_ttl: float
+    remote_token_file: str
+    remote_queue_bytes: int
     log_level: str
     log_format: str
 

@@ -45,6 +45,12 @@ class ResourceExhausted(CacheError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Unavailable(CacheError):
+    """The daemon is shutting down: try again (another generation)."""
+
+    code = "UNAVAILABLE"
+
+
 class InvariantViolated(CacheError):
     """The bookkeeping does not add up (a daemon bug; --check-invariants)."""
 

@@ -40,6 +40,30 @@ class SnapshotDoneEvent:
     pass
 
 
+class Verdict(enum.Enum):
+    """The answer to a wanted item (`convergence`)."""
+
+    ENCODE = "encode"  # nobody has it or makes it: encode it (others may wait for you)
+    READY = "ready"  # a ready event preceded the answer
+    PROMOTING = "promoting"  # being fetched from the second tier: defer
+    ENCODING = "encoding"  # another engine of this host encodes or saves it: defer
+
+
+@dataclass(frozen=True)
+class AnswerEvent:
+    mm_hash: str
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class NamespaceInfoEvent:
+    """Whether wanting items helps: another engine shares the namespace, or
+    a second tier may hold what this host misses."""
+
+    engines: int
+    remote_tier: bool
+
+
 class AllocOutcome(enum.Enum):
     ALLOCATED = "allocated"
     ALREADY_PENDING = "already_pending"

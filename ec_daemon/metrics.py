@@ -37,6 +37,17 @@ COUNTERS = {
 }
 
 
+CONVERGENCE = {
+    "wants": "Items views asked about before scheduling them (not held locally)",
+    "claims": "Items an engine was told to encode while others may wait for it",
+    "waits": "Answers telling an engine to wait for another's encode or a promotion",
+    "handovers": "Claims passed to a waiting engine (the claimant ended or was too slow)",
+    "promotions": "Entries fetched from the second tier into this host's region",
+    "promotion_failures": "Promotions that failed (the waiting engines encoded)",
+    "promoted_bytes": "Payload bytes promoted from the second tier",
+}
+
+
 def rpc_histogram() -> Histogram:
     """Per-method handler latency; not registered until an exporter starts."""
     return Histogram("ec_daemon_rpc_duration_seconds", "gRPC handler latency", ["method"],
@@ -80,6 +91,14 @@ class CacheCollector(Collector):
         yield GaugeMetricFamily("ec_daemon_ghost_sessions",
                                 "Scheduler sessions ended without detaching, still awaited",
                                 value=data.ghost_sessions)
+        yield GaugeMetricFamily("ec_daemon_watchers", "Open Watch calls (routers)",
+                                value=data.watchers)
+        yield CounterMetricFamily("ec_daemon_dropped_watchers",
+                                  "Watch calls dropped for reading too slowly",
+                                  value=data.dropped_watchers)
+        for name, value in sorted(data.convergence.items()):
+            yield CounterMetricFamily(f"ec_daemon_convergence_{name}",
+                                      CONVERGENCE.get(name, name), value=value)
         # An info metric: a 63-bit generation does not survive a float gauge.
         yield InfoMetricFamily("ec_daemon_region", "The region (generation changes on every start)",
                                value={"generation": f"{data.generation:016x}",
@@ -111,5 +130,7 @@ def start_exporter(service: ECDaemonService, loop: asyncio.AbstractEventLoop, po
     registry = CollectorRegistry()
     registry.register(CacheCollector(service, loop))
     registry.register(service.rpc_seconds)
+    if service.tier is not None:
+        registry.register(service.tier)  # its own ec_daemon_remote_* families
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

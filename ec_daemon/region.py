@@ -1,11 +1,13 @@
 """The shared region: one file in a tmpfs, owned by the daemon process.
 
-`region` owns only the file (clients map it themselves; the daemon never
-touches payload bytes). The file is created owner-only under a name that
-carries the generation, its pages are allocated up front with
-posix_fallocate (pre-faulting without touching memory, and failing with a
-clear error instead of a SIGBUS later when the tmpfs is short), and it is
-removed when the daemon exits.
+`region` owns only the file (clients map it themselves). The daemon touches
+payload bytes only for the second tier, with pread/pwrite on its descriptor
+(`read`, `write`): publishing a saved entry, promoting a fetched one.
+
+The file is created owner-only under a name that carries the generation,
+its pages are allocated up front with posix_fallocate (pre-faulting without
+touching memory, and failing with a clear error instead of a SIGBUS later
+when the tmpfs is short), and it is removed when the daemon exits.
 
 Liveness of a region is its flock: the daemon holds an exclusive lock for its
 whole life, so a region file whose lock can be taken belongs to a dead daemon
@@ -23,8 +25,9 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ec_daemon.config import format_size
 
@@ -110,6 +113,47 @@ class Region:
         """A shared, writable mapping of the file's first `length` bytes (the
         stamp table: the daemon never maps the payload)."""
         return mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def read(self, extents: Iterable[tuple[int, int]], nbytes: int) -> bytearray:
+        """The bytes under `extents` ((offset, length) pairs), concatenated."""
+        out = bytearray(nbytes)
+        view = memoryview(out)
+        at = 0
+        for offset, length in extents:
+            while length:
+                got = os.preadv(self._fd, [view[at:at + length]], offset)
+                if got <= 0:
+                    raise OSError(errno.EIO, f"short read of region {self.path}")
+                at, offset, length = at + got, offset + got, length - got
+        if at != nbytes:
+            raise ValueError(f"extents hold {at} bytes, not {nbytes}")
+        return out
+
+    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
+        """Write the concatenation of `parts` (bytes-like) across `extents`,
+        in order, with pwritev: no joining copy."""
+        pieces: Iterator[memoryview | None] = iter([memoryview(p).cast("B") for p in parts])
+        part: memoryview | None = memoryview(b"")
+        for offset, length in extents:
+            batch = []
+            while length:
+                if not part:
+                    part = next(pieces, None)
+                    if part is None:
+                        raise ValueError("the payload is shorter than its extents")
+                    continue
+                take = min(len(part), length)
+                batch.append(part[:take])
+                part, length = part[take:], length - take
+            while batch:
+                wrote = os.pwritev(self._fd, batch, offset)
+                offset += wrote
+                while batch and wrote >= len(batch[0]):
+                    wrote -= len(batch.pop(0))
+                if batch and wrote:
+                    batch[0] = batch[0][wrote:]
+        if part or next(pieces, None) is not None:
+            raise ValueError("the payload is longer than its extents")
 
     def close(self) -> None:
         """Remove the file and drop the lock. Clients still mapping it keep

@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -127,6 +129,31 @@ async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Re
             raise StartupError(str(exc)) from None
 
 
+def _start_tier(config: DaemonConfig) -> Any:
+    """The second tier's threads, or None when --remote is off. A store that
+    cannot be reached now is not fatal: the tier keeps trying (misses meanwhile)."""
+    if not config.remote:
+        return None
+    from ec_daemon.remote.store import open_store
+    from ec_daemon.remote.tier import RemoteTier
+
+    try:
+        store = open_store(config.remote, token_file=config.remote_token_file)
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"--remote: {exc}") from None
+    tier = RemoteTier(store, ttl_s=config.remote_ttl,
+                      publish_queue_bytes=config.remote_queue_bytes)
+    tier.start()
+    log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
+             "published", _redacted(config.remote), config.remote_ttl)
+    return tier
+
+
+def _redacted(url: str) -> str:
+    """A URL without any password it carries."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
 def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
     credentials = None
     if config.tls_cert:
@@ -161,9 +188,11 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
+    tier = _start_tier(config)
     service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
                               alloc_wait_seconds=config.alloc_wait_seconds,
-                              check_invariants=config.check_invariants)
+                              check_invariants=config.check_invariants,
+                              region_file=region, tier=tier)
     health_service = health.aio.HealthServicer()
     rpc.add_ECDaemonServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
@@ -201,5 +230,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         await health_service.enter_graceful_shutdown()
         service.close_streams()
         await server.stop(SHUTDOWN_GRACE_SECONDS)
+        if tier is not None:
+            tier.stop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)

@@ -8,26 +8,33 @@ session stream costs a coroutine, not a thread.
 
 One call may wait without blocking the loop: an allocation whose victims
 await acknowledgements (until pages come back or `alloc_wait_seconds`).
-Loads make no call at all (see `cache`).
+Loads make no call at all (see `cache`). Wanted items are answered on the
+stream (`convergence`); with a second tier (`remote`), its store calls run
+on threads: promotions (fetch, then write into pages allocated here) and
+write-behind publishing of saved entries, never on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from ec_daemon import invariants, stats, wire
+from ec_daemon import invariants, stats, watch, wire
 from ec_daemon.cache import Cache
+from ec_daemon.convergence import Convergence
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument, InvariantViolated
-from ec_daemon.events import AllocOutcome, HeartbeatEcho
+from ec_daemon.events import AllocOutcome, AllocResult, HeartbeatEcho, ReportStatus
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
+from ec_daemon.records import Key, State
 from ec_daemon.records import Session as ClientSession
 from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
@@ -40,6 +47,8 @@ HIDDEN_PATIENCE_FRACTION = 0.1
 MAX_EVENTS_PER_MESSAGE = 4096
 # Well under gRPC's default 4 MiB receive limit, whatever the events hold.
 MAX_MESSAGE_BYTES = 1 << 20
+# Promotions running at once (each a store read and a copy into the region).
+PROMOTION_THREADS = 4
 
 T = TypeVar("T")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
@@ -123,7 +132,11 @@ def _settle(future: asyncio.Future[bool], value: bool) -> None:
 
 class ECDaemonService(rpc.ECDaemonServicer):
     def __init__(self, cache: Cache, region: Any, *, lease_seconds: float,
-                 alloc_wait_seconds: float, check_invariants: bool = False) -> None:
+                 alloc_wait_seconds: float, check_invariants: bool = False,
+                 region_file: Any = None, tier: Any = None) -> None:
+        """`region` is the pb.Region clients are told; `region_file` (a
+        `region.Region`) and `tier` (a `remote.tier.RemoteTier`) only with a
+        second tier."""
         self.cache = cache
         self.region = region  # pb.Region
         self.lease_seconds = lease_seconds
@@ -134,10 +147,31 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.rpc_seconds = rpc_histogram()
         self.wakeups = Wakeups()
         cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
+        self.watchers = watch.Watchers()
+        cache.on_entry_change = self.watchers.publish
+        self.region_file = region_file
+        self.tier = tier
+        self.convergence = Convergence(
+            cache, remote_available=tier.available if tier is not None else None)
+        self.convergence.start_promotion = self._start_promotion
+        self._promoters: dict[str, ClientSession] = {}
+        self._promotions: set[asyncio.Future[None]] = set()
+        self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="ec-promote") \
+            if tier is not None else None
 
     def end_session(self, session: ClientSession, *, detached: bool = False) -> None:
+        alive = session.alive
         self.cache.end_session(session, detached=detached)
+        self.convergence.session_ended(session)
+        if alive and session.is_scheduler:
+            self._tell_namespace(session.namespace)
         self.verify()
+
+    def _tell_namespace(self, namespace: str) -> None:
+        """Every view of `namespace`: whether wanting items helps now."""
+        info = self.convergence.info(namespace)
+        for view in self.cache.sessions.subscribers(namespace):
+            view.send(info)
 
     def verify(self) -> None:
         """With --check-invariants: raise InvariantViolated (INTERNAL) if the
@@ -151,8 +185,13 @@ class ECDaemonService(rpc.ECDaemonServicer):
             raise InvariantViolated(f"cache invariant violated: {exc}") from exc
 
     def snapshot(self) -> stats.Snapshot:
-        return stats.take(self.cache, generation=self.region.generation,
-                          region_path=self.region.path, started=self.started)
+        tier = {k: float(v) for k, v in self.tier.snapshot().items()} \
+            if self.tier is not None else None
+        snapshot = stats.take(self.cache, generation=self.region.generation,
+                          region_path=self.region.path, started=self.started,
+                          convergence=self.convergence.counters, remote_tier=tier)
+        return dataclasses.replace(snapshot, watchers=self.watchers.count,
+                                   dropped_watchers=self.watchers.dropped)
 
     # -------------------------------------------------------------- unary
 
@@ -165,6 +204,10 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if self.closing:
             raise FailedPrecondition("the daemon is shutting down")
         session = self.cache.attach(**wire.attach_fields(request))
+        if session.is_scheduler:
+            self._tell_namespace(session.namespace)
+        if self.tier is not None:
+            self.tier.follow(session.namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
                  session.engine_id, session.component, session.role, session.namespace)
         # Ten heartbeats a lease: a view stays fresh (able to answer hits) for
@@ -184,24 +227,32 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     @grpc_errors
     async def Allocate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = await self._allocate(lambda: self.cache.sessions.get(request.session_id),
+                                      request.mm_hash, request.nbytes, tuple(request.shape),
+                                      request.dtype)
+        return wire.alloc_reply(result)
+
+    async def _allocate(self, session_of: Callable[[], ClientSession], mm_hash: str,
+                        nbytes: int, shape: tuple[int, ...], dtype: str) -> AllocResult:
+        """Allocate for the session `session_of()` returns (it may end while
+        this waits), waiting for hidden pages within --alloc-wait-seconds."""
         started = time.monotonic()
         deadline = started + self.alloc_wait_seconds
         # Past this, hidden pages held back (a load in flight, a ghost) no
         # longer count as coming back: more ready entries are evicted instead.
         patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
-        shape = tuple(request.shape)
         impatient = False  # once only: the victims it hides are then counted as coming
         while True:
-            session = self.cache.sessions.get(request.session_id)
+            session = session_of()
             count_hidden = impatient or time.monotonic() < patience
             impatient = impatient or not count_hidden
-            result = self.cache.allocate(session, request.mm_hash, request.nbytes, shape,
-                                         request.dtype, count_hidden=count_hidden)
+            result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
+                                         count_hidden=count_hidden)
             if result.outcome is not AllocOutcome.WAIT:
-                return wire.alloc_reply(result)
+                return result
             wake_by = deadline if impatient else patience
             if not await self.wakeups.wait((SPACE,), wake_by) and time.monotonic() >= deadline:
-                raise self.cache.refuse_waited_save(request.nbytes)
+                raise self.cache.refuse_waited_save(nbytes)
 
     @grpc_errors
     async def Report(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -213,6 +264,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
         for mm_hash in aborted:  # before any save is applied: an error changes nothing
             validate_mm_hash(mm_hash)
         statuses = self.cache.commit(session, saved)  # validates all before changing any
+        for mm_hash, status in zip(saved, statuses, strict=True):
+            if status is ReportStatus.ACCEPTED:
+                self._saved((session.namespace, mm_hash))
         return pb.ReportReply(
             saved=[wire.REPORT_STATUS[s] for s in statuses],
             aborted=[wire.REPORT_STATUS[s] for s in self.cache.abort(session, aborted)])
@@ -328,20 +382,120 @@ class ECDaemonService(rpc.ECDaemonServicer):
             raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
         acks = wire.refs(message.acks, "acks")
         touches = wire.touches(message.touches)
+        wants = wire.batch(message.wants, "wants")
         if (acks or touches or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, touch or count "
                                      "lookups")
+        if wants and not (session.is_scheduler and session.can_load):
+            raise FailedPrecondition("only scheduler sessions of consumer or both engines "
+                                     "want items")
+        for mm_hash in wants:
+            validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
         if acks:
             self.cache.acknowledge(session, acks)
         if touches:
             self.cache.touch(session, touches)
+        if wants:
+            self.convergence.want(session, wants)
         if beat is not None:
             if session.is_scheduler:
                 self.cache.record_lookups(session, beat.lookups, beat.hits)
             if beat.seq:
                 session.send(HeartbeatEcho(beat.seq))
         self.verify()
+
+    # -------------------------------------------------------- second tier
+
+    def _saved(self, key: Key) -> None:
+        """A worker's save landed: waiters hit now; publish it (write-behind)."""
+        self.convergence.ready(key)
+        entry = self.cache.get(*key)
+        if self.tier is None or entry is None or entry.state is not State.READY:
+            return
+        extents, stamp = self.cache.extents(entry), entry.entry_id
+        stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
+
+        def read() -> bytearray | None:
+            """On the publisher's thread: the bytes, or None when the pages
+            were reused meanwhile (their stamp changed: ids never repeat)."""
+            data = region_file.read(extents, nbytes)
+            return data if stamps.holds(extents, stamp) else None
+
+        self.tier.publish(key[0], key[1], entry.shape, entry.dtype, nbytes, read)
+
+    def _start_promotion(self, key: Key, nbytes: int) -> None:
+        task = asyncio.ensure_future(self._promote(key))
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
+
+    def _promoter(self, namespace: str) -> ClientSession:
+        """The daemon's own writer in `namespace`: promotions' pending entries
+        are its (never in the session table: no client can name it)."""
+        promoter = self._promoters.get(namespace)
+        if promoter is None:
+            now = time.monotonic()
+            promoter = self._promoters[namespace] = ClientSession(
+                session_id="", index=0, engine_id="ec-daemon", role="both", rank=0,
+                world_size=1, namespace=namespace, client_name="second tier", created=now,
+                lease_deadline=float("inf"))
+        return promoter
+
+    async def _promote(self, key: Key) -> None:
+        """Fetch `key` from the second tier (verified), allocate, write, commit.
+        Any failure hands the item to a waiting engine to encode."""
+        namespace, mm_hash = key
+        loop = asyncio.get_running_loop()
+        promoted = False
+        try:
+            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash)
+            if value is None:
+                return
+            promoter = self._promoter(namespace)
+            result = await self._allocate(lambda: promoter, mm_hash, value.nbytes,
+                                          tuple(value.shape), value.dtype)
+            if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
+                promoted = True
+                self.convergence.await_save(key)
+                return
+            if result.outcome is not AllocOutcome.ALLOCATED:
+                promoted = result.outcome is AllocOutcome.ALREADY_READY
+                return
+            try:
+                await loop.run_in_executor(self._pool, self.region_file.write, result.extents,
+                                           value.parts)
+            except BaseException:
+                self.cache.abort(promoter, [mm_hash])
+                raise
+            self.cache.commit(promoter, [mm_hash])
+            self.convergence.promoted(key, value.nbytes)
+            promoted = True
+        except CacheError as exc:
+            log.warning("promotion of %s failed: %s", mm_hash, exc)
+        except Exception:
+            log.exception("promotion of %s failed", mm_hash)
+        finally:
+            if not promoted:
+                self.convergence.promotion_failed(key)
+            self.verify()
+
+    # -------------------------------------------------------------- watch
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Stored and evicted entries for routers (`watch`): a snapshot of the
+        ready entries, its end, then live events. A watcher that reads too
+        slowly is dropped (RESOURCE_EXHAUSTED), never waited for."""
+        try:
+            watcher = self.watchers.open(request.namespace, self.cache.entries())
+        except Exception as exc:
+            await _abort(context, exc)
+        try:
+            async for events, snapshot_done in watcher.batches():
+                yield wire.watch_message(self.region.generation, events, snapshot_done)
+            if watcher.error is not None:
+                await _abort(context, watcher.error)
+        finally:
+            self.watchers.close(watcher)
 
     # ------------------------------------------------------------ upkeep
 
@@ -368,10 +522,16 @@ class ECDaemonService(rpc.ECDaemonServicer):
             log.info("session %d (engine %r) no longer awaited: its lease ran out",
                      ghost.index, ghost.engine_id)
         self.cache.release_quarantine()
+        self.convergence.expire()
         self.verify()
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""
         self.closing = True
+        self.watchers.close_all()
         for session in self.cache.sessions:
             session.wake()
+        for task in list(self._promotions):
+            task.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

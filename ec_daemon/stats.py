@@ -50,13 +50,21 @@ class Snapshot:
     region_path: str
     uptime_s: float
     sessions_by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Open Watch calls (`watch`), and those dropped for reading too slowly.
+    watchers: int = 0
+    dropped_watchers: int = 0
+    # One encode per item, promotions (`convergence`); the second tier (`remote`).
+    convergence: dict[str, int] = field(default_factory=dict)
+    remote_tier: dict[str, float] = field(default_factory=dict)
 
     @property
     def used_bytes(self) -> int:
         return self.capacity_bytes - self.bytes_by_state["free"]
 
 
-def take(cache: Cache, *, generation: int, region_path: str, started: float) -> Snapshot:
+def take(cache: Cache, *, generation: int, region_path: str, started: float,
+         convergence: dict[str, int] | None = None,
+         remote_tier: dict[str, float] | None = None) -> Snapshot:
     """Read everything at once (on the daemon's event loop)."""
     page = cache.page_bytes
     free = cache.allocator.free_pages * page
@@ -83,4 +91,5 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float) -> 
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,
         region_path=region_path, uptime_s=now - started,
         sessions_by_kind=dict(Counter((s.role, "scheduler" if s.is_scheduler else "worker")
-                                      for s in cache.sessions)))
+                                      for s in cache.sessions)),
+        convergence=dict(convergence or {}), remote_tier=dict(remote_tier or {}))

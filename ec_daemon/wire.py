@@ -14,15 +14,19 @@ from ec_daemon.errors import InvalidArgument
 from ec_daemon.events import (
     AllocOutcome,
     AllocResult,
+    AnswerEvent,
     EvictedEvent,
     HeartbeatEcho,
+    NamespaceInfoEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
+    Verdict,
 )
 from ec_daemon.limits import DTYPE_RE
 from ec_daemon.records import Entry, State
 from ec_daemon.stats import Snapshot
+from ec_daemon.watch import Event, Kind
 from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, pb
 
 MAX_ID_CHARS = 256
@@ -42,6 +46,8 @@ REPORT_STATUS = {
     ReportStatus.UNKNOWN: pb.UNKNOWN,
 }
 ENTRY_STATE = {State.READY: pb.READY, State.HIDDEN: pb.HIDDEN}
+VERDICT = {Verdict.ENCODE: pb.VERDICT_ENCODE, Verdict.READY: pb.VERDICT_READY,
+           Verdict.PROMOTING: pb.VERDICT_PROMOTING, Verdict.ENCODING: pb.VERDICT_ENCODING}
 
 
 def _text(value: str, what: str, limit: int, *, required: bool = True) -> str:
@@ -148,6 +154,11 @@ def daemon_message(events: list[Any]) -> Any:
             message.heartbeat_seq = max(message.heartbeat_seq, event.seq)
         elif isinstance(event, SnapshotDoneEvent):
             message.snapshot_done = True
+        elif isinstance(event, AnswerEvent):
+            message.answers.add(mm_hash=event.mm_hash, verdict=VERDICT[event.verdict])
+        elif isinstance(event, NamespaceInfoEvent):  # the latest wins
+            message.namespace_info.engines = event.engines
+            message.namespace_info.remote_tier = event.remote_tier
     return message
 
 
@@ -156,7 +167,7 @@ def event_size(event: Any) -> int:
     if isinstance(event, ReadyEvent):
         return 64 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
             + 24 * len(event.extents)
-    if isinstance(event, EvictedEvent):
+    if isinstance(event, EvictedEvent | AnswerEvent):
         return 24 + len(event.mm_hash)
     return 12
 
@@ -179,6 +190,11 @@ def stats_reply(snapshot: Snapshot, region: Any) -> Any:
         region_path=region.path, uptime_s=s.uptime_s, largest_free_bytes=s.largest_free_bytes)
     for name, value in s.counters.items():
         setattr(reply, name, _saturated(value))
+    reply.watchers, reply.dropped_watchers = s.watchers, s.dropped_watchers
+    for name, value in s.convergence.items():
+        reply.convergence[name] = _saturated(value)
+    for name, number in s.remote_tier.items():
+        reply.remote_tier[name] = float(number)
     for ns in s.namespaces:
         reply.namespaces.add(namespace=ns.name, entries=ns.entries, bytes=ns.bytes,
                              hits=_saturated(ns.hits), misses=_saturated(ns.misses),
@@ -189,3 +205,17 @@ def stats_reply(snapshot: Snapshot, region: Any) -> Any:
             component=x.component, namespace=x.namespace, awaiting=x.awaiting,
             pending=x.pending, client_name=x.client_name, age_s=x.age_s)
     return reply
+
+
+WATCH_KIND = {Kind.STORED: pb.WatchEvent.STORED, Kind.EVICTED: pb.WatchEvent.EVICTED}
+
+
+def watch_message(generation: int, events: list[Event], snapshot_done: bool) -> Any:
+    """One Watch message: `events` in order, and whether it completes the snapshot."""
+    message = pb.WatchMessage(generation=generation, snapshot_done=snapshot_done)
+    add = message.events.add
+    for kind, entry, time_ns in events:
+        add(kind=WATCH_KIND[kind], namespace=entry.key[0], mm_hash=entry.key[1],
+            entry_id=entry.entry_id, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+            time_unix_ns=time_ns)
+    return message

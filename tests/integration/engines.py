@@ -157,6 +157,7 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
     """An engine's scheduler side. Commands: step (hashes, plan) -> (hits,
     StepMetadata); report (done, failed) -> (loads in flight, requests made
     unavailable); wait_hit hash -> True once it hits (no load planned);
+    ensure (hashes, seconds) -> `ensure_within`;
     watch (hashes, seconds) -> see `_watch`; state -> dict; close."""
     scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, ranks=ranks)
     _attached(scheduler)
@@ -178,10 +179,25 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
             conn.send(_watch(scheduler, conn, *payload))
         elif command == "state":
             conn.send(_state(scheduler))
+        elif command == "ensure":
+            conn.send(ensure_within(scheduler, *payload))
         elif command == "close":
             scheduler.close()
             conn.send("closed")
             return
+
+
+def ensure_within(scheduler: SchedulerDelegate, hashes: list[str],
+                  seconds: float) -> tuple[bool, float]:
+    """Ask `ensure` as vLLM does every step, until it says yes or `seconds`
+    pass: (whether it said yes, seconds it took)."""
+    started = time.monotonic()
+    while True:
+        if scheduler.ensure(hashes):
+            return True, time.monotonic() - started
+        if time.monotonic() - started > seconds:
+            return False, time.monotonic() - started
+        time.sleep(0.002)
 
 
 def _watch(scheduler: SchedulerDelegate, conn: Any, hashes: list[str],

@@ -66,3 +66,21 @@ def test_a_group_region_is_owner_only_until_its_group_is_set(tmp_path, monkeypat
         assert stat.S_IMODE(region.path.stat().st_mode) == 0o660
     finally:
         region.close()
+
+
+def test_the_second_tier_writes_and_reads_payload_across_extents(tmp_path):
+    """A promotion writes a value's parts (a chunked read) across the
+    entry's extents without joining them; publishing reads them back."""
+    payload = os.urandom(10_000)
+    parts = [payload[:3000], payload[3000:3001], payload[3001:]]  # cuts unlike the extents'
+    extents = [(4096, 4096), (12288, 4096), (20480, 10_000 - 8192)]
+    with Region.create(tmp_path, 32768) as region:
+        region.write(extents, parts)
+        assert bytes(region.read(extents, len(payload))) == payload
+        with open(region.path, "rb") as f:
+            raw = f.read()
+        assert raw[4096:8192] == payload[:4096] and raw[8192:12288] == bytes(4096)
+        with pytest.raises(ValueError, match="shorter"):
+            region.write(extents, [payload[:-1]])
+        with pytest.raises(ValueError, match="longer"):
+            region.write(extents, [payload, b"x"])

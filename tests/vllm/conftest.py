@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (run `make test-vllm`)")
 
 from tests.integration.daemon import Daemon
+from tests.vllm.engine_proc import A, B, C, D, F, run_engine
 from tests.vllm.tiny_model import build_tiny_paligemma
 
 
@@ -22,6 +24,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_paligemma(tmp_path_factory.mktemp("tiny-paligemma"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path) -> dict[int, Any]:
+    """Outputs of an engine without the connector, by image."""
+    return run_engine(tiny_model, [A, B, C, D, F])["results"]
 
 
 @pytest.fixture

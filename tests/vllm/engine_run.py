@@ -1,7 +1,8 @@
 """One real vLLM engine on CPU, as a separate process, for the end-to-end tests.
 
     python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
-        --role ec_both --copy-backend cpu] [--pause-after N]
+        --role ec_both --copy-backend cpu --max-defer-seconds S] [--pause-after N]
+        [--wait-start]
 
 Generates greedily for each image seed in turn, one request at a time (the
 tiny PaliGemma of tiny_model.py), counting the images the vision encoder
@@ -9,8 +10,9 @@ really ran on in the worker process after each request, and prints one line
 `RESULT {json}`: per request its image, tokens, logprobs, finish reason and
 encoder images, or the error it raised. With --pause-after N it prints
 `PAUSED` after N requests and waits for a line on stdin (the test acts on
-the daemon then). Without --socket the engine has no EC connector (the
-reference run).
+the daemon then); with --wait-start it prints `STARTED` once built and waits
+for a line before its first request (tests start engines at once). Without
+--socket the engine has no EC connector (the reference run).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> int:
     parser.add_argument("--role", default="ec_both")
     parser.add_argument("--copy-backend", default="cpu")
     parser.add_argument("--pause-after", type=int, default=0)
+    parser.add_argument("--wait-start", action="store_true")
+    parser.add_argument("--max-defer-seconds", type=float, default=0)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -50,6 +54,9 @@ def main() -> int:
             "ec_role": args.role,
             "ec_connector_extra_config": {"ec_daemon_socket": args.socket,
                                           "ec_daemon_copy_backend": args.copy_backend}}
+        if args.max_defer_seconds:
+            extra["ec_transfer_config"]["ec_connector_extra_config"][
+                "ec_daemon_max_defer_s"] = args.max_defer_seconds
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=128, max_num_seqs=4, limit_mm_per_prompt={"image": 1}, seed=0,
               **extra)
@@ -60,6 +67,9 @@ def main() -> int:
         return sum(c["images"] for c in llm.collective_rpc(_read_encoder_counter))
 
     requests: list[dict[str, Any]] = []
+    if args.wait_start:
+        print("STARTED", flush=True)
+        sys.stdin.readline()
     for i, seed in enumerate(int(s) for s in args.images.split(",")):
         if args.pause_after and i == args.pause_after:
             print("PAUSED", flush=True)

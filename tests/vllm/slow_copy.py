@@ -46,6 +46,28 @@ class SlowLoadBackend(Backend):
         return result
 
 
+class SlowSaveBackend(Backend):
+    """The `cpu` backend whose first save in a process writes `start` to
+    $EC_TEST_SLOW_LOAD_MARKER, then sleeps $EC_TEST_SLOW_LOAD_SECONDS before
+    copying (an engine that encoded an item and is still saving it)."""
+
+    name = "slow-save-cpu"
+
+    def __init__(self) -> None:
+        self.marker = os.environ.get(MARKER_ENV, "")
+        self.seconds = float(os.environ.get(SECONDS_ENV, "0"))
+        self.slowed = False
+
+    def save(self, source: Any, mapping: RegionMapping, extents: Extents,
+             ready: Any = None) -> None:
+        if not self.slowed and self.marker:
+            self.slowed = True
+            with open(self.marker, "x") as marker:
+                marker.write("start\n")
+            time.sleep(self.seconds)
+        super().save(source, mapping, extents, ready)
+
+
 def marker_state(path: str) -> list[str]:
     """The lines the backend wrote so far ([] before the slow load began)."""
     try:

@@ -1,0 +1,178 @@
+"""One encode per item across the engines of a host, and promotions from the
+second tier: who makes a missing item, and who waits for it.
+
+vLLM asks the connector (`ensure_cache_available`) before it schedules a
+request with media. A view that does not hold an item sends a *want* (a
+stream message, never a wait) and defers the request until the answer. The
+first engine that wants a cold item is told to encode it (it holds the
+claim); engines that want it later are told to wait, and hit when the
+claimant's save lands (a ready event). An item another host published is
+promoted from the second tier instead: one fetch per key however many
+engines ask. A claim whose engine ended, a failed promotion, or one past its
+bound is handed to a waiting engine that can save; views bound every wait
+themselves too, so a lost answer costs an encode, never a stuck request.
+
+Why claims and not a lock: an engine that is told to wait loses nothing it
+would not have spent encoding, and the daemon, which sees every save and
+every session end, is the one place that knows when to pass a claim on.
+
+Not thread-safe: the daemon's event loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ec_daemon.cache import Cache
+from ec_daemon.events import AnswerEvent, NamespaceInfoEvent, Verdict
+from ec_daemon.records import Key, Session, State
+
+log = logging.getLogger(__name__)
+
+# A claimant's save normally lands within an encoder step and a copy; past
+# this its claim goes to a waiting engine (views give up sooner on their own).
+CLAIM_SECONDS = 30.0
+# A promotion is a store read and a copy; past this its waiters encode.
+PROMOTE_SECONDS = 10.0
+# Items being made at once; beyond, wants are answered ENCODE unrecorded.
+MAX_ITEMS = 1 << 16
+COUNTERS = ("wants", "claims", "waits", "handovers", "promotions", "promotion_failures",
+            "promoted_bytes")
+
+
+@dataclass(eq=False, slots=True)
+class Making:
+    """An item someone is making: an engine encoding it (`holder`), a save
+    landing or a promotion (`holder` None); `waiters` deferred for it."""
+
+    kind: Verdict  # ENCODING or PROMOTING
+    holder: Session | None
+    deadline: float
+    waiters: list[Session] = field(default_factory=list)
+
+
+class Convergence:
+    def __init__(self, cache: Cache, *,
+                 remote_available: Callable[[str, str], int | None] | None = None,
+                 claim_seconds: float = CLAIM_SECONDS,
+                 promote_seconds: float = PROMOTE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`remote_available(namespace, mm_hash)`: the entry's size when the
+        second tier holds it (a local index, no network), else None."""
+        self.cache = cache
+        self.remote_available = remote_available
+        self.claim_seconds = claim_seconds
+        self.promote_seconds = promote_seconds
+        self.clock = clock
+        self.making: dict[Key, Making] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # Set by the service: fetch `key` (of `nbytes`) from the second tier.
+        self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
+
+    def info(self, namespace: str) -> NamespaceInfoEvent:
+        return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
+                                  self.remote_available is not None)
+
+    def want(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """Answer each item `session`'s view wants (on its stream)."""
+        for mm_hash in mm_hashes:
+            self.counters["wants"] += 1
+            verdict = self._verdict(session, (session.namespace, mm_hash))
+            log.debug("session %d wants %s: %s", session.index, mm_hash, verdict.value)
+            session.send(AnswerEvent(mm_hash, verdict))
+
+    def ready(self, key: Key) -> None:
+        """`key` became ready (saved or promoted): its waiters see the ready event."""
+        self.making.pop(key, None)
+
+    def promoted(self, key: Key, nbytes: int) -> None:
+        self.counters["promotions"] += 1
+        self.counters["promoted_bytes"] += nbytes
+        self.ready(key)
+
+    def await_save(self, key: Key) -> None:
+        """A promotion found a worker saving `key`: its waiters wait for that."""
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.PROMOTING:
+            making.kind = Verdict.ENCODING
+            making.deadline = self.clock() + self.claim_seconds
+
+    def promotion_failed(self, key: Key) -> None:
+        self.counters["promotion_failures"] += 1
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.PROMOTING:
+            self._hand_over(key, making)
+
+    def session_ended(self, session: Session) -> None:
+        """A view ended: its claims pass on, it waits for nothing."""
+        if not session.is_scheduler:
+            return
+        for key, making in list(self.making.items()):
+            if making.holder is session:
+                self._hand_over(key, making)
+            elif session in making.waiters:
+                making.waiters.remove(session)
+
+    def expire(self) -> None:
+        """Upkeep: claims and promotions past their bound, and saves that
+        were given up, pass on."""
+        now = self.clock()
+        for key, making in list(self.making.items()):
+            if making.deadline <= now:
+                self._hand_over(key, making)
+            elif making.holder is None and making.kind is Verdict.ENCODING \
+                    and self.cache.state_of(*key) is None:
+                self._hand_over(key, making)  # the save it waited for was aborted
+
+    # ------------------------------------------------------------ helpers
+
+    def _verdict(self, session: Session, key: Key) -> Verdict:
+        state = self.cache.state_of(*key)
+        if state is State.READY:
+            return Verdict.READY
+        making = self.making.get(key)
+        if making is not None:
+            if making.holder is session:
+                return Verdict.ENCODE
+            if session not in making.waiters:
+                making.waiters.append(session)
+            self.counters["waits"] += 1
+            return making.kind
+        if state is State.HIDDEN or len(self.making) >= MAX_ITEMS:
+            return Verdict.ENCODE  # (a hidden key's save is refused until it is reclaimed)
+        now = self.clock()
+        if state is State.PENDING:  # encoded already; its copy is landing
+            self.making[key] = Making(Verdict.ENCODING, None, now + self.claim_seconds, [session])
+            self.counters["waits"] += 1
+            return Verdict.ENCODING
+        nbytes = self.remote_available(*key) if self.remote_available is not None else None
+        if nbytes is not None:
+            self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
+                                      [session])
+            self.start_promotion(key, nbytes)
+            return Verdict.PROMOTING
+        if session.can_save:
+            self.making[key] = Making(Verdict.ENCODING, session, now + self.claim_seconds)
+            self.counters["claims"] += 1
+        return Verdict.ENCODE
+
+    def _hand_over(self, key: Key, making: Making) -> None:
+        """The claim goes to the first live waiter that can save; with none,
+        every waiter encodes."""
+        waiters = [w for w in making.waiters if w.alive]
+        heir = next((w for w in waiters if w.can_save), None)
+        if heir is None:
+            del self.making[key]
+            for waiter in waiters:
+                waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
+            return
+        waiters.remove(heir)
+        self.making[key] = Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
+                                  waiters)
+        self.counters["handovers"] += 1
+        log.info("session %d encodes %s now (its claimant ended, or was too slow)", heir.index,
+                 key[1])
+        heir.send(AnswerEvent(key[1], Verdict.ENCODE))

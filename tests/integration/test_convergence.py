@@ -1,0 +1,145 @@
+"""One encode per item across the engines of a host (cold-key convergence).
+
+Engines that miss the same new item at once ask the daemon (`ensure`, vLLM's
+ensure_cache_available) before scheduling it: one is told to encode, the
+others defer until its save lands and then hit. A claimant that dies passes
+its claim on at once; one that never saves is waited for no longer than
+the bound. A lone engine is never deferred.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from tests.integration import engines
+from tests.integration.daemon import Daemon
+from tests.integration.engines import LAYOUT, Proc, ensure_within
+
+pytestmark = pytest.mark.integration
+DATA = np.random.default_rng(7).integers(0, 256, (256, 2048), dtype=np.uint8)
+WAIT = 20.0  # generous bounds: a busy machine is slow, never wrong
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    with Daemon(cpu_bytes="16MiB") as d:
+        yield d
+
+
+def scheduler(daemon: Daemon, engine: str, max_defer: float = 30.0) -> SchedulerDelegate:
+    s = SchedulerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT,
+                          max_defer_seconds=max_defer)
+    assert s.link.wait_attached(WAIT)
+    return s
+
+
+def wait_until(predicate, what: str, seconds: float = WAIT) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def wanting(*schedulers: SchedulerDelegate) -> None:
+    """Until every view knows another engine shares the namespace."""
+    wait_until(lambda: all(s._wanting and s.view.synced and s.link.fresh() for s in schedulers),
+               "the views never learnt that another engine shares the namespace")
+
+
+def save(daemon: Daemon, engine: str, mm_hash: str) -> None:
+    writer = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
+    try:
+        assert writer.link.wait_attached(WAIT)
+        assert writer.save(mm_hash, DATA) and writer.flush(WAIT)
+        assert writer.stats["saves_done"] == 1, dict(writer.stats)
+    finally:
+        writer.close()
+
+
+def test_engines_that_miss_one_item_at_once_encode_it_once(daemon):
+    a, b, c = (scheduler(daemon, e) for e in "ABC")
+    try:
+        wanting(a, b, c)
+        views = {"A": a, "B": b, "C": c}
+        # All three miss the new item in the same step.
+        assert not any(s.ensure(["img"]) for s in views.values())
+        # Exactly one is told to encode; the others keep deferring.
+        wait_until(lambda: any(s.ensure(["img"]) for s in views.values()),
+                   "nobody was told to encode")
+        time.sleep(0.3)  # the others' answers have long arrived
+        through = [e for e, s in views.items() if s.ensure(["img"])]
+        assert len(through) == 1, through
+        encoder = through[0]
+        waiters = [s for e, s in views.items() if e != encoder]
+        assert not any(s.has_item("img") for s in waiters)
+        for s in views.values():
+            s.build_step_metadata()
+        # The encoder's worker saves: the waiters hit, nobody else encodes.
+        save(daemon, encoder, "img")
+        for s in waiters:
+            ok, _ = ensure_within(s, ["img"], WAIT)
+            assert ok and s.has_item("img")
+            s.build_step_metadata()
+        stats = daemon.stats()
+        assert stats["convergence"]["claims"] == 1
+        assert stats["convergence"]["waits"] >= 2
+        assert sum(s.take_stats()["defer_timeouts"] for s in views.values()) == 0
+    finally:
+        for s in (a, b, c):
+            s.close()
+
+
+def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
+    a = Proc(engines.scheduler_main, daemon.socket, "A", 1)
+    b = scheduler(daemon, "B")
+    try:
+        assert a.recv() == "ready"
+        wanting(b)
+        ok, _ = a.call("ensure", (["img"], WAIT))
+        assert ok  # A asked first and holds the claim
+        assert not b.ensure(["img"])
+        time.sleep(0.3)
+        assert not b.ensure(["img"]), "B did not wait for A's encode"
+        a.signal(signal.SIGKILL)
+        ok, _ = ensure_within(b, ["img"], WAIT)
+        assert ok and not b.has_item("img")  # B encodes now ...
+        assert b.take_stats()["defer_timeouts"] == 0  # ... told to, not timed out
+        assert daemon.stats()["convergence"]["handovers"] == 1
+    finally:
+        a.kill()
+        b.close()
+
+
+def test_a_claimant_that_never_saves_is_waited_for_only_up_to_the_bound(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B", max_defer=1.0)
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok
+        assert not b.ensure(["img"])
+        ok, seconds = ensure_within(b, ["img"], WAIT)
+        assert ok and seconds >= 0.9  # the bound, from B's first ask
+        assert b.take_stats()["defer_timeouts"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lone_engine_is_never_deferred(daemon):
+    a = scheduler(daemon, "A")
+    try:
+        wait_until(lambda: a.view.synced and a.link.fresh(), "never synced")
+        time.sleep(0.2)
+        assert a.ensure(["img", "other"])
+        assert "deferred" not in a.take_stats()
+        assert daemon.stats()["convergence"].get("wants", 0) == 0
+    finally:
+        a.close()

@@ -1,0 +1,189 @@
+"""Two "hosts" (two daemons, each with its own socket and region) sharing one
+store: what host 1 saved, host 2 promotes on a miss and loads bit-exact;
+a value that does not verify is never served; a store that dies costs
+misses, never a stuck engine; an entry past its TTL is a miss."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from ec_daemon.remote.store import value_key
+from tests import redis_servers
+from tests.integration.daemon import Daemon
+from tests.integration.engines import LAYOUT, ensure_within
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not redis_servers.available(),
+                                 reason="redis-server is not installed")]
+WAIT = 20.0
+
+
+def data(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (512, 2048), dtype=np.uint8)
+
+
+class Host:
+    """A daemon with the second tier on, and one engine: its scheduler side
+    and one worker rank, in this process."""
+
+    def __init__(self, url: str, name: str, *, ttl: float = 3600.0,
+                 max_defer: float = 30.0) -> None:
+        self.name = name
+        self.daemon = Daemon(cpu_bytes="32MiB", extra=("--remote", url, "--remote-ttl",
+                                                       str(ttl))).start()
+        self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT,
+                                           max_defer_seconds=max_defer)
+        self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT)
+        for d in (self.scheduler, self.worker):
+            assert d.link.wait_attached(WAIT), d.link.last_error
+        wait_until(lambda: self.scheduler._wanting and self.scheduler.link.fresh(),
+                   "the view never learnt that a second tier is on")
+
+    @property
+    def namespace(self) -> str:
+        attachment = self.scheduler.link.attachment
+        assert attachment is not None
+        return attachment.namespace
+
+    def tier(self) -> dict[str, float]:
+        return self.daemon.stats()["remote_tier"]
+
+    def save(self, mm_hash: str, array: Any) -> None:
+        done = self.worker.stats["saves_done"]
+        assert self.worker.save(mm_hash, array) and self.worker.flush(WAIT)
+        assert self.worker.stats["saves_done"] == done + 1, dict(self.worker.stats)
+
+    def load(self, mm_hash: str) -> np.ndarray:
+        """A step that hits `mm_hash`, and the worker's load of it."""
+        assert self.scheduler.has_item(mm_hash)
+        assert self.scheduler.after_alloc("req", mm_hash)
+        step = self.scheduler.build_step_metadata()
+        result = self.worker.load(step.loads, step.regions)
+        self.scheduler.apply_worker_output(result.done, result.failed)
+        assert not result.failed, result.failed
+        return np.asarray(result.loaded[mm_hash])
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.worker.close()
+        self.daemon.stop()
+        self.daemon.cleanup()
+
+
+def wait_until(predicate: Any, what: str, seconds: float = WAIT) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Any]:
+    with ExitStack() as stack:
+        def make(url: str, name: str, **kwargs: Any) -> Host:
+            host = Host(url, name, **kwargs)
+            stack.callback(host.close)
+            return host
+        yield make
+
+
+def published(host: Host, count: int) -> None:
+    wait_until(lambda: host.tier()["publishes"] >= count, f"{host.name} never published")
+
+
+def indexed(host: Host, count: int) -> None:
+    wait_until(lambda: host.tier()["index_entries"] >= count,
+               f"{host.name} never saw the other host's publication")
+
+
+def test_a_miss_another_host_saved_is_promoted_and_loads_bit_exact(hosts):
+    with redis_servers.cluster(3) as store:
+        one, two = hosts(store.url, "host-1"), hosts(store.url, "host-2")
+        arrays = {f"img-{i}": data(i) for i in range(3)}
+        for mm_hash, array in arrays.items():
+            one.save(mm_hash, array)
+        published(one, 3)
+        indexed(two, 3)
+        for mm_hash, array in arrays.items():
+            assert not two.scheduler.ensure([mm_hash])  # deferred: being promoted
+            ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
+            assert ok
+            loaded = two.load(mm_hash)
+            assert loaded.tobytes() == array.tobytes() and loaded.shape == array.shape
+        stats = two.daemon.stats()
+        assert stats["convergence"]["promotions"] == 3
+        assert stats["convergence"]["promoted_bytes"] == sum(a.nbytes for a in arrays.values())
+        assert stats["remote_tier"]["remote_hits"] == 3
+        assert stats["saves"] == 3  # promoted entries are ready as any save
+        # Host 2 does not publish back what it promoted.
+        assert two.tier()["publishes"] == 0
+        shown = subprocess.run([sys.executable, "-m", "ec_daemon", "stats", "--socket",
+                                two.daemon.socket], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "2nd tier   reachable" in shown.stdout and "3 promoted" in shown.stdout
+        # The values are spread over the cluster's masters.
+        assert len({store.node_of(value_key(one.namespace, h)).address for h in arrays}) >= 2
+
+
+def test_a_value_that_does_not_verify_is_never_served(hosts):
+    with redis_servers.single_node() as store:
+        one, two = hosts(store.url, "host-1"), hosts(store.url, "host-2")
+        one.save("img", data(1))
+        published(one, 1)
+        indexed(two, 1)
+        client = store.client()
+        key = value_key(one.namespace, "img")
+        value = bytearray(client.get(key))
+        value[-1] ^= 0xFF  # one payload byte flipped
+        client.set(key, bytes(value))
+        ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
+        assert ok and not two.scheduler.has_item("img")  # encoded here, not served
+        assert two.scheduler.take_stats().get("defer_timeouts", 0) == 0
+        tier = two.tier()
+        assert tier["bad_values"] == 1 and tier["remote_hits"] == 0
+        assert two.daemon.stats()["convergence"]["promotion_failures"] == 1
+        assert two.daemon.lookup(LAYOUT, "img")[0].state == 1  # ABSENT
+
+
+def test_a_store_that_dies_costs_misses_and_the_tier_recovers(hosts):
+    with redis_servers.single_node() as store:
+        one, two = hosts(store.url, "host-1"), hosts(store.url, "host-2")
+        store.kill()
+        # Host 1 keeps saving and serving locally; its publication is dropped.
+        one.save("img", data(2))
+        wait_until(lambda: one.scheduler.has_item("img"), "host 1 lost its own save")
+        one.scheduler.build_step_metadata()
+        wait_until(lambda: one.tier()["publish_drops"] + one.tier()["publish_errors"] >= 1,
+                   "the publication was neither dropped nor failed")
+        # Host 2 is never stuck: an unknown item is encoded at once.
+        ok, seconds = ensure_within(two.scheduler, ["other"], WAIT)
+        assert ok and seconds < 5
+        store.start()
+        one.save("img-2", data(3))
+        published(one, 1)
+        indexed(two, 1)
+        ok, _ = ensure_within(two.scheduler, ["img-2"], WAIT)
+        assert ok and two.load("img-2").tobytes() == data(3).tobytes()
+        assert one.tier()["reachable"] == 1
+
+
+def test_an_entry_past_its_ttl_is_a_miss(hosts):
+    with redis_servers.single_node() as store:
+        one = hosts(store.url, "host-1", ttl=1.0)
+        two = hosts(store.url, "host-2", ttl=1.0)
+        one.save("img", data(4))
+        published(one, 1)
+        time.sleep(1.5)
+        ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
+        assert ok and not two.scheduler.has_item("img")
+        assert two.daemon.stats()["convergence"].get("promotions", 0) == 0

@@ -1,0 +1,140 @@
+"""Who encodes a missing item, who waits, and when a claim passes on."""
+
+from __future__ import annotations
+
+from ec_daemon.convergence import Convergence
+from ec_daemon.events import AnswerEvent, Verdict
+from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
+
+
+def answers(session) -> dict[str, Verdict]:
+    return {e.mm_hash: e.verdict for e in drain(session) if isinstance(e, AnswerEvent)}
+
+
+def setup(remote=None):
+    clock = FakeClock()
+    cache = make_cache(pages=64, clock=clock)
+    conv = Convergence(cache, remote_available=remote, claim_seconds=30, promote_seconds=10,
+                       clock=clock)
+    started: list = []
+    conv.start_promotion = lambda key, nbytes: started.append((key, nbytes))
+    return clock, cache, conv, started
+
+
+def test_the_first_engine_encodes_and_the_others_wait_for_its_save():
+    _, cache, conv, _ = setup()
+    a, b, c = (scheduler(cache, engine) for engine in "ABC")
+    for s in (a, b, c):
+        drain(s)
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    conv.want(c, ["img"])
+    assert answers(a) == {"img": Verdict.ENCODE}
+    assert answers(b) == {"img": Verdict.ENCODING}
+    assert answers(c) == {"img": Verdict.ENCODING}
+    # The claimant asks again (vLLM asks every step): still its to encode.
+    conv.want(a, ["img"])
+    assert answers(a) == {"img": Verdict.ENCODE}
+    save(cache, worker(cache, "A"), "img")
+    conv.ready(("ns", "img"))
+    assert conv.making == {}
+    conv.want(c, ["img"])
+    assert answers(c) == {"img": Verdict.READY}
+    assert conv.counters["claims"] == 1 and conv.counters["waits"] == 2
+
+
+def test_a_claim_passes_to_a_waiter_when_its_engine_ends():
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    drain(a), drain(b)
+    cache.end_session(a)
+    conv.session_ended(a)
+    assert answers(b) == {"img": Verdict.ENCODE}
+    assert conv.making[("ns", "img")].holder is b
+    assert conv.counters["handovers"] == 1
+
+
+def test_a_claim_past_its_bound_passes_on_and_consumers_never_hold_one():
+    clock, cache, conv, _ = setup()
+    a = scheduler(cache, "A")
+    c = scheduler(cache, "C", role="consumer")
+    b = scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(c, ["img"])
+    conv.want(b, ["img"])
+    for s in (a, b, c):
+        drain(s)
+    clock.now += 31
+    conv.expire()
+    # The consumer waited first but cannot save: the claim goes to B.
+    assert answers(b) == {"img": Verdict.ENCODE}
+    assert answers(c) == {}
+    clock.now += 31
+    conv.expire()
+    # No waiter left that can save: every waiter encodes; nothing is recorded.
+    assert answers(c) == {"img": Verdict.ENCODE}
+    assert conv.making == {}
+    # A consumer alone is told to encode but holds no claim.
+    conv.want(c, ["other"])
+    assert answers(c) == {"other": Verdict.ENCODE} and conv.making == {}
+
+
+def test_an_item_being_saved_is_waited_for_and_an_aborted_save_passes_on():
+    _, cache, conv, _ = setup()
+    w = worker(cache, "W")
+    allocate(cache, w, "img")
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    assert answers(a) == {"img": Verdict.ENCODING}
+    assert answers(b) == {"img": Verdict.ENCODING}
+    conv.expire()  # the save is still pending: nothing moves
+    assert answers(a) == {} and answers(b) == {}
+    cache.abort(w, ["img"])
+    conv.expire()
+    assert answers(a) == {"img": Verdict.ENCODE}
+    assert answers(b) == {}
+
+
+def test_a_remote_item_is_promoted_once_however_many_engines_want_it():
+    available = {("ns", "far"): 4096}
+    _, cache, conv, started = setup(lambda ns, h: available.get((ns, h)))
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    drain(a), drain(b)
+    conv.want(a, ["far"])
+    conv.want(b, ["far"])
+    conv.want(a, ["far"])
+    assert started == [(("ns", "far"), 4096)]
+    assert answers(a) == {"far": Verdict.PROMOTING}
+    assert answers(b) == {"far": Verdict.PROMOTING}
+    conv.promoted(("ns", "far"), 4096)
+    assert conv.making == {}
+    assert conv.counters["promotions"] == 1 and conv.counters["promoted_bytes"] == 4096
+
+
+def test_a_failed_promotion_makes_one_waiter_encode_and_the_rest_wait():
+    _, cache, conv, _ = setup(lambda ns, h: 10)
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["far"])
+    conv.want(b, ["far"])
+    drain(a), drain(b)
+    conv.promotion_failed(("ns", "far"))
+    assert answers(a) == {"far": Verdict.ENCODE}
+    assert answers(b) == {}
+    assert conv.making[("ns", "far")].kind is Verdict.ENCODING
+    assert conv.counters["promotion_failures"] == 1
+
+
+def test_wants_are_per_namespace_and_info_counts_engines():
+    _, cache, conv, _ = setup()
+    a = scheduler(cache, "A", ns="m1")
+    b = scheduler(cache, "B", ns="m2")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    assert answers(a) == {"img": Verdict.ENCODE}
+    assert answers(b) == {"img": Verdict.ENCODE}  # another model's item: its own claim
+    assert conv.info("m1").engines == 1 and not conv.info("m1").remote_tier
+    scheduler(cache, "C", ns="m1")
+    assert conv.info("m1").engines == 2

@@ -1,0 +1,121 @@
+"""Real vLLM engines as processes (tests.vllm.engine_run), for the
+end-to-end tests: start one, wait for its lines, collect its RESULT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each engine is three processes that import vLLM and torch: minutes on a
+# busy two-core machine. Every wait on an engine is bounded by ENGINE_TIMEOUT.
+ENGINE_TIMEOUT = 420
+# Image seeds: each makes a different picture (and a different answer).
+A, B, C, D, E, F = 10, 11, 12, 13, 14, 15
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+class Engine:
+    """An engine process; a thread drains its output (vLLM logs a lot, and a
+    full pipe would stall the engine), so the test can wait on lines."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "".join(self.lines)
+
+    def wait_for_line(self, prefix: str, timeout: float) -> None:
+        with self._changed:
+            found = self._changed.wait_for(
+                lambda: any(line.startswith(prefix) for line in self.lines)
+                or self.proc.poll() is not None, timeout)
+        assert found and self.proc.poll() is None, (
+            f"no {prefix!r} from the engine:\n{self.output[-4000:]}")
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        """Kill the engine and the processes vLLM started for it (its own
+        process group), if it has not ended by itself."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self) -> dict[str, Any]:
+        """Wait (bounded) for the engine to end by itself; its parsed
+        RESULT, with `results`: the first request of each image."""
+        try:
+            self.proc.wait(timeout=ENGINE_TIMEOUT)
+        finally:
+            self.stop()
+            self._reader.join(timeout=10)
+        output = self.output
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        assert self.proc.returncode == 0 and lines, output[-4000:]
+        result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+        result["output"] = output
+        result["results"] = {}
+        for request in result["requests"]:
+            result["results"].setdefault(request["image"], request)
+        result["encoder_images"] = sum(r.get("encoder_images", 0) for r in result["requests"])
+        return result
+
+
+def start_engine(model: Path, images: list[int], socket: str = "", role: str = "ec_both",
+                 pause_after: int = 0, copy_backend: str = "cpu",
+                 env: dict[str, str] | None = None, wait_start: bool = False,
+                 max_defer_seconds: float = 0) -> Engine:
+    """`wait_start`: the engine prints STARTED once built and waits for a
+    line on stdin before its first request."""
+    args = [sys.executable, "-m", "tests.vllm.engine_run", str(model),
+            "--images", ",".join(map(str, images)), "--role", role,
+            "--copy-backend", copy_backend]
+    if socket:
+        args += ["--socket", socket]
+    if pause_after:
+        args += ["--pause-after", str(pause_after)]
+    if wait_start:
+        args += ["--wait-start"]
+    if max_defer_seconds:
+        args += ["--max-defer-seconds", str(max_defer_seconds)]
+    return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True))
+
+
+def run_engine(model: Path, images: list[int], **kwargs: Any) -> dict[str, Any]:
+    return start_engine(model, images, **kwargs).finish()
+
+
+def same_output(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return (got.get("tokens") == want["tokens"] and got.get("logprobs") == want["logprobs"]
+            and len(want["tokens"]) == 8)
