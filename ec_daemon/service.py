@@ -447,8 +447,10 @@ class ECDaemonService(rpc.ECDaemonServicer):
         namespace, mm_hash = key
         loop = asyncio.get_running_loop()
         promoted = False
+        started = time.perf_counter()
         try:
             value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash)
+            fetched = time.perf_counter()
             if value is None:
                 return
             promoter = self._promoter(namespace)
@@ -470,6 +472,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
             self.cache.commit(promoter, [mm_hash])
             self.convergence.promoted(key, value.nbytes)
             promoted = True
+            log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
+                      value.nbytes, (time.perf_counter() - started) * 1e3,
+                      (fetched - started) * 1e3)
         except CacheError as exc:
             log.warning("promotion of %s failed: %s", mm_hash, exc)
         except Exception:
