@@ -36,7 +36,7 @@ from ec_client.regions import RegionInfo, Regions
 from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment, SessionLink
 from ec_client.trust import attached_socket_owner
-from ec_protocol.protocol import RETRYABLE, Layout, pb
+from ec_protocol.protocol import MAX_BATCH, RETRYABLE, Layout, pb
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
@@ -78,6 +78,10 @@ class WorkerDelegate:
         self._queued_bytes = 0
         self._region_owner: int | None = None  # the socket's owner at the last attach
         self._unfinished = 0
+        # Saves skipped for a full queue, told to the daemon by the saver
+        # thread after its current save (another engine may be waiting for
+        # this one's: it then encodes the item itself).
+        self._skipped: list[str] = []
         self._idle = threading.Condition()
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
@@ -104,6 +108,8 @@ class WorkerDelegate:
         with self._idle:
             if self._queued_bytes + nbytes > self.save_queue_bytes:
                 self.stats["saves_skipped_busy"] += 1
+                if len(self._skipped) < MAX_BATCH:
+                    self._skipped.append(mm_hash)
                 return False
             self._queued_bytes += nbytes
             self._unfinished += 1
@@ -139,7 +145,11 @@ class WorkerDelegate:
                 with self._idle:
                     self._queued_bytes -= nbytes
                     self._unfinished -= 1
+                    skipped, self._skipped = self._skipped, []
                     self._idle.notify_all()
+            attachment = self.link.attachment
+            if skipped and attachment is not None:
+                self._report(attachment, aborted=skipped)
 
     def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
         attachment = self.link.attachment

@@ -93,6 +93,13 @@ class Convergence:
         self.counters["promoted_bytes"] += nbytes
         self.ready(key)
 
+    def save_given_up(self, key: Key) -> None:
+        """A save of `key` was aborted, refused or skipped: whoever was
+        making it will not; a waiting engine encodes it now."""
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.ENCODING:
+            self._hand_over(key, making)
+
     def await_save(self, key: Key) -> None:
         """A promotion found a worker saving `key`: its waiters wait for that."""
         making = self.making.get(key)
@@ -149,7 +156,7 @@ class Convergence:
             self.counters["waits"] += 1
             return Verdict.ENCODING
         nbytes = self.remote_available(*key) if self.remote_available is not None else None
-        if nbytes is not None:
+        if nbytes is not None and nbytes <= self.cache.capacity_bytes:
             self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
                                       [session])
             self.start_promotion(key, nbytes)

@@ -30,7 +30,13 @@ import grpc
 from ec_daemon import invariants, stats, watch, wire
 from ec_daemon.cache import Cache
 from ec_daemon.convergence import Convergence
-from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument, InvariantViolated
+from ec_daemon.errors import (
+    CacheError,
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolated,
+    ResourceExhausted,
+)
 from ec_daemon.events import AllocOutcome, AllocResult, HeartbeatEcho, ReportStatus
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
@@ -162,10 +168,24 @@ class ECDaemonService(rpc.ECDaemonServicer):
     def end_session(self, session: ClientSession, *, detached: bool = False) -> None:
         alive = session.alive
         self.cache.end_session(session, detached=detached)
-        self.convergence.session_ended(session)
-        if alive and session.is_scheduler:
-            self._tell_namespace(session.namespace)
+        if alive:
+            self._ended(session)
         self.verify()
+
+    def _ended(self, session: ClientSession) -> None:
+        """After a session ended (any way): its claims pass on, its
+        namespace's views learn the engine count, a namespace nobody uses any
+        more is no longer followed in the second tier's index."""
+        self.convergence.session_ended(session)
+        namespace = session.namespace
+        if session.is_scheduler:
+            self._tell_namespace(namespace)
+        if not self.cache.sessions.in_use(namespace):
+            if self.tier is not None:
+                self.tier.unfollow(namespace)
+            promoter = self._promoters.get(namespace)
+            if promoter is not None and not promoter.pending:
+                del self._promoters[namespace]
 
     def _tell_namespace(self, namespace: str) -> None:
         """Every view of `namespace`: whether wanting items helps now."""
@@ -227,9 +247,16 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     @grpc_errors
     async def Allocate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        result = await self._allocate(lambda: self.cache.sessions.get(request.session_id),
-                                      request.mm_hash, request.nbytes, tuple(request.shape),
-                                      request.dtype)
+        try:
+            result = await self._allocate(lambda: self.cache.sessions.get(request.session_id),
+                                          request.mm_hash, request.nbytes,
+                                          tuple(request.shape), request.dtype)
+        except ResourceExhausted:
+            # No room: an engine waiting for this save encodes it instead.
+            session = self.cache.sessions.find(request.session_id)
+            if session is not None:
+                self.convergence.save_given_up((session.namespace, request.mm_hash))
+            raise
         return wire.alloc_reply(result)
 
     async def _allocate(self, session_of: Callable[[], ClientSession], mm_hash: str,
@@ -267,9 +294,11 @@ class ECDaemonService(rpc.ECDaemonServicer):
         for mm_hash, status in zip(saved, statuses, strict=True):
             if status is ReportStatus.ACCEPTED:
                 self._saved((session.namespace, mm_hash))
-        return pb.ReportReply(
-            saved=[wire.REPORT_STATUS[s] for s in statuses],
-            aborted=[wire.REPORT_STATUS[s] for s in self.cache.abort(session, aborted)])
+        aborts = self.cache.abort(session, aborted)
+        for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
+            self.convergence.save_given_up((session.namespace, mm_hash))
+        return pb.ReportReply(saved=[wire.REPORT_STATUS[s] for s in statuses],
+                              aborted=[wire.REPORT_STATUS[s] for s in aborts])
 
     @grpc_errors
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -452,7 +481,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash)
             fetched = time.perf_counter()
             if value is None:
-                return
+                return  # (the tier counted and logged why, and forgot the key)
             promoter = self._promoter(namespace)
             result = await self._allocate(lambda: promoter, mm_hash, value.nbytes,
                                           tuple(value.shape), value.dtype)
@@ -466,7 +495,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             try:
                 await loop.run_in_executor(self._pool, self.region_file.write, result.extents,
                                            value.parts)
-            except BaseException:
+            except Exception:  # (cancelled only at shutdown: the write may still run)
                 self.cache.abort(promoter, [mm_hash])
                 raise
             self.cache.commit(promoter, [mm_hash])
@@ -476,8 +505,12 @@ class ECDaemonService(rpc.ECDaemonServicer):
                       value.nbytes, (time.perf_counter() - started) * 1e3,
                       (fetched - started) * 1e3)
         except CacheError as exc:
-            log.warning("promotion of %s failed: %s", mm_hash, exc)
+            # A value that verified but cannot be cached here (too large, a
+            # shape or dtype the daemon refuses): never fetched again.
+            self.tier.forget(namespace, mm_hash)
+            log.warning("promotion of %s failed: %s; not trying it again", mm_hash, exc)
         except Exception:
+            self.tier.forget(namespace, mm_hash)
             log.exception("promotion of %s failed", mm_hash)
         finally:
             if not promoted:
@@ -520,6 +553,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             if session.overflowed:
                 self.drop_slow_reader(session)
         for session in self.cache.expire_sessions():
+            self._ended(session)
             log.warning("session %d expired (engine %r %s): no message for %.1fs",
                         session.index, session.engine_id, session.component,
                         self.lease_seconds)

@@ -65,6 +65,10 @@ class SessionTable:
                            "daemon): attach again")
         return session
 
+    def find(self, session_id: str) -> Session | None:
+        """The live session, or None."""
+        return self._by_id.get(session_id)
+
     def remove(self, session: Session, *, ghost: bool = False) -> None:
         """End `session`; a scheduler session becomes a ghost for one lease
         when `ghost` (it did not detach)."""

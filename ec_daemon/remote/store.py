@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -70,6 +71,11 @@ ACCEPTED_URLS = ("redis://HOST:PORT, rediss://HOST:PORT (TLS), "
                  "redis+cluster://HOST:PORT[,HOST:PORT...] (cluster seed nodes), "
                  "rediss+cluster://HOST:PORT[,HOST:PORT...]; TLS options: "
                  "?ca_certs=FILE&certfile=FILE&keyfile=FILE&check_hostname=false")
+# Bounds on index entries: larger ones are ignored (the index is writable by
+# anyone who can write to the store; a daemon must not hold what they say).
+MAX_NAMESPACE_BYTES = 8192
+MAX_HASH_BYTES = 256
+MAX_VALUE_BYTES = 1 << 40
 _TLS_OPTIONS = ("ca_certs", "certfile", "keyfile", "check_hostname")
 
 
@@ -168,7 +174,9 @@ def parse_url(url: str) -> StoreSpec:
     """Parse a --remote URL; ValueError (naming the accepted forms) otherwise."""
 
     def bad(reason: str) -> ValueError:
-        return ValueError(f"invalid remote store URL {url!r}: {reason}; accepted: {ACCEPTED_URLS}")
+        shown = re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password
+        return ValueError(f"invalid remote store URL {shown!r}: {reason}; "
+                          f"accepted: {ACCEPTED_URLS}")
 
     scheme, sep, rest = url.partition("://")
     if not sep:
@@ -520,8 +528,16 @@ def _shard_from_key(stream: bytes | str) -> int:
 
 
 def _announcement(fields: dict[bytes, bytes]) -> Announcement | None:
+    """An index entry, or None when it is malformed or out of bounds
+    (anyone who can write to the store can write the index)."""
     try:
-        return Announcement(namespace=fields[b"ns"].decode(), mm_hash=fields[b"h"].decode(),
-                            nbytes=int(fields[b"n"]), expires_at=float(fields[b"e"]))
+        namespace, mm_hash = fields[b"ns"], fields[b"h"]
+        if len(namespace) > MAX_NAMESPACE_BYTES or not 0 < len(mm_hash) <= MAX_HASH_BYTES:
+            return None
+        nbytes, expires_at = int(fields[b"n"]), float(fields[b"e"])
+        if not 0 < nbytes <= MAX_VALUE_BYTES or expires_at != expires_at:  # NaN
+            return None
+        return Announcement(namespace=namespace.decode(), mm_hash=mm_hash.decode(),
+                            nbytes=nbytes, expires_at=expires_at)
     except (KeyError, ValueError):
         return None

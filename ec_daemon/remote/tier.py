@@ -147,6 +147,19 @@ class RemoteTier:
                 self._followed.add(namespace)
                 self._rescan = True
 
+    def unfollow(self, namespace: str) -> None:
+        """No local session uses `namespace` any more: forget its entries."""
+        with self._index_lock:
+            if namespace not in self._followed:
+                return
+            self._followed.discard(namespace)
+            for key in [k for k in self._index if k[0] == namespace]:
+                del self._index[key]
+
+    def forget(self, namespace: str, mm_hash: str) -> None:
+        """Drop a key from the local index (it could not be promoted)."""
+        self._forget(namespace, mm_hash)
+
     def available(self, namespace: str, mm_hash: str) -> int | None:
         """nbytes when the index says the store holds the key and it has not
         expired; never touches the network."""
@@ -169,7 +182,9 @@ class RemoteTier:
                     continue
                 key = (a.namespace, a.mm_hash)
                 old = self._index.get(key)
-                self._index[key] = (a.nbytes, max(a.expires_at, old[1] if old else 0.0))
+                # An announcement never outlives this daemon's TTL, whatever it says.
+                expires = min(a.expires_at, now + self.ttl_s)
+                self._index[key] = (a.nbytes, max(expires, old[1] if old else 0.0))
                 self._index.move_to_end(key)
                 while len(self._index) > self.index_max_entries:
                     self._index.popitem(last=False)

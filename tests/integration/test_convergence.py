@@ -18,6 +18,7 @@ import pytest
 
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
+from ec_protocol.protocol import pb
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc, ensure_within
@@ -143,3 +144,42 @@ def test_a_lone_engine_is_never_deferred(daemon):
         assert daemon.stats()["convergence"].get("wants", 0) == 0
     finally:
         a.close()
+
+
+def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon):
+    """An engine that encoded but will not save (its copy failed, the cache
+    refused it, its save queue was full) must not keep the others waiting."""
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B")
+    writer = WorkerDelegate(daemon.socket, engine_id="A", layout=LAYOUT,
+                            save_queue_bytes=DATA.nbytes)
+    try:
+        assert writer.link.wait_attached(WAIT)
+        wanting(a, b)
+        for mm_hash in ("aborted", "skipped"):
+            ok, _ = ensure_within(a, [mm_hash], WAIT)
+            assert ok  # A holds the claim
+            assert not b.ensure([mm_hash])
+            time.sleep(0.3)
+            assert not b.ensure([mm_hash]), "B did not wait for A"
+            if mm_hash == "aborted":
+                session_id = writer.link.attachment.session_id
+                reply = writer.transport.call("Allocate", pb.AllocateRequest(
+                    session_id=session_id, mm_hash=mm_hash, nbytes=4096, shape=[2, 2048],
+                    dtype="uint8"))
+                assert reply.status == pb.ALLOCATED
+                writer.transport.call("Report", pb.ReportRequest(session_id=session_id,
+                                                                 aborted=[mm_hash]))
+            else:  # the queue holds one save: the second is skipped
+                assert writer.save("filler", DATA)
+                assert not writer.save(mm_hash, DATA)
+                assert writer.flush(WAIT)
+            ok, _ = ensure_within(b, [mm_hash], WAIT)
+            assert ok and not b.has_item(mm_hash)  # B encodes, told to at once
+            b.build_step_metadata()
+        assert b.take_stats().get("defer_timeouts", 0) == 0
+        assert daemon.stats()["convergence"]["handovers"] == 2
+    finally:
+        writer.close()
+        a.close()
+        b.close()

@@ -187,3 +187,43 @@ def test_an_entry_past_its_ttl_is_a_miss(hosts):
         ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
         assert ok and not two.scheduler.has_item("img")
         assert two.daemon.stats()["convergence"].get("promotions", 0) == 0
+
+
+def forge(store: Any, host: Host, mm_hash: str, shape: tuple[int, ...], dtype: str,
+          payload: Any) -> None:
+    """A value whose header and checksum are consistent, written (and
+    announced) by someone other than a daemon."""
+    from ec_daemon.remote.store import open_store
+    from ec_daemon.remote.values import encode
+
+    namespace = host.namespace
+    parts = encode(namespace, mm_hash, shape, dtype, payload)
+    store.client().set(value_key(namespace, mm_hash), bytes(parts[0]) + bytes(parts[1]),
+                       px=600_000)
+    writer = open_store(store.url)
+    writer.announce(namespace, mm_hash, len(parts[1]), 600)
+    writer.close()
+
+
+def test_a_value_that_cannot_be_cached_here_is_fetched_once(hosts):
+    with redis_servers.single_node() as store:
+        two = hosts(store.url, "host-2")
+        forge(store, two, "img", (1 << 16,), "not-a-dtype", np.zeros(1 << 16, np.uint8))
+        indexed(two, 1)
+        for _ in range(3):
+            two.scheduler._wants.clear()  # a later request for the same item
+            ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
+            assert ok and not two.scheduler.has_item("img")
+        tier = two.tier()
+        assert tier["remote_hits"] == 1 and tier["index_entries"] == 0
+        assert two.daemon.stats()["convergence"]["promotion_failures"] == 1
+
+
+def test_a_namespace_nobody_uses_is_no_longer_followed(hosts):
+    with redis_servers.single_node() as store:
+        one = hosts(store.url, "host-1")
+        assert one.tier()["followed_namespaces"] == 1
+        one.scheduler.close()
+        one.worker.close()
+        wait_until(lambda: one.tier()["followed_namespaces"] == 0,
+                   "the namespace stayed followed after its last session ended")

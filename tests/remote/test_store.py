@@ -329,3 +329,19 @@ def test_payloads_go_out_without_copies(node: redis_servers.RedisServer,
             finally:
                 pool.release(connection)
         store.close()
+
+
+def test_a_password_in_a_bad_url_is_never_echoed() -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_url("redis://default:hunter2-SECRET@127.0.0.1:6399")
+    assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
+
+
+def test_index_entries_out_of_bounds_are_ignored() -> None:
+    from ec_daemon.remote.store import _announcement
+
+    good = {b"ns": b"m|f16|image=8|", b"h": b"abc", b"n": b"4096", b"e": b"1e15"}
+    assert _announcement(good) is not None
+    for field, value in ((b"h", b"x" * 20_000), (b"ns", b"n" * 10_000), (b"n", b"0"),
+                         (b"n", str(1 << 50).encode()), (b"e", b"nan"), (b"h", b"")):
+        assert _announcement({**good, field: value}) is None, field

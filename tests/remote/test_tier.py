@@ -332,3 +332,16 @@ def test_a_tier_started_while_the_store_is_down_connects_later(
         value = tier.fetch(NAMESPACE, "later")
         assert value is not None and bytes(value.payload) == b"l" * 10
         assert any("reachable again" in r.getMessage() for r in caplog.records)
+
+
+def test_an_announcement_never_outlives_this_daemons_ttl() -> None:
+    from ec_daemon.remote.store import Announcement
+    from ec_daemon.remote.tier import RemoteTier
+
+    tier = RemoteTier(object(), ttl_s=10, publish_queue_bytes=1)  # type: ignore[arg-type]
+    tier.follow("ns")
+    tier._absorb([Announcement("ns", "h", 10, time.time() + 1e9)])
+    assert tier.available("ns", "h") == 10
+    assert tier._index[("ns", "h")][1] <= time.time() + 10
+    tier.unfollow("ns")
+    assert tier.available("ns", "h") is None
