@@ -1,26 +1,56 @@
-# syntax=docker/dockerfile:1
-# The ec-daemon sidecar image: the daemon only (grpcio, protobuf,
-# prometheus-client); no torch, no CUDA. Runs as a non-root user.
+# The ec-daemon sidecar image: the daemon only (ec_daemon, ec_protocol and
+# their dependencies from pyproject.toml); no torch, no CUDA, no ec_client.
+# Runs as a non-root user.
 #
 #   docker build -t ec-daemon .
 #   docker run --shm-size=9g -v ec-socket:/run/ec-daemon ec-daemon --cpu-bytes 8GiB
+#
+# Without network access (no registry, no PyPI), from a local base image with
+# python3 and python3-venv, and a wheelhouse in ./wheels (README, "Docker"):
+#
+#   python deploy/wheelhouse.py wheels
+#   docker build --network none --build-arg BASE=ec-daemon-base:bookworm \
+#     --build-arg WHEELHOUSE=1 -t ec-daemon .
+#
+# No `# syntax=` line: BuildKit would pull that frontend from a registry.
+# Works with BuildKit and with the legacy builder.
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE} AS build
+# `make docker-clean` finds stale builds of every stage by this label.
+LABEL ec-daemon.dockerfile=daemon
+# WHEELHOUSE=1: install from ./wheels only (pip --no-index); otherwise from PyPI.
+ARG WHEELHOUSE=
 WORKDIR /src
+# README.md is copied along because COPY needs one source that exists;
+# wheel[s] matches the optional ./wheels folder (its wheels land in /wheelhouse).
+COPY README.md wheel[s] /wheelhouse/
 COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY ec_daemon ./ec_daemon
 COPY ec_protocol ./ec_protocol
-# The package build generates the protocol stubs (grpcio-tools, build-time only).
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# A venv in both cases: Debian's python3 is externally managed (PEP 668).
+# The package build generates the protocol stubs (grpcio-tools, build-time
+# only); pip and setuptools leave the venv afterwards.
+RUN set -eu; \
+    if [ -n "$WHEELHOUSE" ]; then \
+      ls /wheelhouse/*.whl >/dev/null 2>&1 \
+        || { echo "WHEELHOUSE is set but ./wheels holds no wheels" >&2; exit 1; }; \
+      set -- --no-index --find-links /wheelhouse; \
+    fi; \
+    python3 -m venv /opt/ec-daemon; \
+    /opt/ec-daemon/bin/pip install --no-cache-dir --disable-pip-version-check "$@" .; \
+    /opt/ec-daemon/bin/pip uninstall --yes --quiet setuptools pip; \
+    /opt/ec-daemon/bin/ec-daemon --help >/dev/null
 
-FROM python:3.11-slim
+FROM ${BASE}
+LABEL ec-daemon.dockerfile=daemon
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin ecd \
- && mkdir -p /run/ec-daemon && chown ecd:ecd /run/ec-daemon
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+ && mkdir -p /run/ec-daemon && chown ecd:ecd /run/ec-daemon && chmod 0700 /run/ec-daemon
+COPY --from=build /opt/ec-daemon /opt/ec-daemon
 USER ecd
-ENV EC_DAEMON_SOCKET=unix:///run/ec-daemon/ec.sock \
+ENV PATH=/opt/ec-daemon/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    EC_DAEMON_SOCKET=unix:///run/ec-daemon/ec.sock \
     EC_DAEMON_CPU_BYTES=8GiB \
     EC_DAEMON_METRICS_ADDRESS=0.0.0.0 \
     PYTHONUNBUFFERED=1

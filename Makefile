@@ -22,10 +22,32 @@ FUZZ_SECONDS ?= 1800
 SOAK_SECONDS ?= 600
 KILL_ITERATIONS ?= 100
 
-.PHONY: install proto run test test-unit test-integration test-vllm install-vllm lint clean \
-	docker-test fuzz soak bench gpu-bench gpu-test
+# `make docker-test`: images built without a registry (a debootstrapped Debian
+# base, DOCKER_BASE) and without network in the builds (`--network none`; pip
+# installs from a wheelhouse made here, WHEELHOUSE_DIR). DOCKER_OFFLINE=0 builds
+# from python:3.11-slim and PyPI instead.
+DOCKER ?= docker
+DOCKER_OFFLINE ?= 1
+DOCKER_BASE ?= ec-daemon-base:bookworm
+DOCKER_DAEMON_IMAGE ?= ec-daemon:test
+DOCKER_CLIENT_IMAGE ?= ec-daemon-client:test
+WHEELHOUSE_DIR := wheels
+DOCKER_BUILD_ARGS := $(if $(filter 1,$(DOCKER_OFFLINE)),--network none --build-arg BASE=$(DOCKER_BASE) \
+	--build-arg WHEELHOUSE=1,)
+
+REDIS_SERVER ?= redis-server
+
+.PHONY: redis install proto run test test-unit test-integration test-vllm install-vllm lint clean \
+	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
+	fuzz soak bench gpu-bench gpu-test
 
 install: $(STAMP)
+
+# The second tier's tests start real redis-server processes (Debian's redis-server).
+redis:
+	@command -v $(REDIS_SERVER) >/dev/null && $(REDIS_SERVER) --version || { \
+		echo ">> installing redis-server with apt-get (root or sudo needed)"; \
+		$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) apt-get install -y -q redis-server; }
 
 $(STAMP): pyproject.toml setup.py requirements-dev.txt proto/generate.py
 	@echo ">> creating $(VENV) (dev tools, torch==2.13.0 CPU build); this takes a minute or two"
@@ -70,8 +92,9 @@ test-vllm: $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 lint: $(STAMP) proto
-	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py
+	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py deploy
 	$(BIN)/mypy
+	$(BIN)/mypy tests/docker deploy/wheelhouse.py
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
 fuzz: $(STAMP) proto
@@ -95,9 +118,48 @@ gpu-test: $(STAMP) proto
 gpu-bench: $(STAMP) proto
 	$(BIN)/python -m benchmarks.gpu
 
-# Needs a Docker engine with a GPU runtime; not part of CI (see README).
-docker-test:
-	bash deploy/docker-test.sh
+# Docker: the daemon image and a client image, tested in containers
+# (tests/docker; every container with --network none). Needs a Docker engine
+# (and, with DOCKER_OFFLINE=1, root and debootstrap for the base image); fails
+# when there is none. See README, "Docker".
+docker-check:
+	@$(DOCKER) version --format '>> Docker engine {{.Server.Version}}' \
+		|| { echo "make docker-test needs a running Docker engine (see README, Docker)" >&2; \
+		     exit 1; }
+
+docker-base: docker-check
+	bash deploy/docker-base.sh $(DOCKER_BASE)
+
+wheelhouse: $(WHEELHOUSE_DIR)/.complete
+
+$(WHEELHOUSE_DIR)/.complete: pyproject.toml deploy/wheelhouse.py | $(STAMP)
+	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE_DIR) numpy
+	touch $@
+
+docker-images: docker-check $(if $(filter 1,$(DOCKER_OFFLINE)),docker-base wheelhouse,)
+	@echo ">> building $(DOCKER_DAEMON_IMAGE) (the daemon image)"
+	$(DOCKER) build --force-rm $(DOCKER_BUILD_ARGS) -t $(DOCKER_DAEMON_IMAGE) .
+	@echo ">> building $(DOCKER_CLIENT_IMAGE) (ec_client, cpu backend, the tests' client)"
+	$(DOCKER) build --force-rm $(DOCKER_BUILD_ARGS) -f deploy/Dockerfile.client \
+		-t $(DOCKER_CLIENT_IMAGE) .
+
+docker-test: $(STAMP) proto docker-images
+	@echo ">> running tests/docker against $(DOCKER_DAEMON_IMAGE) and $(DOCKER_CLIENT_IMAGE)"
+	EC_DOCKER_REQUIRED=1 EC_DOCKER_DAEMON_IMAGE=$(DOCKER_DAEMON_IMAGE) \
+		EC_DOCKER_CLIENT_IMAGE=$(DOCKER_CLIENT_IMAGE) DOCKER=$(DOCKER) \
+		$(BIN)/python -m pytest tests/docker -m docker $(PYTEST_ARGS)
+
+# Frees the disk that rebuilds leave behind: the test images and every untagged
+# image of an earlier build (both stages); keeps the base image.
+docker-clean: docker-check
+	-$(DOCKER) image rm $(DOCKER_DAEMON_IMAGE) $(DOCKER_CLIENT_IMAGE)
+	$(DOCKER) image prune --force --filter label=ec-daemon.dockerfile
+
+# GPU hosts only: the compose stack with vLLM and the NVIDIA runtime, a real
+# model (network access), an image sent across an engine restart. Not in CI.
+docker-gpu-test:
+	bash deploy/docker-gpu-test.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache \
+		$(WHEELHOUSE_DIR)

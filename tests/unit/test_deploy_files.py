@@ -1,4 +1,5 @@
-"""The Dockerfile, compose file and systemd unit use flags the CLI has."""
+"""The Dockerfiles, compose file, systemd unit and Makefile's Docker targets
+agree with the CLI and with each other (tests/docker runs the images)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ec_daemon import config
@@ -44,9 +46,16 @@ def test_compose_wires_the_daemon_and_vllm_together():
     check_serve_args(daemon["command"])
     assert daemon["healthcheck"]["test"][1:3] == ["ec-daemon", "health"]
     assert vllm["depends_on"]["ec-daemon"]["condition"] == "service_healthy"
-    assert vllm["ipc"] == "service:ec-daemon" and daemon["ipc"] == "shareable"
     socket_volume = "ec-socket:/run/ec-daemon"
     assert socket_volume in daemon["volumes"] and socket_volume in vllm["volumes"]
+    # The region's tmpfs is a volume both mount, not the daemon's IPC namespace
+    # (a restarted daemon container gets a new /dev/shm that a joined vLLM
+    # never sees: tests/docker).
+    shm_volume = "ec-shm:/dev/shm"
+    assert shm_volume in daemon["volumes"] and shm_volume in vllm["volumes"]
+    assert "ipc" not in daemon and "ipc" not in vllm
+    options = compose["volumes"]["ec-shm"]["driver_opts"]
+    assert options["type"] == "tmpfs" and "mode=1777" in options["o"]
     args = vllm["command"]
     transfer = json.loads(args[args.index("--ec-transfer-config") + 1])
     assert transfer["ec_connector"] == "ECDaemonConnector"
@@ -58,7 +67,60 @@ def test_compose_wires_the_daemon_and_vllm_together():
 def test_dockerfile_is_slim_non_root_and_health_checked():
     text = (ROOT / "Dockerfile").read_text()
     assert "torch" not in text.lower().replace("no torch", "")
+    assert not re.search(r"^COPY ec_client", text, re.M)  # the daemon only
     assert re.search(r"^USER (?!root)\w+", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*ec-daemon\", \"health", text, re.M)
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     check_serve_args(cmd)
+
+
+def _instructions(text: str) -> list[str]:
+    """Dockerfile instructions with continuation lines joined, no comments."""
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return [i.strip() for i in re.sub(r"\\\n", " ", "\n".join(lines)).splitlines() if i.strip()]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "deploy/Dockerfile.client"])
+def test_images_build_offline_from_a_base_argument_and_a_wheelhouse(dockerfile):
+    text = (ROOT / dockerfile).read_text()
+    steps = _instructions(text)
+    # The base is a build argument defaulting to the public image (a plain
+    # `docker build` works as before); every stage starts from it.
+    assert steps[0] == "ARG BASE=python:3.11-slim"
+    assert [s for s in steps if s.startswith("FROM")] \
+        and all(s.split()[1] == "${BASE}" for s in steps if s.startswith("FROM"))
+    # No `# syntax=` frontend: BuildKit would pull it from a registry.
+    assert not re.search(r"^#\s*syntax=", text, re.M)
+    # The optional ./wheels folder is copied, and with WHEELHOUSE set pip
+    # installs from it only; a venv (Debian's python is externally managed).
+    assert any(s.startswith("COPY ") and "wheel[s]" in s for s in steps)
+    (install,) = [s for s in steps if s.startswith("RUN") and "pip install" in s]
+    assert "--no-index --find-links /wheelhouse" in install and "$WHEELHOUSE" in install
+    assert "python3 -m venv" in install
+    assert "torch" not in install and "cupy" not in install
+
+
+def test_dockerignore_keeps_the_context_small_and_the_wheelhouse_in():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".venv-*", ".git"} <= set(ignored)
+    assert not any(p.strip("/").startswith("wheels") for p in ignored)
+    # The client image copies its script from tests/docker.
+    assert "!tests/docker/container_client.py" in ignored
+    assert (ROOT / "tests" / "docker" / "container_client.py").is_file()
+
+
+def test_make_docker_test_requires_docker_and_runs_every_container_offline():
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^docker-test:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "EC_DOCKER_REQUIRED=1" in recipe and "tests/docker" in recipe
+    # Offline builds have no network at all: the wheelhouse must be complete.
+    build_args = re.search(r"^DOCKER_BUILD_ARGS := (.*\n(?:\t.*\n)*)", makefile, re.M).group(1)
+    assert "--network none" in build_args and "WHEELHOUSE=1" in build_args
+    assert re.search(r"^docker-gpu-test:\n\tbash deploy/docker-gpu-test.sh$", makefile, re.M)
+    for name in ("harness.py", "test_containers.py"):  # every `docker run` of the suite
+        text = (ROOT / "tests" / "docker" / name).read_text()
+        runs = re.findall(r"docker\(\"run\",[^)]*\)|\[DOCKER, \"run\",[^]]*\]", text)
+        assert runs and all("network_args()" in r or "client_args(" in r for r in runs), name
+    harness = (ROOT / "tests" / "docker" / "harness.py").read_text()
+    assert re.search(r"def network_args\(\).*\n.*return \[\"--network\", \"none\"\]", harness)
+    assert re.search(r"def client_args\(.*\n.*return \[\*network_args\(\)", harness)

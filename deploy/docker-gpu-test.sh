@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# End-to-end check with Docker and a GPU (`make docker-test`); needs a Docker
-# engine with the NVIDIA runtime and network access to the model hub. It does
-# not run in CI (no Docker engine, no GPU there).
+# End-to-end check with Docker and a GPU (`make docker-gpu-test`); needs a
+# Docker engine with the NVIDIA runtime, registry access (vllm/vllm-openai)
+# and network access to the model hub. Not in CI (no GPU there); CI runs
+# `make docker-test`, the CPU container tests.
 #
 # Builds both images, starts the compose stack with a small multimodal model,
 # sends one image, restarts the vLLM container (a fresh engine: vLLM's own
@@ -12,7 +13,7 @@ cd "$(dirname "$0")"
 
 export MODEL=${MODEL:-Qwen/Qwen2-VL-2B-Instruct}
 export EC_CPU_BYTES=${EC_CPU_BYTES:-2GiB}
-export SHM_SIZE=${SHM_SIZE:-3gb}
+export SHM_SIZE=${SHM_SIZE:-3g}
 COMPOSE=(docker compose -f compose.yaml -p ec-daemon-test)
 IMAGE_URL=${IMAGE_URL:-https://upload.wikimedia.org/wikipedia/commons/4/47/PNG_transparency_demonstration_1.png}
 
