@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -42,7 +43,7 @@ from typing import Any, NamedTuple
 
 from ec_client.regions import RegionInfo
 from ec_client.session import Attachment, SessionLink
-from ec_client.trust import attached_socket_owner
+from ec_client.trust import attached_socket_owner, open_region
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
 from ec_protocol.protocol import MAX_BATCH, Layout, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -336,7 +337,11 @@ class SchedulerDelegate:
     # ------------------------------------------------- link callbacks
 
     def _on_attached(self, attachment: Attachment) -> None:
-        attached_socket_owner(self.transport.uri)  # a stranger's socket raises: we re-attach
+        owner = attached_socket_owner(self.transport.uri)  # a stranger's socket raises
+        # Hits are answered only for a region this host's workers can map: a
+        # region missing here (a client left in a restarted container's old
+        # /dev/shm) or not the daemon's raises, and the link tries again later.
+        os.close(open_region(attachment.region.path, owner))
         self._wanting = False  # until the new session's NamespaceInfo
         self._wants = {}  # answers of the old daemon mean nothing to the new one
         self.view.clear()

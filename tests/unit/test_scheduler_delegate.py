@@ -4,7 +4,10 @@ are handed to the delegate as the link thread would."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +18,18 @@ from ec_client.session import Attachment
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
-REGION = RegionInfo("/dev/shm/ec-daemon-a.region", 1 << 20, 0xA, 4096, 4096)
-NEW_REGION = RegionInfo("/dev/shm/ec-daemon-b.region", 1 << 20, 0xB, 4096, 4096)
+# The scheduler answers hits only for a region file it can open: these exist.
+FOLDER = Path(tempfile.mkdtemp(prefix="ecd-sched-"))
+REGION = RegionInfo(str(FOLDER / "ec-daemon-a.region"), 1 << 20, 0xA, 4096, 4096)
+NEW_REGION = RegionInfo(str(FOLDER / "ec-daemon-b.region"), 1 << 20, 0xB, 4096, 4096)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def region_files() -> Iterator[None]:
+    for region in (REGION, NEW_REGION):
+        Path(region.path).write_bytes(b"")
+    yield
+    shutil.rmtree(FOLDER, ignore_errors=True)
 
 
 def attachment(region: RegionInfo = REGION, index: int = 7) -> Attachment:
@@ -315,3 +328,16 @@ def test_heartbeat_counts_stay_consistent_under_concurrent_lookups(delegate):
     beats.append(delegate._heartbeat().heartbeat)
     assert all(b.hits <= b.lookups for b in beats)
     assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000
+
+
+def test_a_region_this_host_cannot_open_is_never_answered_for(delegate):
+    """A scheduler left with a restarted container's old /dev/shm sees a new
+    region it cannot open: it refuses the attachment (the link tries again
+    later) and keeps answering nothing, rather than hits its worker could not
+    load."""
+    missing = RegionInfo(str(FOLDER / "ec-daemon-c.region"), 1 << 20, 0xC, 4096, 4096)
+    delegate._on_detached()
+    with pytest.raises(FileNotFoundError):
+        delegate._on_attached(attachment(missing, index=9))
+    delegate._on_message(ready("img", 1))
+    assert not delegate.has_item("img")
