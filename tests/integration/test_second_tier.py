@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -19,7 +20,7 @@ from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
 from ec_daemon.remote.store import value_key
 from tests import redis_servers
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, free_port
 from tests.integration.engines import LAYOUT, ensure_within
 
 pytestmark = [pytest.mark.integration,
@@ -37,10 +38,10 @@ class Host:
     and one worker rank, in this process."""
 
     def __init__(self, url: str, name: str, *, ttl: float = 3600.0,
-                 max_defer: float = 30.0) -> None:
+                 max_defer: float = 30.0, extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.daemon = Daemon(cpu_bytes="32MiB", extra=("--remote", url, "--remote-ttl",
-                                                       str(ttl))).start()
+                                                       str(ttl), *extra)).start()
         self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT,
                                            max_defer_seconds=max_defer)
         self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT)
@@ -227,3 +228,24 @@ def test_a_namespace_nobody_uses_is_no_longer_followed(hosts):
         one.worker.close()
         wait_until(lambda: one.tier()["followed_namespaces"] == 0,
                    "the namespace stayed followed after its last session ended")
+
+
+def test_metrics_show_the_tier_and_the_promotions(hosts):
+    port = free_port()
+    with redis_servers.single_node() as store:
+        one = hosts(store.url, "host-1")
+        two = hosts(store.url, "host-2", extra=("--metrics-port", str(port)))
+        one.save("img", data(5))
+        published(one, 1)
+        indexed(two, 1)
+        ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
+        assert ok and two.scheduler.has_item("img")
+        two.scheduler.build_step_metadata()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        for line in ("ec_daemon_remote_reachable 1.0", "ec_daemon_remote_remote_hits_total 1.0",
+                     "ec_daemon_convergence_promotions_total 1.0",
+                     "ec_daemon_convergence_wants_total 1.0"):
+            assert line in text, line
+        assert 'ec_daemon_remote_op_duration_seconds_count{op="get"} 1.0' in text
+        assert 'ec_daemon_remote_op_duration_seconds_count{op="put"} 1.0' not in text  # host 1's
