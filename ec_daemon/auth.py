@@ -67,7 +67,12 @@ def apply_access(path: str | Path, mode: int, gid: int | None) -> None:
                 os.chown(entry, -1, gid)
             os.chmod(entry, mode)
     except OSError as exc:
-        raise AuthError(f"cannot set access on {path}: {exc.strerror or exc}") from None
+        hint = ""
+        if exc.errno == errno.EPERM and gid is not None and os.getuid() != 0 \
+                and gid not in os.getgroups() and gid != os.getgid():
+            hint = (f" (this user, uid {os.getuid()}, is not in group {gid}: run the daemon "
+                    f"with that group, e.g. docker run --group-add {gid})")
+        raise AuthError(f"cannot set access on {path}: {exc.strerror or exc}{hint}") from None
 
 
 def make_socket_folder(folder: Path, gid: int | None) -> None:

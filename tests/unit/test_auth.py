@@ -61,3 +61,21 @@ def test_open_folder_to_group_does_not_follow_a_symlink(base: Path) -> None:
     with pytest.raises(AuthError, match=f"{link}: it is a symlink or not a folder"):
         open_folder_to_group(link, os.getegid())
     assert mode_of(real) == 0o700
+
+
+def test_a_daemon_outside_its_group_is_told_so(base: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A non-root daemon asked for --group it is not in cannot chown the
+    socket: the error names the cause and the fix, not just EPERM."""
+    path = base / "ec.sock"
+    path.write_text("")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chown", refuse)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(os, "getgid", lambda: 1000)
+    monkeypatch.setattr(os, "getgroups", lambda: [1000])
+    with pytest.raises(AuthError, match=r"not in group 3000.*--group-add 3000"):
+        apply_access(path, 0o660, 3000)
