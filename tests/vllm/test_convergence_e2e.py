@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(1200)
 # reached when the daemon answers as it should.
 MAX_DEFER_SECONDS = 120
 SLOW_SAVE = "tests.vllm.slow_copy:SlowSaveBackend"
+SAVE_SECONDS = 5
 
 
 def started(*engines: Engine) -> None:
@@ -27,10 +28,18 @@ def started(*engines: Engine) -> None:
         engine.wait_for_line("STARTED", ENGINE_TIMEOUT)
 
 
-def test_two_engines_that_get_one_new_image_at_once_encode_it_once(tiny_model, reference):
+def test_two_engines_that_get_one_new_image_at_once_encode_it_once(tiny_model, reference,
+                                                                   tmp_path):
+    # Each engine's save takes a few seconds, so that whichever encodes first
+    # is still saving when the other asks: the other must wait, not encode
+    # (without it, the faster engine may have saved before the other asked,
+    # which is a plain hit).
     with Daemon(cpu_bytes="64MiB", extra=("--log-level", "debug")) as daemon:
         engines = [start_engine(tiny_model, [C], socket=daemon.socket, wait_start=True,
-                                max_defer_seconds=MAX_DEFER_SECONDS) for _ in range(2)]
+                                max_defer_seconds=MAX_DEFER_SECONDS, copy_backend=SLOW_SAVE,
+                                env={MARKER_ENV: str(tmp_path / f"save-{i}"),
+                                     SECONDS_ENV: str(SAVE_SECONDS)})
+                   for i in range(2)]
         try:
             started(*engines)
             daemon.wait_for(lambda: daemon.stats()["sessions"] == 4,
