@@ -3,12 +3,14 @@ end-to-end tests: start one, wait for its lines, collect its RESULT."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,9 @@ class Engine:
     """An engine process; a thread drains its output (vLLM logs a lot, and a
     full pipe would stall the engine), so the test can wait on lines."""
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], shm_before: set[str]) -> None:
         self.proc = proc
+        self.shm_before = shm_before
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -65,9 +68,13 @@ class Engine:
 
     def stop(self) -> None:
         """Kill the engine and the processes vLLM started for it (its own
-        process group), if it has not ended by itself."""
+        process group), if it has not ended by itself, and remove the shared
+        memory they left (their resource tracker died with them)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            _wait_group_gone(self.proc.pid)
+            _remove_orphaned_shm(self.shm_before)
         self.proc.wait()
 
     def finish(self) -> dict[str, Any]:
@@ -90,6 +97,48 @@ class Engine:
         return result
 
 
+# What Python's multiprocessing leaves in /dev/shm when its processes are
+# killed: vLLM's shared-memory buffers (SharedMemory names start "psm_") and
+# semaphores.
+SHM = Path("/dev/shm")
+SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {p.name for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _wait_group_gone(pgid: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _remove_orphaned_shm(before: set[str]) -> None:
+    """Remove segments that appeared since `before` and no live process maps
+    (another engine still running keeps its own)."""
+    new = _shm_names() - before
+    if not new:
+        return
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(name for name in new if f"/dev/shm/{name}" in text)
+    for name in new - mapped:
+        with contextlib.suppress(OSError):
+            (SHM / name).unlink()
+
+
 def start_engine(model: Path, images: list[int], socket: str = "", role: str = "ec_both",
                  pause_after: int = 0, copy_backend: str = "cpu",
                  env: dict[str, str] | None = None, wait_start: bool = False,
@@ -107,9 +156,10 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--wait-start"]
     if max_defer_seconds:
         args += ["--max-defer-seconds", str(max_defer_seconds)]
+    before = _shm_names()
     return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True))
+                                   start_new_session=True), before)
 
 
 def run_engine(model: Path, images: list[int], **kwargs: Any) -> dict[str, Any]:
