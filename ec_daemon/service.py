@@ -40,7 +40,7 @@ from ec_daemon.errors import (
 from ec_daemon.events import AllocOutcome, AllocResult, HeartbeatEcho, ReportStatus
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
-from ec_daemon.records import Key, State
+from ec_daemon.records import Key
 from ec_daemon.records import Session as ClientSession
 from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
@@ -439,8 +439,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
     def _saved(self, key: Key) -> None:
         """A worker's save landed: waiters hit now; publish it (write-behind)."""
         self.convergence.ready(key)
-        entry = self.cache.get(*key)
-        if self.tier is None or entry is None or entry.state is not State.READY:
+        entry = self.cache.get(*key)  # ready: committed just now, on this loop
+        if self.tier is None or entry is None:
             return
         extents, stamp = self.cache.extents(entry), entry.entry_id
         stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes

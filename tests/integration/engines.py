@@ -187,6 +187,14 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
             return
 
 
+def wait_until(predicate: Any, what: str, seconds: float = ATTACH_TIMEOUT) -> None:
+    """Poll `predicate` until it holds; fail with `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def ensure_within(scheduler: SchedulerDelegate, hashes: list[str],
                   seconds: float) -> tuple[bool, float]:
     """Ask `ensure` as vLLM does every step, until it says yes or `seconds`

@@ -21,7 +21,7 @@ from ec_client.worker import WorkerDelegate
 from ec_protocol.protocol import pb
 from tests.integration import engines
 from tests.integration.daemon import Daemon
-from tests.integration.engines import LAYOUT, Proc, ensure_within
+from tests.integration.engines import LAYOUT, Proc, ensure_within, wait_until
 
 pytestmark = pytest.mark.integration
 DATA = np.random.default_rng(7).integers(0, 256, (256, 2048), dtype=np.uint8)
@@ -39,13 +39,6 @@ def scheduler(daemon: Daemon, engine: str, max_defer: float = 30.0) -> Scheduler
                           max_defer_seconds=max_defer)
     assert s.link.wait_attached(WAIT)
     return s
-
-
-def wait_until(predicate, what: str, seconds: float = WAIT) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def wanting(*schedulers: SchedulerDelegate) -> None:

@@ -21,7 +21,7 @@ from ec_client.worker import WorkerDelegate
 from ec_daemon.remote.store import value_key
 from tests import redis_servers
 from tests.integration.daemon import Daemon, free_port
-from tests.integration.engines import LAYOUT, ensure_within
+from tests.integration.engines import LAYOUT, ensure_within, wait_until
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not redis_servers.available(),
@@ -79,13 +79,6 @@ class Host:
         self.worker.close()
         self.daemon.stop()
         self.daemon.cleanup()
-
-
-def wait_until(predicate: Any, what: str, seconds: float = WAIT) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.fixture
