@@ -5,9 +5,13 @@ A load names the region generation it reads (with its path: see
 first use and keeps the mapping while any copy uses it. A daemon restart
 never unmaps a region under a running copy (torch or cupy may still be
 reading it), and a load dispatched just before the restart still reads the
-old region, whose pages nobody reuses any more. A mapping no copy uses is
-unmapped once a newer generation is current and it has been retired for
-`RETIRE_SECONDS` (a dead daemon's tmpfs memory is not pinned for long).
+old region: an adopted one (a warm restart) is the same file, and a
+replaced one is unlinked but stays readable through the mapping. A mapping
+no copy uses is unmapped once a newer generation is current, it has been
+retired for `RETIRE_SECONDS` (a dead daemon's tmpfs memory is not pinned for
+long), and the scheduler no longer names it among the generations its loads
+in flight read (`keep_loading`, from every step's metadata): a load whose
+copy starts long after its dispatch, in a slow step, still finds it.
 
 Thread-safe: loads run on the engine's thread, saves on the saver thread,
 attach and detach on the link thread.
@@ -64,6 +68,7 @@ class Regions:
         self._lock = threading.Lock()
         self._mapped: dict[int, _Mapped] = {}
         self.current: int | None = None  # generation of the attached daemon
+        self._loading: frozenset[int] = frozenset()  # named by loads in flight
 
     @contextmanager
     def use(self, info: RegionInfo) -> Iterator[tuple[RegionMapping, StampTable]]:
@@ -97,12 +102,22 @@ class Regions:
                 pass
         self.prune()
 
+    def keep_loading(self, generations: frozenset[int]) -> None:
+        """The generations the scheduler's loads in flight read (the latest
+        step's metadata): mapped however long ago they were retired."""
+        if generations != self._loading:
+            self._loading = generations
+            self.prune()
+
     def prune(self) -> None:
-        """Unmap retired mappings that no copy uses and whose grace is over."""
+        """Unmap retired mappings that no copy uses, no load in flight names,
+        and whose grace is over."""
         now = self._clock()
         with self._lock:
+            loading = self._loading
             done = [m for m in self._mapped.values() if m.users == 0 and m.retired_at is not None
-                    and now - m.retired_at >= RETIRE_SECONDS]
+                    and now - m.retired_at >= RETIRE_SECONDS
+                    and m.info.generation not in loading]
             for mapped in done:
                 del self._mapped[mapped.info.generation]
         for mapped in done:

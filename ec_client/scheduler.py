@@ -87,13 +87,18 @@ class StepMetadata:
 
     loads: list[LoadSpec] = field(default_factory=list)
     regions: dict[int, RegionInfo] = field(default_factory=dict)
+    # Generations with loads dispatched and not yet reported by every rank,
+    # these included: workers keep those regions mapped, however long.
+    loading: frozenset[int] = frozenset()
 
 
 class _Current(NamedTuple):
-    """The attachment hits are answered for, and the view epoch it filled."""
+    """The attachment hits are answered for, the view epoch it filled, and
+    the lineage its loads in flight count in."""
 
     region: RegionInfo
     epoch: int
+    lineage: int
 
 
 @dataclass(slots=True)
@@ -107,7 +112,8 @@ class _Want:
 @dataclass(slots=True)
 class _Transfer:
     ref: Ref
-    epoch: int
+    lineage: int
+    generation: int
     left: int  # rank reports still to come
     request_ids: list[str]
     started: float
@@ -136,6 +142,9 @@ class SchedulerDelegate:
         self._dispatched: dict[int, _Transfer] = {}
         self._unavailable: set[str] = set()
         self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
+        self._loading: dict[int, int] = {}  # generation -> loads in flight
+        self._loading_set: frozenset[int] = frozenset()
+        self._generation: int | None = None  # of the last attachment, kept while detached
         self._next_expiry = 0.0
         self._taken: dict[str, tuple[int, int]] = {}
         # Since the last take_stats (plain ints: the hot path counts them).
@@ -235,23 +244,25 @@ class SchedulerDelegate:
         if (self._dispatched or self._wants) and now >= self._next_expiry:
             self._expire(now)
         if not planned:
-            self.view.end_step((), self.view.epoch, self._send)
-            return StepMetadata()
+            self.view.end_step((), self.view.lineage, self._send)
+            return StepMetadata(loading=self._loading_set)
         metadata = StepMetadata()
         loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
-        epoch = self.view.epoch
-        in_view: Refs = []  # loads of the current view (older ones: see has_item)
+        lineage = self.view.lineage
+        in_view: Refs = []  # loads the view counts (older ones: see has_item)
         nbytes = 0
         for spec, request_ids, current in planned.values():
             ref = (spec.mm_hash, spec.entry_id)
-            dispatched[spec.transfer_id] = _Transfer(ref, current.epoch, self.ranks,
-                                                     request_ids, now)
-            if current.epoch == epoch:
+            dispatched[spec.transfer_id] = _Transfer(ref, current.lineage, spec.generation,
+                                                     self.ranks, request_ids, now)
+            self._count_loading(spec.generation, 1)
+            if current.lineage == lineage:
                 in_view.append(ref)
             loads.append(spec)
             regions[current.region.generation] = current.region
             nbytes += spec.nbytes
-        self.view.end_step(in_view, epoch, self._send)
+        self.view.end_step(in_view, lineage, self._send)
+        metadata.loading = self._loading_set
         self._loads += len(loads)
         self._load_bytes += nbytes
         return metadata
@@ -306,8 +317,21 @@ class SchedulerDelegate:
 
     def _finish(self, transfers: list[_Transfer]) -> None:
         """These loads landed on every rank: the view may acknowledge."""
-        epoch = self.view.epoch
-        self.view.finish([t.ref for t in transfers if t.epoch == epoch], epoch, self._send)
+        lineage = self.view.lineage
+        for transfer in transfers:
+            self._count_loading(transfer.generation, -1)
+        self.view.finish([t.ref for t in transfers if t.lineage == lineage], lineage,
+                         self._send)
+
+    def _count_loading(self, generation: int, change: int) -> None:
+        """Loads in flight per region generation (StepMetadata.loading)."""
+        left = self._loading.get(generation, 0) + change
+        if left > 0:
+            self._loading[generation] = left
+        else:
+            self._loading.pop(generation, None)
+        if (left > 0) != (generation in self._loading_set):
+            self._loading_set = frozenset(self._loading)
 
     def _counts_since(self, reader: str) -> tuple[int, int]:
         """(lookups, hits) since `reader` last asked; each reader (the
@@ -336,7 +360,10 @@ class SchedulerDelegate:
 
     # ------------------------------------------------- link callbacks
 
-    def _on_attached(self, attachment: Attachment) -> None:
+    def _on_attached(self, attachment: Attachment) -> list[Any]:
+        """A new session: the view starts over. When the region is the one
+        this view loaded from (a restarted daemon adopted it), loads in flight
+        stay counted and the daemon hears of them first (`holds`)."""
         owner = attached_socket_owner(self.transport.uri)  # a stranger's socket raises
         # Hits are answered only for a region this host's workers can map: a
         # region missing here (a client left in a restarted container's old
@@ -344,15 +371,24 @@ class SchedulerDelegate:
         os.close(open_region(attachment.region.path, owner))
         self._wanting = False  # until the new session's NamespaceInfo
         self._wants = {}  # answers of the old daemon mean nothing to the new one
-        self.view.clear()
-        self._current = _Current(attachment.region, self.view.epoch)
-        log.info("ec-daemon scheduler session %d attached (generation %016x, namespace %r)",
-                 attachment.index, attachment.region.generation, attachment.namespace)
+        same_region = attachment.region.generation == self._generation
+        self._generation = attachment.region.generation
+        self.view.clear(keep_loads=same_region)
+        self._current = _Current(attachment.region, self.view.epoch, self.view.lineage)
+        log.info("ec-daemon scheduler session %d attached (generation %016x%s, namespace %r)",
+                 attachment.index, attachment.region.generation,
+                 ", the same region" if same_region else "", attachment.namespace)
+        loading = self.view.loading() if same_region else []
+        return [pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
+                                        for h, e in loading[start:start + MAX_BATCH]])
+                for start in range(0, len(loading), MAX_BATCH)]
 
     def _on_detached(self) -> None:
         self._current = None
         self._wanting = False
-        self.view.clear()
+        # Loads in flight stay counted until the next attachment says whether
+        # its region is the same one.
+        self.view.clear(keep_loads=True)
 
     def _on_message(self, message: Any) -> None:
         self.view.apply(message, self._send)  # ready events before the answers

@@ -15,10 +15,11 @@ t + lease * FRESH_FRACTION: a view answers hits only while it is, so a view
 the daemon may have dropped (a frozen process, a stalled stream) never
 dispatches. Both clocks are the host's monotonic clock.
 
-Callbacks run on the link's thread, in order: on_attached, on_message...,
-on_detached. A callback that raises is logged once, and the link detaches
-and attaches again (a link thread that died would stop acknowledging
-evictions, and reclamation would stall for every engine on the host).
+Callbacks run on the link's thread, in order: on_attached (it may return
+messages to send first on the new stream), on_message..., on_detached. A
+callback that raises is logged once, and the link detaches and attaches
+again (a link thread that died would stop acknowledging evictions, and
+reclamation would stall for every engine on the host).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -76,7 +77,7 @@ def default_client_name() -> str:
 class SessionLink:
     def __init__(self, transport: Any, *, engine_id: str, role: str, layout: Layout,
                  rank: int | None = None, world_size: int = 1, client_name: str = "",
-                 on_attached: Callable[[Attachment], None] = lambda a: None,
+                 on_attached: Callable[[Attachment], Iterable[Any] | None] = lambda a: None,
                  on_detached: Callable[[], None] = lambda: None,
                  on_message: Callable[[Any], None] = lambda m: None,
                  heartbeat: Callable[[], Any] | None = None,
@@ -208,7 +209,8 @@ class SessionLink:
         responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
         self._responses = responses
         try:
-            self._on_attached(attachment)
+            for first in self._on_attached(attachment) or ():
+                outbox.put(first)
         except Exception as exc:  # e.g. the region vanished: attach again
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             responses.cancel()

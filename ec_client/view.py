@@ -15,6 +15,9 @@ a running copy, without any pin message.
 - Loads in flight: counted per (mm_hash, entry_id) from `end_step` until
   `finish` (every rank reported, through vLLM's worker metadata). An
   eviction of an entry in flight is withheld until its last load finished.
+  They outlive a re-attach to the same region (a restarted daemon adopted
+  it: same generation, same entry ids): `clear(keep_loads=True)` keeps them
+  under the same `lineage`, and the new session is told (`holds`).
 
 `claim` is on the engine's hot path and takes no lock. It marks the hash
 claimed, then reads the entry; `apply` hides an evicted entry, then checks
@@ -61,7 +64,8 @@ class ReadyView:
         self._withheld: set[Ref] = set()  # evicted while in flight
         self._touches: dict[Ref, int] = {}  # loads dispatched since the last heartbeat
         self._lock = threading.Lock()
-        self.epoch = 0  # bumped by `clear`: refs of an older epoch are void
+        self.epoch = 0  # bumped by `clear`: entries of an older epoch are void
+        self.lineage = 0  # bumped when loads in flight are forgotten: their refs are void
         self.synced = False  # the initial snapshot has arrived
         # (lookups, hits) since start, replaced whole by the engine's thread
         # so a reader never sees one without the other.
@@ -78,15 +82,15 @@ class ReadyView:
         self._counts = (lookups + 1, hits + (entry is not None))
         return entry
 
-    def end_step(self, dispatched: Iterable[Ref], epoch: int, send: Send) -> bool:
-        """Step boundary: the loads `dispatched` from entries claimed in view
-        `epoch` are in flight; acknowledge the deferred evictions of the
-        others. Returns False when the acknowledgements could not be sent."""
+    def end_step(self, dispatched: Iterable[Ref], lineage: int, send: Send) -> bool:
+        """Step boundary: the loads `dispatched` from entries of `lineage` are
+        in flight; acknowledge the deferred evictions of the others. Returns
+        False when the acknowledgements could not be sent."""
         if not self._claimed:
             return True  # nothing claimed since the last boundary: nothing deferred
         with self._lock:
             self._claimed.clear()
-            if epoch == self.epoch:
+            if lineage == self.lineage:
                 touches = self._touches
                 for ref in dispatched:
                     self._inflight[ref] = self._inflight.get(ref, 0) + 1
@@ -101,14 +105,14 @@ class ReadyView:
                     acks.append(ref)
             return not acks or send(acks)
 
-    def finish(self, refs: list[Ref], epoch: int, send: Send) -> None:
-        """These loads of view `epoch` landed on every rank (or failed):
+    def finish(self, refs: list[Ref], lineage: int, send: Send) -> None:
+        """These loads of `lineage` landed on every rank (or failed):
         acknowledge evictions that waited for them."""
         if not refs:
             return
         with self._lock:
-            if epoch != self.epoch:
-                return  # the view was cleared: its session no longer awaits anything
+            if lineage != self.lineage:
+                return  # forgotten: no session awaits anything of them
             acks = []
             for ref in refs:
                 left = self._inflight.get(ref, 0) - 1
@@ -166,18 +170,27 @@ class ReadyView:
         """(lookups, hits) since the view was made (any thread)."""
         return self._counts
 
-    def clear(self) -> None:
-        """Forget everything (the session is gone: nothing here is valid;
-        loads still in flight are protected by the daemon's ghost of it)."""
+    def clear(self, *, keep_loads: bool = False) -> None:
+        """Forget the entries (the session is gone: nothing here is valid).
+        Loads in flight are forgotten too (the daemon's ghost of the session
+        protects them), unless `keep_loads`: the next session may serve the
+        same region, whose daemon must then hear of them (`loading`)."""
         with self._lock:
             self._entries.clear()
             self._claimed.clear()
             self._deferred.clear()
-            self._inflight.clear()
-            self._withheld.clear()
-            self._touches.clear()
+            self._withheld.clear()  # owed to the old session only
+            if not keep_loads:
+                self._inflight.clear()
+                self._touches.clear()
+                self.lineage += 1
             self.synced = False
             self.epoch += 1
+
+    def loading(self) -> Refs:
+        """The entries with loads in flight (for the next session's `holds`)."""
+        with self._lock:
+            return list(self._inflight)
 
     # ------------------------------------------------------- any thread
 

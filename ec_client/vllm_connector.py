@@ -89,6 +89,7 @@ class ECDaemonConnectorMetadata(ECConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     regions: dict[int, RegionInfo] = field(default_factory=dict)
+    loading: frozenset[int] = frozenset()  # generations loads in flight read
 
 
 @dataclass
@@ -209,6 +210,7 @@ class ECDaemonConnector(ECConnectorBase):
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECDaemonConnectorMetadata)
+        self._worker.regions.keep_loading(metadata.loading)
         if not metadata.loads:
             return
         started = time.perf_counter()
@@ -267,7 +269,7 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
         step = self._scheduler.build_step_metadata()
-        return ECDaemonConnectorMetadata(step.loads, step.regions)
+        return ECDaemonConnectorMetadata(step.loads, step.regions, step.loading)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._scheduler is None:

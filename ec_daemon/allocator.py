@@ -18,7 +18,9 @@ Run = tuple[int, int]  # (first page, number of pages)
 
 
 class ExtentAllocator:
-    def __init__(self, total_pages: int) -> None:
+    def __init__(self, total_pages: int, free: list[Run] | None = None) -> None:
+        """All pages free, or only the runs `free` (an adopted region: maximal,
+        disjoint runs in address order)."""
         if total_pages <= 0:
             raise ValueError("an allocator needs at least one page")
         self.total_pages = total_pages
@@ -27,7 +29,22 @@ class ExtentAllocator:
         self._by_end: dict[int, int] = {}  # one past the last page -> first page
         self._by_size: list[Run] = []  # sorted (length, first page)
         self._starts: list[int] = []  # sorted first pages, to refuse double frees
-        self._insert(0, total_pages)
+        if free is None:
+            self._insert(0, total_pages)
+            return
+        end = 0
+        for start, length in free:
+            if start < end or length <= 0 or start + length > total_pages \
+                    or (start == end and start > 0):
+                raise ValueError(f"free run {start}+{length} overlaps, touches or leaves the "
+                                 "region")
+            end = start + length
+            self._by_start[start] = length
+            self._by_end[end] = start
+            self._starts.append(start)
+            self._by_size.append((length, start))
+            self.free_pages += length
+        self._by_size.sort()
 
     def allocate(self, pages: int) -> list[Run] | None:
         """Take `pages` pages as few runs; None (and no change) when short."""
@@ -69,6 +86,10 @@ class ExtentAllocator:
                 self._remove(start + length, right_len)
                 length += right_len
             self._insert(start, length)
+
+    def runs(self) -> list[Run]:
+        """The free runs, in address order."""
+        return [(start, self._by_start[start]) for start in self._starts]
 
     @property
     def largest_free_run(self) -> int:

@@ -18,12 +18,19 @@ RCU). A view that ends without detaching stays awaited as a ghost for one
 lease (`sessions`). Each allocation's entry_id is written into the region's
 stamp table before its writer gets the extents, so a reader can verify.
 
+Durability (`index`): a READY record is journaled before an entry becomes
+visible, a GONE record before its pages are freed, and ids are reserved
+before use, so a restarted daemon adopts the ready entries (`restore`) and
+never reuses an id a reader may still hold.
+
 Not thread-safe: the daemon's event loop is the only caller. Methods that
 raise a `CacheError` have changed nothing.
 """
 
 from __future__ import annotations
 
+import itertools
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -40,6 +47,7 @@ from ec_daemon.events import (
     SnapshotDoneEvent,
 )
 from ec_daemon.eviction import EvictionPolicy, LRUPolicy
+from ec_daemon.index import ID_BLOCK, Record
 from ec_daemon.limits import validate_mm_hash, validate_save
 from ec_daemon.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
 from ec_daemon.sessions import SessionTable
@@ -69,13 +77,40 @@ class Stamps:
         return True  # no table, no region: nothing was read from pages
 
 
+class NoIndex:
+    """Where the cache journals entries (`index.Index`); this default keeps
+    none (unit tests, and a region whose index could not be written)."""
+
+    ids_reserved = sys.maxsize
+
+    def ready(self, entry_id: int, namespace: str, mm_hash: str, nbytes: int,
+              shape: tuple[int, ...], dtype: str, runs: list[Run]) -> None:
+        return None
+
+    def hidden(self, entry_id: int) -> None:
+        return None
+
+    def gone(self, entry_id: int) -> None:
+        return None
+
+    def reserve_ids(self, below: int) -> None:
+        return None
+
+    def needs_compaction(self) -> bool:
+        return False
+
+    def compact(self, order: Iterable[int]) -> None:
+        return None
+
+
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
                  policy: EvictionPolicy | None = None, data_offset: int = 0,
-                 stamps: Any = None,
+                 stamps: Any = None, index: Any = None,
                  quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS) -> None:
         """`capacity_bytes` of payload pages starting at byte `data_offset` of
-        the region; `stamps` is the region's StampTable (or a `Stamps`)."""
+        the region; `stamps` is the region's StampTable (or a `Stamps`),
+        `index` its journal (`index.Index`, or a `NoIndex`)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -85,6 +120,7 @@ class Cache:
         self.sessions = sessions
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.stamps = stamps if stamps is not None else Stamps()
+        self.index = index if index is not None else NoIndex()
         self.quarantine_seconds = quarantine_seconds
         self._namespaces: dict[str, dict[str, Entry]] = {}
         self._next_entry_id = 1
@@ -203,6 +239,8 @@ class Cache:
                 return AllocResult(AllocOutcome.WAIT)
             self.counters["refused_saves"] += 1
             raise ResourceExhausted(self._full_message(nbytes))
+        if self._next_entry_id >= self.index.ids_reserved:  # said before it is used
+            self.index.reserve_ids(self._next_entry_id + ID_BLOCK)
         entry = Entry((session.namespace, mm_hash), self._next_entry_id, nbytes, shape, dtype,
                       runs, session)
         self._next_entry_id += 1
@@ -257,6 +295,20 @@ class Cache:
             if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
                 self._acknowledge(entry, session)
 
+    def hold(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
+        """`session`'s engine is still loading these entries (it re-attached
+        to an adopted region): a hidden one awaits this session too and is
+        announced to it as evicted; unknown or stale refs are ignored."""
+        namespace = self._namespaces.get(session.namespace, {})
+        for mm_hash, entry_id in refs:
+            entry = namespace.get(mm_hash)
+            if entry is None or entry.entry_id != entry_id or entry.state is not State.HIDDEN \
+                    or session in entry.awaiting:
+                continue
+            entry.awaiting.add(session)
+            session.awaiting.add(entry)
+            session.send(EvictedEvent(mm_hash, entry_id))
+
     def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
         """Loads `session`'s view dispatched: recency for eviction, and the
         load counters (bytes only for entries still known)."""
@@ -302,6 +354,58 @@ class Cache:
         """Every entry, any state (the invariant checker and tools)."""
         return (e for es in self._namespaces.values() for e in es.values())
 
+    # ---------------------------------------------------- warm restart
+
+    def restore(self, records: Iterable[Record], free: list[Run], quarantined: list[Run],
+                next_entry_id: int, ghost: Callable[[str], Session]) -> None:
+        """Rebuild an empty cache from an adopted region (`adoption`): the
+        verified `records` (least recently used first) become ready or hidden
+        entries, `quarantined` runs (stamped, owned by no adopted entry: a
+        writer of the previous daemon may still be copying) stay out of use
+        for the quarantine, and ids continue from `next_entry_id`. Hidden
+        entries, and every eviction in their namespace for one lease, await
+        `ghost(namespace)`: the previous daemon's views may still be loading."""
+        assert self._next_entry_id == 1 and not self._namespaces, "restore into an empty cache"
+        self.allocator = ExtentAllocator(self.allocator.total_pages, free)
+        self._next_entry_id = next_entry_id
+        ghosts: dict[str, Session] = {}
+        for record in records:
+            key = (record.namespace, record.mm_hash)
+            entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
+                          [(first, pages) for first, pages in record.runs], None)
+            self._namespaces.setdefault(key[0], {})[key[1]] = entry
+            usage = self.namespace_usage.setdefault(key[0], [0, 0])
+            usage[0] += 1
+            usage[1] += entry.nbytes
+            if key[0] not in ghosts:
+                ghosts[key[0]] = ghost(key[0])
+            if record.hidden:
+                entry.state = State.HIDDEN
+                entry.awaiting = {ghosts[key[0]]}
+                ghosts[key[0]].awaiting.add(entry)
+                self.hidden_pages += entry.pages
+                self.hidden_entries += 1
+            else:
+                entry.state = State.READY
+                self.policy.add(key, entry.pages)
+                self.ready_entries += 1
+        if quarantined:
+            pages = sum(n for _, n in quarantined)
+            self.quarantine.append((self.sessions.clock() + self.quarantine_seconds,
+                                    quarantined, pages))
+            self.quarantined_pages += pages
+
+    def compact_index(self) -> bool:
+        """Rewrite the journal when it holds mostly dead records, live entries
+        in eviction order (a later adoption keeps it). True if it did."""
+        if not self.index.needs_compaction():
+            return False
+        ready = (self._namespaces[ns][h].entry_id for ns, h in
+                 cast(Iterable[Key], self.policy.order()))
+        hidden = (e.entry_id for e in self.entries() if e.state is State.HIDDEN)
+        self.index.compact(itertools.chain(ready, hidden))
+        return True
+
     # ------------------------------------------------------------ helpers
 
     def _make_room(self, pages: int, count_hidden: bool) -> list[Run] | None:
@@ -324,6 +428,8 @@ class Cache:
             return ReportStatus.UNKNOWN
         if entry.state is not State.PENDING:
             return ReportStatus.DUPLICATE
+        self.index.ready(entry.entry_id, entry.key[0], entry.key[1], entry.nbytes, entry.shape,
+                         entry.dtype, entry.runs)  # durable before it is visible
         entry.state = State.READY
         entry.owner = None
         session.pending.discard(entry.key)
@@ -359,6 +465,7 @@ class Cache:
     def _hide(self, entry: Entry) -> None:
         assert entry.state is State.READY
         self.policy.remove(entry.key)
+        self.index.hidden(entry.entry_id)
         entry.state = State.HIDDEN
         self.hidden_pages += entry.pages
         self.ready_entries -= 1
@@ -386,6 +493,7 @@ class Cache:
         usage = self.namespace_usage[entry.key[0]]
         usage[0] -= 1
         usage[1] -= entry.nbytes
+        self.index.gone(entry.entry_id)  # before any page can be reused
         self._forget(entry)
         self._free_runs(entry.runs)
 

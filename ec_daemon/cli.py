@@ -1,9 +1,10 @@
-"""`ec-daemon`: serve (the default), `health`, `stats` and `events`.
+"""`ec-daemon`: serve (the default), `health`, `stats`, `events` and `clean`.
 
     ec-daemon [serve] --cpu-bytes 64GiB --socket unix:///run/ec-daemon/ec.sock
     ec-daemon health [--socket URI]      exit 0 only when the daemon serves
     ec-daemon stats [--socket URI] [--json]
     ec-daemon events [--socket URI] [--namespace NS] [--json]   until Ctrl-C
+    ec-daemon clean [--socket URI | --all] [--shm-dir DIR]   remove stopped daemons' regions
 
 Flags of `serve` come from the settings table in `config` (each with an
 EC_DAEMON_* environment fallback). Errors are one line on stderr and a
@@ -28,18 +29,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_daemon import __version__, config
-from ec_daemon.server import SERVICE_NAME, StartupError, serve
+from ec_daemon.region import clean_stale
+from ec_daemon.server import SERVICE_NAME, StartupError, serve, socket_identity
 from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb, rpc
 from ec_protocol.transport import Transport
 
-COMMANDS = ("serve", "health", "stats", "events")
+COMMANDS = ("serve", "health", "stats", "events", "clean")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and args[0] in COMMANDS else "serve"
     return {"serve": _serve, "health": _health, "stats": _stats,
-            "events": _events}[command](args)
+            "events": _events, "clean": _clean}[command](args)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -50,7 +52,8 @@ def _fail(message: str, code: int = 2) -> int:
 def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ec-daemon", description="Serve a shared CPU encoder cache for vLLM engines. "
-        "Other commands: `ec-daemon health`, `ec-daemon stats`, `ec-daemon events`.")
+        "Other commands: `ec-daemon health`, `ec-daemon stats`, `ec-daemon events`, "
+        "`ec-daemon clean`.")
     parser.add_argument("--version", action="version", version=f"ec-daemon {__version__}")
     config.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -82,6 +85,25 @@ def configure_logging(level: str, fmt: str) -> None:
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def _clean(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ec-daemon clean", description="Remove the regions stopped daemons left in the "
+        "tmpfs for their next start (a warm restart), freeing their memory. Regions of "
+        "running daemons and other users' files are never touched.")
+    config.add_arguments(parser, ("socket", "shm_dir"))
+    parser.add_argument("--all", action="store_true",
+                        help="every stopped daemon's region, whatever its socket")
+    args = parser.parse_args(argv)
+    socket = None if args.all else socket_identity(args.socket)
+    removed = clean_stale(args.shm_dir, socket)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print(f"no region of a stopped daemon{'' if args.all else ' on ' + args.socket} "
+              f"in {args.shm_dir}")
+    return 0
 
 
 def _client_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -100,6 +100,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _bool(text: str) -> bool:
+    value = text.lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"invalid value {text!r}: use true or false")
+    return value in ("true", "1", "yes")
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -108,6 +115,8 @@ class Setting:
     help: str
     metavar: str = ""
     env: str = field(default="")
+    # A switch: the bare flag means "true" (`--fresh-start`); a value still works.
+    switch: bool = False
 
     @property
     def flag(self) -> str:
@@ -142,9 +151,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quarantine_seconds", _positive_float, lambda: "300",
             "pages of a save whose writer vanished stay unused this long (a frozen writer "
             "that wakes up must not overwrite a newer entry)", "S"),
-    Setting("check_invariants", lambda text: _choice("true", "false")(text) == "true",
-            lambda: "false", "verify the bookkeeping after every call (slow; for testing)",
-            "BOOL"),
+    Setting("check_invariants", _bool, lambda: "false",
+            "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
+    Setting("fresh_start", _bool, lambda: "false",
+            "start with an empty cache: remove the region a previous daemon on this socket "
+            "left instead of adopting it", "BOOL", switch=True),
+    Setting("on_exit", _choice("keep", "remove"), lambda: "keep",
+            "keep: leave the region for the next daemon on this socket to adopt (a warm "
+            "restart); remove: delete it at exit (frees its memory)", "WHAT"),
     Setting("metrics_port", _port, lambda: "0",
             "serve Prometheus metrics on this port (0: off)", "PORT"),
     Setting("metrics_address", str, lambda: "127.0.0.1",
@@ -174,9 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None
         if names is not None and setting.name not in names:
             continue
         default = os.environ.get(setting.env_var) or setting.default()
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if setting.switch else {}
         parser.add_argument(
             setting.flag, dest=setting.name, default=default, metavar=setting.metavar or None,
-            help=f"{setting.help} (env {setting.env_var}; default {default})",
+            help=f"{setting.help} (env {setting.env_var}; default {default})", **switch,
         )
 
 
@@ -195,6 +210,8 @@ class DaemonConfig:
     alloc_wait_seconds: float
     quarantine_seconds: float
     check_invariants: bool
+    fresh_start: bool
+    on_exit: str
     metrics_port: int
     metrics_address: str
     remote: str

@@ -10,7 +10,7 @@ Swappable: anything with this interface works.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Protocol
 
 
@@ -19,6 +19,7 @@ class EvictionPolicy(Protocol):
     def touch(self, key: Hashable) -> None: ...
     def remove(self, key: Hashable) -> None: ...
     def choose(self, pages: int) -> list[Hashable]: ...
+    def order(self) -> Iterable[Hashable]: ...
     @property
     def evictable_pages(self) -> int: ...
 
@@ -60,6 +61,11 @@ class LRUPolicy:
             chosen.append(key)
             total += size
         return chosen
+
+    def order(self) -> Iterable[Hashable]:
+        """Evictable keys, the first to go first (what a restarted daemon
+        adopts in this order keeps its place)."""
+        return iter(self._order)
 
     @property
     def evictable_pages(self) -> int:

@@ -1,10 +1,13 @@
 """The cache's bookkeeping, checked from scratch (tests, fuzzing and
-`--check-invariants` call `check`). Raises AssertionError naming what drifted."""
+`--check-invariants` call `check`). Raises AssertionError naming what drifted.
+With a real stamp table the stamps are checked too: every page of an entry
+carries its id (so no page is owned twice), free pages carry none."""
 
 from __future__ import annotations
 
 from ec_daemon.cache import Cache
 from ec_daemon.records import State
+from ec_protocol.stamps import StampTable
 
 
 def check(cache: Cache) -> None:
@@ -37,3 +40,17 @@ def check(cache: Cache) -> None:
         for entry in session.awaiting:
             assert entry.state is State.HIDDEN and session in entry.awaiting
     assert all(g.is_ghost and not g.alive for g in cache.sessions.ghosts())
+    if isinstance(cache.stamps, StampTable):
+        _check_stamps(cache, cache.stamps)
+
+
+def _check_stamps(cache: Cache, table: StampTable) -> None:
+    for entry in cache.entries():
+        for first, pages in entry.runs:
+            assert set(table.stamps(first, pages)) == {entry.entry_id}, (
+                f"pages of entry {entry.entry_id} carry other stamps")
+    for first, pages in cache.allocator.runs():
+        assert not any(table.stamps(first, pages)), "a free page carries a stamp"
+    for _, runs, _ in cache.quarantine:
+        for first, pages in runs:
+            assert all(table.stamps(first, pages)), "a quarantined page lost its stamp"

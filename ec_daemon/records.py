@@ -41,7 +41,7 @@ class Entry:
                  "shape", "state")
 
     def __init__(self, key: Key, entry_id: int, nbytes: int, shape: tuple[int, ...],
-                 dtype: str, runs: list[Run], owner: Session) -> None:
+                 dtype: str, runs: list[Run], owner: Session | None) -> None:
         self.key = key
         self.entry_id = entry_id  # also the stamp of its pages
         self.nbytes = nbytes
@@ -49,7 +49,7 @@ class Entry:
         self.dtype = dtype
         self.runs = runs
         self.pages = sum(n for _, n in runs)
-        self.state = State.PENDING
+        self.state = State.PENDING  # restore() sets an adopted entry's
         self.owner: Session | None = owner
         # Hidden entries only: the views (live or ghost) that still owe an
         # acknowledgement. Most entries never hide: share one empty set.

@@ -1,17 +1,23 @@
-"""The shared region: one file in a tmpfs, owned by the daemon process.
+"""The shared region: one file in a tmpfs, and its index beside it.
 
-`region` owns only the file (clients map it themselves). The daemon touches
-payload bytes only for the second tier, with pread/pwrite on its descriptor
-(`read`, `write`): publishing a saved entry, promoting a fetched one.
+`region` owns only the files (clients map the region themselves; `index`
+writes the journal). The daemon touches payload bytes only for the second
+tier, with pread/pwrite on its descriptor (`read`, `write`): publishing a
+saved entry, promoting a fetched one.
 
 The file is created owner-only under a name that carries the generation,
 its pages are allocated up front with posix_fallocate (pre-faulting without
 touching memory, and failing with a clear error instead of a SIGBUS later
-when the tmpfs is short), and it is removed when the daemon exits.
+when the tmpfs is short). The final names are taken with link(2) and
+O_EXCL, never by replacing a file: a name another user took first costs a
+new generation, never the start-up.
 
 Liveness of a region is its flock: the daemon holds an exclusive lock for its
-whole life, so a region file whose lock can be taken belongs to a dead daemon
-and is removed at the next start (no pid files, no pid reuse races).
+whole life, so a region file whose lock can be taken belongs to a dead daemon.
+At exit the daemon leaves the region and its index for the next daemon on the
+same socket to adopt (`adoption`), or removes them (`--on-exit remove`).
+Files are opened without following symlinks and without blocking (a FIFO
+planted under a region's name is skipped), and only this user's are touched.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ec_daemon.config import format_size
+from ec_daemon.index import Header, Index, IndexUnreadable, index_path, open_own_file, read_header
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,10 @@ CREATING_SUFFIX = ".creating"
 # A half-created region untouched this long (pre-faulting keeps touching it)
 # belongs to a daemon that died starting.
 CREATING_STALE_SECONDS = 30
+INDEX_SUFFIX = ".index"
+COMPACTING_SUFFIX = ".compacting"  # an index being rewritten (`index`)
+# Names tried for a new region before giving up (each taken one is skipped).
+PUBLISH_ATTEMPTS = 16
 # Progress lines are printed while pre-faulting regions at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
 _CHUNK_BYTES = 256 << 20
@@ -62,17 +73,21 @@ def new_generation() -> int:
 
 
 class Region:
-    def __init__(self, path: Path, size: int, generation: int, fd: int) -> None:
+    def __init__(self, path: Path, size: int, generation: int, fd: int,
+                 index: Index | None = None) -> None:
         self.path = path
         self.size = size
         self.generation = generation
         self._fd = fd
+        self.index = index  # None only for a region without one (tools, tests)
 
     @classmethod
     def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
                gid: int | None = None,
-               progress: Callable[[str], None] | None = None) -> Region:
-        """Create, lock and pre-fault a region of `size` bytes in `shm_dir`.
+               progress: Callable[[str], None] | None = None,
+               index_header: Callable[[int], Header] | None = None) -> Region:
+        """Create, lock and pre-fault a region of `size` bytes in `shm_dir`,
+        with an empty index (`index_header(generation)` is its header).
 
         Raises RegionError (nothing left behind) when the directory is
         unusable or the tmpfs cannot hold `size` bytes.
@@ -88,26 +103,32 @@ class Region:
                 f"a region of {format_size(size)} does not fit in {folder} "
                 f"({format_size(available)} available): lower --cpu-bytes or enlarge the "
                 "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")
-        generation = new_generation()
-        path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
-        creating = folder / f".{PREFIX}{generation:016x}{CREATING_SUFFIX}"
+        creating = folder / f".{PREFIX}{secrets.token_hex(8)}{CREATING_SUFFIX}"
         # Owner-only until the group is set: created with `mode`, the file
         # would be open to the daemon's own primary group until the fchown.
-        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        index = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if gid is not None:
                 os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            _prefault(fd, size, path, progress)
-            os.rename(creating, path)  # visible to clients and cleaners only now
+            _prefault(fd, size, folder, progress)
+            path, generation, index = _publish(folder, creating, index_header)
         except BaseException:
             os.close(fd)
-            for leftover in (creating, path):
-                with contextlib.suppress(FileNotFoundError):
-                    leftover.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                creating.unlink()
             raise
-        return cls(path, size, generation, fd)
+        return cls(path, size, generation, fd, index)
+
+    def set_access(self, mode: int, gid: int | None) -> None:
+        """The permissions and group the flags ask for (an adopted region was
+        made by another start)."""
+        if gid is not None:
+            os.fchown(self._fd, -1, gid)
+        os.fchmod(self._fd, mode)
 
     def map_front(self, length: int) -> mmap.mmap:
         """A shared, writable mapping of the file's first `length` bytes (the
@@ -155,13 +176,17 @@ class Region:
         if part or next(pieces, None) is not None:
             raise ValueError("the payload is longer than its extents")
 
-    def close(self) -> None:
-        """Remove the file and drop the lock. Clients still mapping it keep
-        their mappings until they unmap; nothing new can open it."""
+    def close(self, *, remove: bool = True) -> None:
+        """Drop the lock; with `remove`, remove the files too. Clients still
+        mapping the region keep their mappings until they unmap. Kept, the
+        region and its index are adopted by the next daemon on this socket."""
         if self._fd < 0:
             return
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self.index is not None:
+            self.index.close(remove=remove)
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         os.close(self._fd)
         self._fd = -1
 
@@ -172,35 +197,130 @@ class Region:
         self.close()
 
 
-def clean_stale(shm_dir: str | Path) -> list[Path]:
-    """Remove region files of dead daemons (their lock is free); returns them.
-    Regions of live daemons, and files of other users, are left alone."""
-    removed: list[Path] = []
+def _publish(folder: Path, creating: Path,
+             index_header: Callable[[int], Header] | None) -> tuple[Path, int, Index | None]:
+    """Give the pre-faulted region its final name and its index under a new
+    generation. link(2) and O_EXCL never replace a file, so a name another
+    user took first costs only another generation. Returns (path,
+    generation, index)."""
+    for _ in range(PUBLISH_ATTEMPTS):
+        generation = new_generation()
+        path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
+        index = None
+        try:
+            if index_header is not None:
+                index = Index.create(index_path(path), index_header(generation))
+            os.link(creating, path)  # visible to clients and cleaners only now
+        except FileExistsError:
+            if index is not None:
+                index.close(remove=True)
+            continue
+        except BaseException:
+            if index is not None:
+                index.close(remove=True)
+            raise
+        creating.unlink()
+        return path, generation, index
+    raise RegionError(f"could not name a region in {folder}: every name tried was taken")
+
+
+@dataclass
+class DeadRegion:
+    """A region file of this user whose daemon is gone (its lock is ours now)."""
+
+    path: Path
+    fd: int  # open, flock held
+    size: int
+    header: Header | None  # None when its index is missing or unreadable
+    problem: str = ""  # why there is no header
+
+    def take(self, index: Index) -> Region:
+        """Adopt it: the lock stays held for this daemon's life."""
+        fd, self.fd = self.fd, -1
+        return Region(self.path, self.size, _generation_of(self.path), fd, index)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            index_path(self.path).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.release()
+
+    def release(self) -> None:
+        """Leave the files; let go of the lock."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def dead_regions(shm_dir: str | Path) -> list[DeadRegion]:
+    """This user's region files in `shm_dir` whose daemon is dead, locked now
+    (the caller adopts, removes or releases each), newest index first.
+    Half-created regions and indexes without a region, left by a daemon that
+    died starting, are removed on the way. Anything that is not a regular
+    file of this user (a symlink, a FIFO, another user's) is left alone."""
     folder = Path(shm_dir)
     if not folder.is_dir():
-        return removed
+        return []
     old = time.time() - CREATING_STALE_SECONDS
-    half_created = [p for p in folder.glob(f".{PREFIX}*{CREATING_SUFFIX}")
-                    if _mtime(p) < old]  # checked before locking: never race a creator
-    for path in [*folder.glob(f"{PREFIX}*{SUFFIX}"), *half_created]:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(fd)
-            if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live daemon holds it
+    for path in [*folder.glob(f".{PREFIX}*{CREATING_SUFFIX}"),
+                 *folder.glob(f".{PREFIX}*{COMPACTING_SUFFIX}"),
+                 *folder.glob(f"{PREFIX}*{INDEX_SUFFIX}")]:
+        if _mtime(path) >= old or (path.suffix == INDEX_SUFFIX
+                                   and path.with_suffix(SUFFIX).exists()):
+            continue  # (checked before locking: never race a creator)
+        fd = _lock_own(path)
+        if fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            removed.append(path)
-        finally:
             os.close(fd)
+    found = []
+    for path in folder.glob(f"{PREFIX}*{SUFFIX}"):
+        fd = _lock_own(path)
+        if fd is None:
+            continue
+        header, problem = None, ""
+        try:
+            header = read_header(index_path(path))
+        except FileNotFoundError:
+            problem = "it has no index"
+        except (OSError, IndexUnreadable) as exc:
+            problem = f"its index is unreadable: {exc}"
+        found.append(DeadRegion(path, fd, os.fstat(fd).st_size, header, problem))
+    found.sort(key=lambda d: -_mtime(index_path(d.path)))
+    return found
+
+
+def clean_stale(shm_dir: str | Path, socket: str | None = None) -> list[Path]:
+    """Remove dead daemons' regions (those of `socket` only, when given);
+    returns them. Regions of live daemons and other users' files stay."""
+    removed = []
+    for dead in dead_regions(shm_dir):
+        if socket is None or dead.header is None or dead.header.socket == socket:
+            dead.remove()
+            removed.append(dead.path)
+        else:
+            dead.release()
     return removed
+
+
+def _lock_own(path: Path) -> int | None:
+    """An open, exclusively locked descriptor of `path` when it is a regular
+    file of this user that no live daemon holds; else None."""
+    try:
+        fd = open_own_file(path, os.O_RDWR)  # read-write: an adopted region is served
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None  # a live daemon holds it
+    return fd
+
+
+def _generation_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):-len(SUFFIX)], 16)
 
 
 def _mtime(path: Path) -> float:
@@ -216,13 +336,13 @@ def _space(folder: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def _prefault(fd: int, size: int, path: Path, progress: Callable[[str], None] | None) -> None:
+def _prefault(fd: int, size: int, folder: Path, progress: Callable[[str], None] | None) -> None:
     """Allocate every page of the file now, reporting progress on big ones."""
     say = progress if progress is not None and size >= PROGRESS_MIN_BYTES else None
     started = time.monotonic()
     last_report = started
     if say is not None:
-        say(f"pre-faulting region {path} of {format_size(size)}...")
+        say(f"pre-faulting a region of {format_size(size)} in {folder}...")
     done = 0
     while done < size:
         length = min(_CHUNK_BYTES, size - done)
@@ -231,7 +351,7 @@ def _prefault(fd: int, size: int, path: Path, progress: Callable[[str], None] | 
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise RegionError(
-                    f"the tmpfs holding {path.parent} ran out of space after "
+                    f"the tmpfs holding {folder} ran out of space after "
                     f"{format_size(done)} of {format_size(size)}: lower --cpu-bytes or "
                     "enlarge the tmpfs") from None
             if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):

@@ -2,9 +2,12 @@
 
 Order matters for operators: everything that can fail for a reason they can
 fix (socket path, stale files, tmpfs size) is checked before the region is
-pre-faulted, and each failure is one line. On SIGTERM or SIGINT the daemon
-stops accepting, ends the session streams, lets in-flight calls finish, and
-removes its socket and region.
+pre-faulted, and each failure is one line. A region a previous daemon on
+the same socket left is adopted when it fits the flags (`adoption`: a warm
+restart); the log line that follows says what was adopted, or why not. On
+SIGTERM or SIGINT the daemon stops accepting, ends the session streams, lets
+in-flight calls finish, removes its socket, and leaves its region for the
+next start to adopt (or removes it: `--on-exit remove`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ec_daemon.adoption import Adoption, Layout, find
 from ec_daemon.auth import (
     AuthError,
     TokenInterceptor,
@@ -34,8 +38,9 @@ from ec_daemon.auth import (
 )
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
+from ec_daemon.errors import InvariantViolated
 from ec_daemon.metrics import start_exporter
-from ec_daemon.region import Region, RegionError, RegionTooLarge, clean_stale
+from ec_daemon.region import Region, RegionError, RegionTooLarge
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
 from ec_daemon.startup import StartupError, prepare_socket
@@ -91,14 +96,28 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                 open_folder_to_group(Path(socket_path).parent, gid)
             except AuthError as exc:
                 raise StartupError(str(exc)) from None
-        for path in clean_stale(config.shm_dir):
-            log.info("removed stale region %s of a dead daemon", path)
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
         data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
-        region = await _create_region(config, data_offset + capacity, gid)
-        with region:
-            await _serve_region(config, server, region, data_offset, stop or asyncio.Event())
-        log.info("stopped; region %s removed", region.path)
+        layout = Layout(socket_identity(config.socket), data_offset + capacity,
+                        config.page_bytes, data_offset)
+        adoption, why_not = find(config.shm_dir, layout, fresh_start=config.fresh_start)
+        if adoption is not None:
+            log.info("%s", adoption.summary())
+            region = adoption.region
+            region.set_access(config.socket_mode, gid)
+        else:
+            log.info("starting with an empty cache: %s", why_not)
+            region = await _create_region(config, layout, gid)
+        try:
+            await _serve_region(config, server, region, data_offset, stop or asyncio.Event(),
+                                adoption)
+        finally:
+            region.close(remove=config.on_exit == "remove")
+        if config.on_exit == "remove":
+            log.info("stopped; region %s removed", region.path)
+        else:
+            log.info("stopped; region %s kept for the next start on %s to adopt "
+                     "(--on-exit remove to delete it)", region.path, config.socket)
     finally:
         await server.stop(None)
         if socket_path is not None:
@@ -106,7 +125,14 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                 os.unlink(socket_path)
 
 
-async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Region:
+def socket_identity(uri: str) -> str:
+    """The socket a region belongs to, as its index records it: a Unix
+    socket by its absolute path, TCP as given."""
+    path = unix_path(uri)
+    return f"unix://{os.path.abspath(path)}" if path is not None else uri
+
+
+async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) -> Region:
     """Create the region; while the tmpfs is short, wait up to
     SHM_WAIT_SECONDS (after a restart, clients still map the previous
     daemon's region for a few seconds), saying so. Raises StartupError."""
@@ -114,8 +140,8 @@ async def _create_region(config: DaemonConfig, size: int, gid: int | None) -> Re
     said = 0.0
     while True:
         try:
-            return Region.create(config.shm_dir, size, mode=config.socket_mode, gid=gid,
-                                 progress=log.info)
+            return Region.create(config.shm_dir, layout.region_size, mode=config.socket_mode,
+                                 gid=gid, progress=log.info, index_header=layout.header)
         except RegionTooLarge as exc:
             now = time.monotonic()
             if now >= deadline:
@@ -179,12 +205,18 @@ def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
 
 
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,
-                        data_offset: int, stop: asyncio.Event) -> None:
+                        data_offset: int, stop: asyncio.Event,
+                        adoption: Adoption | None) -> None:
     table = stamps.StampTable(memoryview(region.map_front(data_offset)), config.page_bytes,
                               data_offset)
     cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
                   sessions=SessionTable(config.lease_seconds), data_offset=data_offset,
-                  stamps=table, quarantine_seconds=config.quarantine_seconds)
+                  stamps=table, index=region.index,
+                  quarantine_seconds=config.quarantine_seconds)
+    if adoption is not None:
+        v = adoption.verified
+        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,
+                      cache.sessions.previous_daemon)
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
@@ -193,6 +225,10 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                               alloc_wait_seconds=config.alloc_wait_seconds,
                               check_invariants=config.check_invariants,
                               region_file=region, tier=tier)
+    try:
+        service.verify()  # with --check-invariants: an adopted region is checked whole
+    except InvariantViolated as exc:
+        raise StartupError(str(exc)) from None
     health_service = health.aio.HealthServicer()
     rpc.add_ECDaemonServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)

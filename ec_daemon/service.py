@@ -410,10 +410,12 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if beat is not None and beat.hits > beat.lookups:
             raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
         acks = wire.refs(message.acks, "acks")
+        holds = wire.refs(message.holds, "holds")
         touches = wire.touches(message.touches)
         wants = wire.batch(message.wants, "wants")
-        if (acks or touches or (beat is not None and beat.lookups)) and not session.is_scheduler:
-            raise FailedPrecondition("only scheduler sessions acknowledge, touch or count "
+        if (acks or holds or touches or (beat is not None and beat.lookups)) \
+                and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
                                      "lookups")
         if wants and not (session.is_scheduler and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
@@ -423,6 +425,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.cache.sessions.renew(session)
         if acks:
             self.cache.acknowledge(session, acks)
+        if holds:
+            self.cache.hold(session, holds)
         if touches:
             self.cache.touch(session, touches)
         if wants:
@@ -561,6 +565,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
             log.info("session %d (engine %r) no longer awaited: its lease ran out",
                      ghost.index, ghost.engine_id)
         self.cache.release_quarantine()
+        self.cache.compact_index()
         self.convergence.expire()
         self.verify()
 

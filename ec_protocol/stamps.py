@@ -57,5 +57,9 @@ class StampTable:
                 return False
         return True
 
+    def stamps(self, first: int, pages: int) -> list[int]:
+        """The stamps of `pages` payload pages from `first` (checks, tools)."""
+        return self._slots[first:first + pages].tolist()
+
     def release(self) -> None:
         self._slots.release()

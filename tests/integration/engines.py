@@ -327,3 +327,46 @@ def copying_saver_main(socket: str, engine_id: str, mm_hash: str, conn: Any) -> 
         conn.send(pb.AllocStatus.Name(reply.status))
         while True:  # mid-save forever
             worker.backend.save(data, mapping, extents, None)
+
+
+# ---------------------------------------------------- a churning engine
+
+
+def churn_main(socket: str, engine_id: str, seed: int, keys: int, seconds: float,
+               conn: Any) -> None:
+    """An engine in one process that saves and loads `keys` keys shared with
+    other churners (each key's bytes are fixed: `make_array(0, i)`) for
+    `seconds`, whatever happens to the daemon meanwhile: a hit is loaded and
+    compared with the key's bytes; a miss is saved. Sends {loads, wrong,
+    failed, saves, hits, steps} at the end."""
+    rng = np.random.default_rng(seed)
+    scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT)
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, save_queue_bytes=64 << 20)
+    _attached(scheduler, worker)
+    expected = {key(0, i): raw(make_array(0, i)) for i in range(keys)}
+    counts = dict.fromkeys(("steps", "hits", "loads", "wrong", "failed", "saves"), 0)
+    conn.send("ready")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        i = int(rng.integers(keys))
+        mm_hash = key(0, i)
+        counts["steps"] += 1
+        if scheduler.has_item(mm_hash):
+            counts["hits"] += 1
+            scheduler.after_alloc("r", mm_hash)
+            metadata = scheduler.build_step_metadata()
+            worker.regions.keep_loading(metadata.loading)
+            result = worker.load(metadata.loads, metadata.regions)
+            scheduler.apply_worker_output(result.done, list(result.failed))
+            counts["failed"] += len(result.failed)
+            for loaded in result.loaded.values():
+                counts["loads"] += 1
+                counts["wrong"] += raw(loaded) != expected[mm_hash]
+        else:
+            scheduler.build_step_metadata()
+            counts["saves"] += worker.save(mm_hash, make_array(0, i))
+            time.sleep(0.002)
+    worker.flush(10)
+    conn.send(counts)
+    scheduler.close()
+    worker.close()

@@ -89,13 +89,26 @@ def test_one_daemon_per_socket(daemon):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signals_stop_cleanly_and_remove_socket_and_region(sig, shm_folder):
+def test_signals_stop_cleanly_remove_the_socket_and_keep_the_region(sig, shm_folder):
     d = Daemon(shm_dir=str(shm_folder)).start()
     try:
         (region,) = d.region_files()
         assert d.stop(sig) == 0
-        assert not region.exists() and not d.socket_path.exists()
-        assert "stopped; region" in d.log()
+        assert not d.socket_path.exists()
+        # Kept for the next start on this socket to adopt (a warm restart).
+        assert region.exists() and region.with_suffix(".index").exists()
+        assert "kept for the next start" in d.log()
+    finally:
+        d.cleanup()
+
+
+def test_on_exit_remove_deletes_the_region_and_its_index(shm_folder):
+    d = Daemon(shm_dir=str(shm_folder), extra=("--on-exit", "remove")).start()
+    try:
+        (region,) = d.region_files()
+        assert d.stop() == 0
+        assert list(shm_folder.iterdir()) == [] and not d.socket_path.exists()
+        assert "stopped; region" in d.log() and "removed" in d.log()
     finally:
         d.cleanup()
 
@@ -111,7 +124,7 @@ def test_socket_and_region_are_owner_only(shm_folder):
         d.cleanup()
 
 
-def test_stale_region_and_socket_of_a_killed_daemon_are_cleaned(shm_folder):
+def test_a_killed_daemons_region_is_adopted_and_its_socket_replaced(shm_folder):
     folder = short_tmpdir()
     first = Daemon(shm_dir=str(shm_folder), folder=folder).start()
     (old_region,) = first.region_files()
@@ -119,10 +132,24 @@ def test_stale_region_and_socket_of_a_killed_daemon_are_cleaned(shm_folder):
     assert old_region.exists() and first.socket_path.exists()  # what SIGKILL leaves
     second = Daemon(shm_dir=str(shm_folder), folder=folder).start()
     try:
+        assert second.region_files() == [old_region]  # the same file, the same generation
+        assert "adopted region" in second.log() and "removed stale socket" in second.log()
+        assert second.stats()["generation"] == int(old_region.name[10:26], 16)
+    finally:
+        second.cleanup()
+
+
+def test_fresh_start_replaces_a_killed_daemons_region(shm_folder):
+    folder = short_tmpdir()
+    first = Daemon(shm_dir=str(shm_folder), folder=folder).start()
+    (old_region,) = first.region_files()
+    first.kill()
+    second = Daemon(shm_dir=str(shm_folder), folder=folder, extra=("--fresh-start",)).start()
+    try:
         (new_region,) = second.region_files()
         assert new_region != old_region and not old_region.exists()
-        assert "removed stale region" in second.log()
-        assert "removed stale socket" in second.log()
+        assert not old_region.with_suffix(".index").exists()
+        assert "--fresh-start" in second.log()
     finally:
         second.cleanup()
 

@@ -44,7 +44,7 @@ def daemon_config(socket: str, shm_dir: str) -> config.DaemonConfig:
     config.add_arguments(parser)
     return config.from_namespace(parser.parse_args(
         ["--cpu-bytes", "8MiB", "--socket", socket, "--shm-dir", shm_dir,
-         "--check-invariants", "true"]))
+         "--check-invariants", "true", "--on-exit", "remove"]))
 
 
 def serve_while(socket: str, shm_dir: str, client: Any) -> None:

@@ -1,6 +1,7 @@
-"""A daemon that dies and comes back: clients re-attach by themselves, a load
-dispatched before the restart still reads the saved bytes, and nothing of
-the old generation is offered for new hits."""
+"""A daemon that dies and comes back with a fresh region (--fresh-start; a
+warm restart that adopts the region is in test_warm_restart): clients
+re-attach by themselves, a load dispatched before the restart still reads
+the saved bytes, and nothing of the old generation is offered for new hits."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_a_load_dispatched_before_a_restart_reads_the_saved_bytes(shm_folder):
         stale = dispatch(first, scheduler, "k")  # dispatched, then the daemon dies
 
         first.kill()
-        second = Daemon(folder=folder, shm_dir=str(shm_folder)).start()
+        second = Daemon(folder=folder, shm_dir=str(shm_folder), extra=("--fresh-start",)).start()
         for delegate in (scheduler, worker):
             second.wait_for(lambda d=delegate: d.link.attachment is not None
                             and d.link.attachment.region.generation != old.region.generation,
@@ -129,7 +130,8 @@ def small_tmpfs():
     folder.rmdir()
 
 
-# Protects: after a kill -9 restart, clients still map the dead daemon's region
+# Protects: after a kill -9 restart that starts a fresh region, clients still map
+# the dead daemon's region
 # for a few seconds (loads dispatched before the restart read it); a tmpfs sized
 # for one region is short meanwhile, and the new daemon waits for the space,
 # saying so, instead of failing to start.
@@ -141,7 +143,8 @@ def test_a_restart_waits_for_the_previous_regions_space(small_tmpfs):
     try:
         assert worker.link.wait_attached(10) is not None  # maps the 24 MiB region
         first.kill()
-        second = Daemon(folder=folder, shm_dir=str(small_tmpfs), cpu_bytes="24MiB")
+        second = Daemon(folder=folder, shm_dir=str(small_tmpfs), cpu_bytes="24MiB",
+                        extra=("--fresh-start",))
         second.start(wait=False)
         second.wait_serving(timeout=60)
         assert "waiting up to" in second.log()  # it said what it was waiting for

@@ -20,7 +20,7 @@ PAGE = 1024
 # Every public Cache method that may change state.
 _MUTATORS = ("attach", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
              "allocate", "refuse_waited_save", "commit", "abort", "release_quarantine",
-             "acknowledge", "touch")
+             "acknowledge", "hold", "touch", "restore", "compact_index")
 
 
 class FakeClock:

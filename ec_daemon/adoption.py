@@ -1,0 +1,235 @@
+"""Warm restart: a new daemon adopts the region a dead one left.
+
+At start the daemon looks in its --shm-dir for a dead daemon's region (its
+flock free) whose index names the same socket. If its format, size, page
+size and layout are the ones the flags ask for, it is adopted: the region
+file, its generation and every verified ready entry stay, so engines
+re-attach and hit at once and their workers' mappings (and loads in flight)
+are untouched. Anything else starts a fresh region, with one line saying why.
+
+What is adopted is decided by the stamp table, not by the journal alone: an
+index record is adopted only when every page of its runs, and no other page,
+carries its entry id. Stamps are written before a writer learns its extents
+and cleared only after the GONE record (`cache`), so a record of freed or
+reused pages, a pending save (stamped, never recorded) and a torn tail
+(ignored) can never put wrong bytes under a key. Stamped pages no adopted
+entry owns may still be written by a writer of the dead daemon: they are
+quarantined. Ids continue above every id the dead daemon reserved, stamped or
+recorded, so a stamp never names two entries of one region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ec_daemon.config import format_size
+from ec_daemon.errors import InvalidArgument
+from ec_daemon.index import (
+    FORMAT_VERSION,
+    Header,
+    Index,
+    IndexUnreadable,
+    Record,
+    index_path,
+    read_index,
+)
+from ec_daemon.limits import validate_save
+from ec_daemon.records import Run
+from ec_daemon.region import PREFIX, SUFFIX, DeadRegion, Region, dead_regions
+
+log = logging.getLogger(__name__)
+
+
+class NotAdoptable(Exception):
+    """The region cannot be adopted; the message says why (for the log line)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the flags ask the region to be."""
+
+    socket: str
+    region_size: int
+    page_bytes: int
+    data_offset: int
+
+    def header(self, generation: int) -> Header:
+        return Header(generation, self.region_size, self.page_bytes, self.data_offset,
+                      self.socket)
+
+
+@dataclass
+class Verified:
+    """The outcome of checking a journal against a stamp table."""
+
+    records: list[Record] = field(default_factory=list)  # adopted, journal order
+    free: list[Run] = field(default_factory=list)
+    quarantined: list[Run] = field(default_factory=list)
+    next_entry_id: int = 1
+    rejected: int = 0  # records whose pages did not carry their stamp alone
+
+
+@dataclass
+class Adoption:
+    region: Region
+    verified: Verified
+    seconds: float
+    read_seconds: float  # of which reading the index file
+
+    def summary(self) -> str:
+        v = self.verified
+        hidden = sum(r.hidden for r in v.records)
+        nbytes = sum(r.nbytes for r in v.records)
+        parts = [f"adopted region {self.region.path} (generation {self.region.generation:016x}): "
+                 f"{len(v.records)} entries ({format_size(nbytes)}"
+                 + (f", {hidden} evicted awaiting acknowledgement" if hidden else "")
+                 + f") in {self.seconds * 1e3:.0f} ms"]
+        if v.quarantined:
+            pages = sum(n for _, n in v.quarantined)
+            parts.append(f"{pages} page(s) of unfinished saves quarantined")
+        if v.rejected:
+            parts.append(f"{v.rejected} record(s) not adopted: their pages no longer carry "
+                         "their stamp")
+        return "; ".join(parts)
+
+
+def verify(records: Iterable[Record], slots: memoryview, *, page_bytes: int,
+           highest_id: int, ids_reserved: int) -> Verified:
+    """Which `records` (journal order) the stamp table `slots` (one uint64 per
+    payload page) proves, which pages are free, which quarantined, and where
+    entry ids continue."""
+    owned: dict[int, list[Run]] = {}  # stamp -> its runs, in address order
+    out = Verified()
+    page = 0
+    for stamp, group in itertools.groupby(slots):
+        length = sum(1 for _ in group)
+        (out.free if stamp == 0 else owned.setdefault(stamp, [])).append((page, length))
+        page += length
+    max_stamp = max(owned, default=0)
+    for record in records:
+        runs = owned.get(record.entry_id)
+        if runs is not None and _valid(record, page_bytes) and _merged(record.runs) == runs:
+            del owned[record.entry_id]  # a page is adopted once
+            out.records.append(record)
+        else:
+            out.rejected += 1
+    out.quarantined = sorted(run for runs in owned.values() for run in runs)
+    out.next_entry_id = max(highest_id, max_stamp, ids_reserved - 1) + 1
+    return out
+
+
+def _valid(record: Record, page_bytes: int) -> bool:
+    """A record the daemon could have written: a key, shape and size it
+    accepts, and exactly the pages its bytes need."""
+    try:
+        validate_save(record.mm_hash, record.nbytes, record.shape, record.dtype)
+    except InvalidArgument:
+        return False
+    pages = sum(n for _, n in record.runs)
+    return bool(record.namespace) and pages == -(-record.nbytes // page_bytes) \
+        and all(n > 0 for _, n in record.runs)
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[Run]:
+    """Runs in address order, adjacent ones joined (as the stamp scan sees them)."""
+    out: list[Run] = []
+    for first, pages in sorted(runs):
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + pages)
+        else:
+            out.append((first, pages))
+    return out
+
+
+def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
+    """Adopt `dead` (its lock held) as a region of `layout`. Raises
+    NotAdoptable; the caller then removes it."""
+    started = time.perf_counter()
+    header = dead.header
+    if header is None:
+        raise NotAdoptable(dead.problem)
+    _check_layout(dead, header, layout)
+    path = index_path(dead.path)
+    try:
+        header, records, highest = read_index(path)
+    except (OSError, IndexUnreadable) as exc:
+        raise NotAdoptable(f"its index cannot be read: {exc}") from None
+    read_seconds = time.perf_counter() - started
+    table = os.pread(dead.fd, layout.data_offset, 0)
+    if len(table) != layout.data_offset:
+        raise NotAdoptable("its stamp table is short")
+    pages = (layout.region_size - layout.data_offset) // layout.page_bytes
+    slots = memoryview(table).cast("Q")[:pages]
+    verified = verify(records.values(), slots, page_bytes=layout.page_bytes,
+                      highest_id=highest, ids_reserved=header.ids_reserved)
+    try:  # rewritten whole (a torn tail goes), ids continuing above every old one
+        index = Index.reopen(path, dataclasses.replace(
+            header, ids_reserved=verified.next_entry_id), verified.records)
+    except OSError as exc:
+        raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
+    return Adoption(dead.take(index), verified, time.perf_counter() - started, read_seconds)
+
+
+def _check_layout(dead: DeadRegion, header: Header, layout: Layout) -> None:
+    if header.page_bytes != layout.page_bytes:
+        raise NotAdoptable(f"its pages are {format_size(header.page_bytes)} and --page-bytes "
+                           f"asks for {format_size(layout.page_bytes)}")
+    if header.region_size != layout.region_size or header.data_offset != layout.data_offset:
+        raise NotAdoptable(
+            f"it caches {format_size(header.region_size - header.data_offset)} and "
+            f"--cpu-bytes asks for {format_size(layout.region_size - layout.data_offset)}")
+    if dead.size != layout.region_size:
+        raise NotAdoptable(f"its file is {format_size(dead.size)}, not the "
+                           f"{format_size(layout.region_size)} its index says")
+    if dead.path.name != f"{PREFIX}{header.generation:016x}{SUFFIX}":
+        raise NotAdoptable("its index names another generation")
+
+
+def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> tuple[
+        Adoption | None, str]:
+    """Adopt the newest dead region of this socket, if one fits; remove the
+    other dead regions of this socket and those without a readable index
+    (older versions, or a daemon that died creating one). Dead regions of
+    other sockets are left for their own daemons. Returns (the adoption or
+    None, why not: for the log line)."""
+    mine: list[DeadRegion] = []
+    others = 0
+    for dead in dead_regions(shm_dir):
+        if dead.header is None:
+            log.info("removed stale region %s of a dead daemon (%s)", dead.path, dead.problem)
+            dead.remove()
+        elif dead.header.socket != layout.socket:
+            others += dead.size
+            dead.release()
+        else:
+            mine.append(dead)
+    if others:
+        log.info("left %s of dead daemons' regions of other sockets in %s for their next "
+                 "start (`ec-daemon clean --all` removes them)", format_size(others), shm_dir)
+    if not mine:
+        return None, f"no region of a previous daemon on {layout.socket} in {shm_dir}"
+    if fresh_start:
+        for dead in mine:
+            dead.remove()
+        return None, f"--fresh-start: removed {len(mine)} region(s) of a previous daemon"
+    reasons = []
+    adoption = None
+    for dead in mine:
+        if adoption is not None:
+            dead.remove()
+            continue
+        try:
+            adoption = adopt(dead, layout)
+        except NotAdoptable as exc:
+            reasons.append(f"{dead.path.name}: {exc}")
+            dead.remove()
+    if adoption is not None:
+        return adoption, ""
+    return None, "cannot adopt the previous region (" + "; ".join(reasons) + \
+        f"; format version {FORMAT_VERSION}): removed it"

@@ -1,0 +1,449 @@
+"""The durable index: which entries of the region are ready, in a file beside it.
+
+A daemon that dies (kill -9, a crash, an upgrade) leaves its region in the
+tmpfs; the next daemon adopts it (`adoption`) from this index and the
+region's stamp table. The index is a journal, `ec-daemon-<generation>.index`,
+written only by the daemon (owner-only, never mapped by clients):
+
+```
+ [ header: 4 KiB, checksummed; the id reservation at a fixed offset ][ records ... ]
+ record = u32 body length | u32 crc32(body) | body
+ body   = READY entry_id nbytes dtype shape runs namespace mm_hash
+        | HIDDEN entry_id | GONE entry_id
+```
+
+Why a journal and when each record is written (docs/architecture.md, "Warm
+restart"): READY is appended before the entry becomes visible, GONE before
+its pages are freed, and every entry id is reserved in the header before it
+is used, so at any instruction the file says no more than the truth: an
+entry without a READY record is not adopted (its stamped pages are
+quarantined), a record whose pages no longer all carry its stamp is not
+adopted, a torn tail ends the journal, and no id is ever handed out twice
+for one region. HIDDEN only brings an evicted entry back hidden instead of
+ready (losing it is harmless: the bytes are intact until GONE). Appends are
+plain write(2) calls: a process that dies loses nothing the kernel has.
+
+The journal is compacted (rewritten whole, then renamed over) when it holds
+more than twice what is live. Not thread-safe: the event loop is its caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import stat
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ECDINDEX"
+# Bump on any change of the header or record layout: a daemon never adopts
+# a region whose index it does not understand (it starts fresh, saying why).
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+_HEAD = struct.Struct("<8sIIQQQQH")  # magic, format, crc, generation, size, page, data, socket
+_IDS_AT = 2048  # u64: every id below it may have been used
+_IDS = struct.Struct("<Q")
+MAX_SOCKET_BYTES = HEADER_BYTES - _HEAD.size - 1024
+# Ids are reserved this many at a time (one 8-byte write per block).
+ID_BLOCK = 1 << 16
+
+_FRAME = struct.Struct("<II")  # body length, crc32(body)
+_READY = struct.Struct("<BQQ")  # kind, entry_id, nbytes
+_REF = struct.Struct("<BQ")  # kind, entry_id
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_RUN = struct.Struct("<QQ")
+READY, HIDDEN, GONE = 1, 2, 3
+# A record longer than this is corrupt (the longest real one is far shorter).
+MAX_RECORD_BYTES = 1 << 24
+# Compact when the journal is this many times the live records, and past MIN.
+COMPACT_RATIO = 2
+COMPACT_MIN_BYTES = 1 << 20
+
+
+class IndexUnreadable(Exception):
+    """The index cannot be read as one this daemon writes; the message says why."""
+
+
+@dataclass(frozen=True)
+class Header:
+    generation: int
+    region_size: int
+    page_bytes: int
+    data_offset: int
+    socket: str
+    ids_reserved: int = 0
+
+
+@dataclass
+class Record:
+    """A READY record (with `hidden` set when a HIDDEN record followed it)."""
+
+    entry_id: int
+    namespace: str
+    mm_hash: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    runs: list[tuple[int, int]]
+    hidden: bool = False
+
+
+def index_path(region_path: Path) -> Path:
+    """The index of a region file: same folder, same generation."""
+    return region_path.with_suffix(".index")
+
+
+def encode_ready(entry_id: int, namespace: str, mm_hash: str, nbytes: int,
+                 shape: tuple[int, ...], dtype: str, runs: Iterable[tuple[int, int]]) -> bytes:
+    """A framed READY record."""
+    runs = list(runs)
+    parts = [_READY.pack(READY, entry_id, nbytes), _text(dtype), bytes((len(shape),)),
+             struct.pack(f"<{len(shape)}Q", *shape), _U32.pack(len(runs))]
+    parts.extend(_RUN.pack(first, pages) for first, pages in runs)
+    parts += [_text(namespace), _text(mm_hash)]
+    return _frame(b"".join(parts))
+
+
+def encode_ref(kind: int, entry_id: int) -> bytes:
+    """A framed HIDDEN or GONE record."""
+    return _frame(_REF.pack(kind, entry_id))
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return _U16.pack(len(raw)) + raw
+
+
+def _frame(body: bytes) -> bytes:
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def encode_header(header: Header) -> bytes:
+    socket = header.socket.encode()
+    if len(socket) > MAX_SOCKET_BYTES:
+        raise ValueError(f"socket name longer than {MAX_SOCKET_BYTES} bytes")
+    fields = (header.generation, header.region_size, header.page_bytes, header.data_offset)
+    crc = zlib.crc32(struct.pack("<QQQQ", *fields) + socket)
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, crc, *fields, len(socket)) + socket
+    out = bytearray(HEADER_BYTES)
+    out[:len(head)] = head
+    out[_IDS_AT:_IDS_AT + _IDS.size] = _IDS.pack(header.ids_reserved)
+    return bytes(out)
+
+
+def decode_header(data: bytes) -> Header:
+    """Raises IndexUnreadable naming what does not match."""
+    if len(data) < HEADER_BYTES or data[:len(MAGIC)] != MAGIC:
+        raise IndexUnreadable("not an ec-daemon index (no header)")
+    _, version, crc, gen, size, page, offset, socket_len = _HEAD.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise IndexUnreadable(f"index format version {version}, this daemon reads "
+                          f"{FORMAT_VERSION}")
+    socket = data[_HEAD.size:_HEAD.size + min(socket_len, MAX_SOCKET_BYTES)]
+    if zlib.crc32(struct.pack("<QQQQ", gen, size, page, offset) + socket) != crc:
+        raise IndexUnreadable("the index header fails its checksum")
+    (ids,) = _IDS.unpack_from(data, _IDS_AT)
+    return Header(gen, size, page, offset, socket.decode(errors="replace"), ids)
+
+
+def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple[
+        dict[int, Record], int, int]:
+    """The live READY records (by entry id, in journal order) of a journal,
+    read up to its end or its first torn or corrupt record. Returns (records,
+    highest entry id named, bytes read up to where the journal ends)."""
+    view = memoryview(data)
+    records: dict[int, Record] = {}
+    highest = 0
+    at = start
+    end = len(view)
+    unpack_frame, crc32 = _FRAME.unpack_from, zlib.crc32
+    while at + _FRAME.size <= end:
+        length, crc = unpack_frame(view, at)
+        body_at = at + _FRAME.size
+        if length == 0 or length > MAX_RECORD_BYTES or body_at + length > end:
+            break  # torn (the daemon died mid-append) or garbage
+        body = view[body_at:body_at + length]
+        if crc32(body) != crc:
+            break
+        try:
+            kind = body[0]
+            if kind == READY:
+                record = _decode_ready(body)
+                records.pop(record.entry_id, None)  # a repeated id: the later one counts
+                records[record.entry_id] = record
+                entry_id = record.entry_id
+            elif kind in (HIDDEN, GONE):
+                _, entry_id = _REF.unpack_from(body)
+                if kind == GONE:
+                    records.pop(entry_id, None)
+                elif entry_id in records:
+                    records[entry_id].hidden = True
+            else:
+                break
+        except (struct.error, UnicodeDecodeError, IndexError, ValueError):
+            break
+        highest = max(highest, entry_id)
+        at = body_at + length
+    return records, highest, at
+
+
+def _decode_ready(body: memoryview) -> Record:
+    _, entry_id, nbytes = _READY.unpack_from(body)
+    at = _READY.size
+    dtype, at = _read_text(body, at)
+    ndim = body[at]
+    shape = struct.unpack_from(f"<{ndim}Q", body, at + 1)
+    at += 1 + 8 * ndim
+    (count,) = _U32.unpack_from(body, at)
+    at += _U32.size
+    runs = [_RUN.unpack_from(body, at + i * _RUN.size) for i in range(count)]
+    at += count * _RUN.size
+    namespace, at = _read_text(body, at)
+    mm_hash, at = _read_text(body, at)
+    if at != len(body):
+        raise ValueError("trailing bytes in a record")
+    return Record(entry_id, namespace, mm_hash, nbytes, tuple(shape), dtype, runs)
+
+
+def _read_text(body: memoryview, at: int) -> tuple[str, int]:
+    (length,) = _U16.unpack_from(body, at)
+    end = at + _U16.size + length
+    if end > len(body):
+        raise ValueError("a string runs past its record")
+    return bytes(body[at + _U16.size:end]).decode(), end
+
+
+def read_index(path: Path) -> tuple[Header, dict[int, Record], int]:
+    """(header, live records, highest entry id) of the index file at `path`.
+    Only a regular file of this user is read, never following a symlink and
+    never blocking on a FIFO. Raises IndexUnreadable (or OSError)."""
+    fd = open_own_file(path)
+    try:
+        size = os.fstat(fd).st_size
+        data = _read_all(fd, size)
+    finally:
+        os.close(fd)
+    header = decode_header(data)
+    records, highest, _ = decode_records(data)
+    return header, records, highest
+
+
+def read_header(path: Path) -> Header:
+    """The header alone (start-up's scan of dead regions). Raises IndexUnreadable/OSError."""
+    fd = open_own_file(path)
+    try:
+        return decode_header(_read_all(fd, HEADER_BYTES))
+    finally:
+        os.close(fd)
+
+
+def open_own_file(path: Path, flags: int = os.O_RDONLY) -> int:
+    """Open `path` only if it is a regular file of this user: never follows a
+    symlink, never blocks on a FIFO another user planted. Raises OSError."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(errno.EPERM, "not a regular file of this user", str(path))
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_ino, opened.st_dev) != (info.st_ino, info.st_dev) \
+                or not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, "the file changed while opening it", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks = []
+    at = 0
+    while at < size:
+        chunk = os.pread(fd, min(size - at, 64 << 20), at)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        at += len(chunk)
+    return b"".join(chunks)
+
+
+class Index:
+    """The journal of one region, open for appending. Any write error
+    disables it for good: the file is removed, so no later daemon adopts
+    what it no longer describes (a warm restart is lost, never an entry
+    served wrong); `ok` then reads False."""
+
+    def __init__(self, path: Path, fd: int, header: Header, journal_bytes: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.header = header
+        self.ids_reserved = header.ids_reserved
+        self._end = journal_bytes  # where the next record goes
+        self._live: dict[int, bytes] = {}  # entry id -> its READY record
+        self._hidden: set[int] = set()
+        self._live_bytes = 0
+        self.ok = True
+        self.compactions = 0
+
+    @classmethod
+    def create(cls, path: Path, header: Header) -> Index:
+        """A new, empty index (O_EXCL: never another user's file). Raises OSError."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            _write_at(fd, encode_header(header), 0)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        return cls(path, fd, header, HEADER_BYTES)
+
+    @classmethod
+    def reopen(cls, path: Path, header: Header, records: Iterable[Record]) -> Index:
+        """The index of an adopted region, rewritten to hold just `records`
+        (the entries adopted, least recently used first). Raises OSError."""
+        index = cls(path, -1, header, HEADER_BYTES)
+        for r in records:
+            index._live[r.entry_id] = encode_ready(r.entry_id, r.namespace, r.mm_hash, r.nbytes,
+                                                   r.shape, r.dtype, r.runs)
+            if r.hidden:
+                index._hidden.add(r.entry_id)
+        index._live_bytes = sum(map(len, index._live.values()))
+        index._rewrite(list(index._live))
+        return index
+
+    # ---------------------------------------------------------- records
+
+    def ready(self, entry_id: int, namespace: str, mm_hash: str, nbytes: int,
+              shape: tuple[int, ...], dtype: str, runs: list[tuple[int, int]]) -> None:
+        """Before the entry becomes visible."""
+        record = encode_ready(entry_id, namespace, mm_hash, nbytes, shape, dtype, runs)
+        if self._append(record):
+            self._live[entry_id] = record
+            self._live_bytes += len(record)
+
+    def hidden(self, entry_id: int) -> None:
+        """The entry was evicted (its bytes stay until `gone`)."""
+        if entry_id in self._live and self._append(encode_ref(HIDDEN, entry_id)):
+            self._hidden.add(entry_id)
+
+    def gone(self, entry_id: int) -> None:
+        """Before the entry's pages are freed."""
+        record = self._live.pop(entry_id, None)
+        if record is None:
+            return
+        self._live_bytes -= len(record)
+        self._hidden.discard(entry_id)
+        self._append(encode_ref(GONE, entry_id))
+
+    def reserve_ids(self, below: int) -> None:
+        """Every id below `below` may be used from now on: said before any is."""
+        if not self.ok:
+            return
+        try:
+            _write_at(self._fd, _IDS.pack(below), _IDS_AT)
+        except OSError as exc:
+            self._disable(exc)
+            return
+        self.ids_reserved = below
+
+    def needs_compaction(self) -> bool:
+        live = self._live_bytes + len(self._hidden) * (_FRAME.size + _REF.size)
+        return self.ok and self._end - HEADER_BYTES > max(COMPACT_MIN_BYTES,
+                                                          COMPACT_RATIO * live)
+
+    def compact(self, order: Iterable[int]) -> None:
+        """Rewrite the journal with only live records, `order` first (entry
+        ids, least recently used first: the next adoption keeps that order)."""
+        if not self.ok:
+            return
+        try:
+            self._rewrite(order)
+        except OSError as exc:
+            self._disable(exc)
+            return
+        self.compactions += 1
+
+    def close(self, *, remove: bool = False) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    @property
+    def journal_bytes(self) -> int:
+        return self._end
+
+    @property
+    def live_entries(self) -> int:
+        return len(self._live)
+
+    # ---------------------------------------------------------- helpers
+
+    def _append(self, record: bytes) -> bool:
+        if not self.ok:
+            return False
+        try:
+            _write_at(self._fd, record, self._end)
+        except OSError as exc:
+            self._disable(exc)
+            return False
+        self._end += len(record)
+        return True
+
+    def _rewrite(self, order: Iterable[int]) -> None:
+        """Header and live records into a new file, renamed over the old one:
+        a crash leaves either file whole."""
+        live, hidden = self._live, self._hidden
+        ordered = [i for i in dict.fromkeys(order) if i in live]
+        if len(ordered) != len(live):
+            named = set(ordered)
+            ordered += [i for i in live if i not in named]
+        body = b"".join(live[i] for i in ordered)
+        tail = b"".join(encode_ref(HIDDEN, i) for i in ordered if i in hidden)
+        header = Header(self.header.generation, self.header.region_size,
+                        self.header.page_bytes, self.header.data_offset, self.header.socket,
+                        self.ids_reserved)
+        temp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.compacting")
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            _write_at(fd, encode_header(header) + body + tail, 0)
+            os.rename(temp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = fd
+        self._live = {i: live[i] for i in ordered}
+        self._end = HEADER_BYTES + len(body) + len(tail)
+
+    def _disable(self, exc: OSError) -> None:
+        self.ok = False
+        log.error("the region's index %s cannot be written (%s): warm restart is off for this "
+                  "daemon's life; the index is removed so no later daemon adopts a stale one",
+                  self.path, exc.strerror or exc)
+        self.close(remove=True)
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        wrote = os.pwrite(fd, view, offset)
+        view, offset = view[wrote:], offset + wrote
+

@@ -1,0 +1,225 @@
+"""A daemon that restarts keeps its cache: the next daemon on the same socket
+adopts the region (same file, same generation, same entries and ids), the
+engines re-attach by themselves and hit at once, and a load in flight across
+the restart, however slow, reads exactly the saved bytes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from tests.integration import engines
+from tests.integration.daemon import Daemon, short_tmpdir
+from tests.integration.engines import Proc
+from tests.integration.raw import Filler
+
+pytestmark = pytest.mark.integration
+LAYOUT = engines.LAYOUT
+LEASE = 2.0
+# Long enough that only the engine's own view, not the previous daemon's
+# ghost (one lease), can be what still protects a load.
+SLOW_STEP_SECONDS = 3 * LEASE
+CHURN_SECONDS = float(os.environ.get("WARM_RESTART_CHURN_SECONDS", "45"))
+
+
+def data(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, (40, 4096), dtype=np.uint8)
+
+
+def start(folder, shm, *extra: str) -> Daemon:
+    return Daemon(folder=folder, shm_dir=str(shm), cpu_bytes="16MiB",
+                  extra=("--lease-seconds", str(LEASE), "--quarantine-seconds", str(LEASE),
+                         "--alloc-wait-seconds", "0.5", *extra)).start()
+
+
+def reattached(daemon: Daemon, *delegates) -> None:
+    for d in delegates:
+        daemon.wait_for(lambda d=d: d.link.attachment is not None and d.link.fresh()
+                        and (not hasattr(d, "view") or d.view.synced), timeout=20,
+                        what="the engine to attach again")
+
+
+def dispatch(scheduler: SchedulerDelegate, mm_hash: str):
+    assert scheduler.has_item(mm_hash)
+    scheduler.after_alloc("req", mm_hash)
+    return scheduler.build_step_metadata()
+
+
+# Protects: kill -9 or a graceful stop: the next daemon adopts the region and
+# its entries (the log's first word on it says so); the same engine and a new
+# one hit at once and load the saved bytes, with no save in between.
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_restarted_daemon_serves_what_the_previous_one_held(shm_folder, how):
+    folder = short_tmpdir()
+    first = start(folder, shm_folder)
+    scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    second = None
+    try:
+        reattached(first, scheduler, worker)
+        generation = worker.link.attachment.region.generation
+        for i in range(3):
+            assert worker.save(f"k{i}", data(i))
+        assert worker.flush(10)
+        first.wait_for(lambda: all(scheduler.view.get(f"k{i}") for i in range(3)))
+        ids = {f"k{i}": scheduler.view.get(f"k{i}").entry_id for i in range(3)}
+        assert first.stop(how) in (0, -signal.SIGKILL)
+        second = start(folder, shm_folder)
+        assert "adopted region" in second.log() and "3 entries" in second.log()
+        reattached(second, scheduler, worker)
+        assert worker.link.attachment.region.generation == generation
+        assert {h: scheduler.view.get(h).entry_id for h in ids} == ids
+        for i in range(3):
+            metadata = dispatch(scheduler, f"k{i}")
+            result = worker.load(metadata.loads, metadata.regions)
+            scheduler.apply_worker_output(result.done)
+            assert np.array_equal(result.loaded[f"k{i}"], data(i))
+        other = SchedulerDelegate(second.socket, engine_id="new", layout=LAYOUT)
+        try:
+            reattached(second, other)
+            assert all(other.has_item(f"k{i}") for i in range(3))
+            other.build_step_metadata()
+        finally:
+            other.close()
+        stats = second.stats()
+        assert stats["entries"] == 3 and stats["saves"] == 0
+    finally:
+        scheduler.close()
+        worker.close()
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+
+
+# Protects: a load in flight across a warm restart, in a step slower than any
+# lease: whether its entry was evicted before the crash (it comes back hidden)
+# or by the new daemon, its pages are kept until the engine's re-attached view
+# says the load ended; then they are freed.
+@pytest.mark.parametrize("evicted", ["before the crash", "after the restart"])
+def test_a_slow_load_across_a_warm_restart_reads_the_saved_bytes(shm_folder, evicted):
+    folder = short_tmpdir()
+    first = start(folder, shm_folder)
+    scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    second = None
+    filler = None
+    try:
+        reattached(first, scheduler, worker)
+        assert worker.save("k", data(7)) and worker.flush(10)
+        first.wait_for(lambda: scheduler.view.get("k"))
+        metadata = dispatch(scheduler, "k")  # in flight: its copy starts much later
+        if evicted == "before the crash":
+            filler = Filler(first.stub, LAYOUT)
+            assert not filler.evict_all(first.stats())  # withheld by the view
+            assert first.lookup(LAYOUT, "k")[0].state == engines.pb.HIDDEN
+            filler = None
+        first.kill()
+        second = start(folder, shm_folder)
+        reattached(second, scheduler, worker)
+        if evicted == "after the restart":
+            filler = Filler(second.stub, LAYOUT)
+            assert not filler.evict_all(second.stats())
+        time.sleep(SLOW_STEP_SECONDS)  # the previous daemon's ghost is long gone
+        (entry,) = second.lookup(LAYOUT, "k")
+        assert entry.state == engines.pb.HIDDEN and entry.awaiting == 1  # the engine's view
+        worker.regions.keep_loading(metadata.loading)
+        result = worker.load(metadata.loads, metadata.regions)
+        assert result.failed == {} and np.array_equal(result.loaded["k"], data(7))
+        scheduler.apply_worker_output(result.done)
+        second.wait_for(lambda: second.lookup(LAYOUT, "k")[0].state == engines.pb.ABSENT,
+                        what="the pages to come back once the load ended")
+    finally:
+        if filler is not None:
+            filler.close()
+        scheduler.close()
+        worker.close()
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+
+
+# Protects: when the next daemon must start a fresh region (--fresh-start, a
+# new size...), a worker keeps the old region mapped for as long as the
+# scheduler's loads in flight name it, not for a fixed grace: a copy that
+# starts long after its dispatch still reads the saved bytes. Then it goes.
+def test_a_slow_load_across_a_fresh_start_reads_the_saved_bytes(shm_folder):
+    folder = short_tmpdir()
+    first = start(folder, shm_folder)
+    scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    second = None
+    try:
+        reattached(first, scheduler, worker)
+        old = worker.link.attachment.region.generation
+        assert worker.save("k", data(3)) and worker.flush(10)
+        first.wait_for(lambda: scheduler.view.get("k"))
+        metadata = dispatch(scheduler, "k")
+        assert metadata.loading == {old}
+        worker.regions.keep_loading(metadata.loading)  # what each step's metadata says
+        first.kill()
+        second = start(folder, shm_folder, "--fresh-start")
+        reattached(second, scheduler, worker)
+        assert worker.link.attachment.region.generation != old
+        # Steps go on meanwhile: their metadata still names the old generation.
+        worker.regions.keep_loading(scheduler.build_step_metadata().loading)
+        time.sleep(SLOW_STEP_SECONDS)  # longer than any fixed grace
+        worker.regions.prune()
+        assert old in worker.regions.generations()
+        result = worker.load(metadata.loads, metadata.regions)
+        assert result.failed == {} and np.array_equal(result.loaded["k"], data(3))
+        scheduler.apply_worker_output(result.done)
+        # No load names it any more: the old region's memory goes back.
+        worker.regions.keep_loading(scheduler.build_step_metadata().loading)
+        worker.regions.prune()
+        assert old not in worker.regions.generations()
+    finally:
+        scheduler.close()
+        worker.close()
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+
+
+# Protects: the daemon may die at any instruction. Engines churn saves, loads
+# and evictions on a small region while the daemon is killed with kill -9 at
+# random moments and restarted, many times: every start adopts, the daemon
+# checks its bookkeeping and every stamp at start and after every call
+# (--check-invariants), and every load the engines made returned the key's
+# own bytes.
+def test_kill_9_at_random_moments_never_serves_wrong_bytes(shm_folder):
+    folder = short_tmpdir()
+    rng = np.random.default_rng(1)
+    daemon = start(folder, shm_folder)
+    churners = [Proc(engines.churn_main, daemon.socket, f"churn-{i}", i, 24,
+                     CHURN_SECONDS) for i in range(2)]
+    restarts = 0
+    try:
+        for proc in churners:
+            assert proc.recv() == "ready"
+        deadline = time.monotonic() + CHURN_SECONDS - 5
+        while time.monotonic() < deadline:
+            time.sleep(float(rng.uniform(0.2, 2.0)))
+            daemon.kill()
+            daemon = start(folder, shm_folder)
+            restarts += 1
+            assert daemon.log().count("adopted region") == restarts, daemon.log()[-3000:]
+        totals = [proc.recv(CHURN_SECONDS + 60) for proc in churners]
+        stats = daemon.stats()
+        assert stats["used_bytes"] + stats["free_bytes"] == stats["capacity_bytes"]
+    finally:
+        for proc in churners:
+            proc.kill()
+        daemon.cleanup()
+    loads = sum(t["loads"] for t in totals)
+    print(f"\n{restarts} kill -9 restarts; {loads} loads, "
+          f"{sum(t['saves'] for t in totals)} saves, {stats['evictions']} evictions since the "
+          f"last start")
+    assert restarts >= 5 and loads > 50
+    assert sum(t["wrong"] for t in totals) == 0
+    assert sum(t["failed"] for t in totals) == 0

@@ -1,0 +1,315 @@
+"""Warm restart on the core (`ec_daemon.adoption`): a real region file and its
+index, written by a real Cache, then adopted by the next "daemon" after a
+crash at any write. What is adopted is exactly what was ready, with its
+bytes; nothing pending or freed is; no page is owned twice; ids go on."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ec_daemon import index as index_module
+from ec_daemon import invariants
+from ec_daemon.adoption import Layout, find
+from ec_daemon.cache import Cache
+from ec_daemon.events import AllocOutcome, EvictedEvent
+from ec_daemon.index import Index, encode_ready, index_path
+from ec_daemon.records import State
+from ec_daemon.region import Region, dead_regions
+from ec_daemon.sessions import SessionTable
+from ec_protocol.stamps import StampTable, table_bytes
+from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
+
+PAGE = 4096
+SOCKET = "unix:///run/ec-test/ec.sock"
+
+
+def layout(pages: int = 32, page: int = PAGE, socket: str = SOCKET) -> Layout:
+    offset = table_bytes(pages, page)
+    return Layout(socket, offset + pages * page, page, offset)
+
+
+class Host:
+    """A daemon's core over a real region in `folder` (no gRPC)."""
+
+    def __init__(self, folder: Path, shape: Layout, *, adopt: bool = True,
+                 clock: FakeClock | None = None) -> None:
+        self.layout = shape
+        self.clock = clock or FakeClock()
+        adoption, self.why_not = find(str(folder), shape) if adopt else (None, "")
+        self.adoption = adoption
+        self.region = adoption.region if adoption is not None else Region.create(
+            folder, shape.region_size, index_header=shape.header)
+        self.table = StampTable(memoryview(self.region.map_front(shape.data_offset)),
+                                shape.page_bytes, shape.data_offset)
+        self.cache = Cache(capacity_bytes=shape.region_size - shape.data_offset,
+                           page_bytes=shape.page_bytes,
+                           sessions=SessionTable(10.0, clock=self.clock),
+                           data_offset=shape.data_offset, stamps=self.table,
+                           index=self.region.index, quarantine_seconds=30.0)
+        if adoption is not None:
+            v = adoption.verified
+            self.cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,
+                               self.cache.sessions.previous_daemon)
+        invariants.check(self.cache)
+
+    def save(self, writer: Any, mm_hash: str, pages: int, *, commit: bool = True) -> Any:
+        result = self.cache.allocate(writer, mm_hash, pages * self.layout.page_bytes,
+                                     (pages, self.layout.page_bytes), "uint8")
+        if result.outcome is AllocOutcome.ALLOCATED:
+            self.region.write(result.extents, [payload(result.entry_id, pages * PAGE)])
+            if commit:
+                self.cache.commit(writer, [mm_hash])
+        return result
+
+    def read(self, entry: Any) -> bytes:
+        return bytes(self.region.read(self.cache.extents(entry), entry.nbytes))
+
+    def crash(self) -> None:
+        """What kill -9 leaves: the files as they are, the lock released."""
+        self.table.release()
+        self.region.close(remove=False)
+
+
+def payload(entry_id: int, nbytes: int) -> bytes:
+    """Bytes that say which entry wrote them."""
+    return random.Random(entry_id).randbytes(nbytes)
+
+
+def entries(cache: Cache) -> dict[str, tuple[int, State, tuple[Any, ...]]]:
+    return {e.mm_hash: (e.entry_id, e.state, cache.extents(e)) for e in cache.entries()}
+
+
+def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
+    first = Host(tmp_path, layout())
+    view, w = scheduler(first.cache), worker(first.cache)
+    for name, pages in (("a", 2), ("b", 3), ("c", 1)):
+        first.save(w, name, pages)
+    first.save(w, "pending", 2, commit=False)
+    gone_writer = worker(first.cache, engine="F")
+    first.save(gone_writer, "quarantined", 1, commit=False)
+    first.cache.end_session(gone_writer)  # its pages: quarantined
+    a, b = first.cache.get("ns", "a"), first.cache.get("ns", "b")
+    first.cache.touch(view, [("a", a.entry_id, 1), ("b", b.entry_id, 1)])  # c: least recent
+    assert first.save(w, "big", 24).outcome is AllocOutcome.WAIT  # c evicted, not acknowledged
+    assert first.cache.state_of("ns", "c") is State.HIDDEN
+    before = entries(first.cache)
+    highest = max(e.entry_id for e in first.cache.entries())
+    drain(view)
+    first.crash()
+
+    second = Host(tmp_path, layout())
+    assert second.region.path == first.region.path
+    assert second.region.generation == first.region.generation
+    after = entries(second.cache)
+    assert after == {k: v for k, v in before.items() if k != "pending"}
+    for name in ("a", "b", "c"):
+        entry = second.cache.get("ns", name)
+        assert second.read(entry) == payload(entry.entry_id, entry.nbytes)
+    # Evicted at the crash: back hidden, awaited by the previous daemon's views.
+    (ghost,) = second.cache.get("ns", "c").awaiting
+    assert ghost.is_ghost and ghost.engine_id == "previous daemon"
+    # The pending save and the dead writer's save: quarantined, not adopted.
+    assert second.cache.quarantined_pages == 3
+    summary = second.adoption.summary()
+    assert "3 entries" in summary and "1 evicted" in summary and "quarantined" in summary
+    # Ids go on above every id of the dead daemon.
+    w2 = worker(second.cache)
+    assert second.save(w2, "d", 1).entry_id > highest
+    # A view of the new daemon sees the ready ones; c goes after one lease.
+    assert {e.mm_hash for e in drain(scheduler(second.cache)) if hasattr(e, "extents")} \
+        == {"a", "b", "d"}
+    second.clock.now += 11
+    second.cache.release_ghosts()
+    assert second.cache.get("ns", "c") is None
+    invariants.check(second.cache)
+    second.crash()
+
+
+def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):
+    first = Host(tmp_path, layout())
+    w = worker(first.cache)
+    first.save(w, "a", 2)
+    first.save(w, "b", 1)
+    a = first.cache.get("ns", "a")
+    first.table.write([(a.runs[0][0] + 1, 1)], 0)  # one page of a: free now
+    first.crash()
+    second = Host(tmp_path, layout())
+    assert set(entries(second.cache)) == {"b"}
+    assert second.adoption.verified.rejected == 1
+    assert second.cache.quarantined_pages == 1  # a's page that kept its stamp
+    second.crash()
+
+
+def test_two_records_never_adopt_one_page(tmp_path):
+    first = Host(tmp_path, layout())
+    w = worker(first.cache)
+    first.save(w, "a", 2)
+    a = first.cache.get("ns", "a")
+    # A forged record claiming a's pages under a's own id, for another key:
+    # the later record of an id wins, and only once.
+    with open(index_path(first.region.path), "ab") as f:
+        f.write(encode_ready(a.entry_id, "ns", "forged", a.nbytes, a.shape, a.dtype, a.runs))
+        f.write(encode_ready(a.entry_id + 100, "ns", "other", a.nbytes, a.shape, a.dtype,
+                             a.runs))
+    first.crash()
+    second = Host(tmp_path, layout())
+    adopted = entries(second.cache)
+    assert list(adopted) == ["forged"] and second.adoption.verified.rejected == 1
+    second.crash()
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"pages": 64}, "--cpu-bytes"), ({"page": 8192, "pages": 16}, "--page-bytes")])
+def test_a_region_of_another_size_is_not_adopted(tmp_path, change, why):
+    first = Host(tmp_path, layout())
+    first.save(worker(first.cache), "a", 1)
+    first.crash()
+    second = Host(tmp_path, layout(**change))
+    assert second.adoption is None and why in second.why_not
+    assert second.region.path != first.region.path and not first.region.path.exists()
+    assert entries(second.cache) == {}
+    second.crash()
+
+
+def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path):
+    other = Host(tmp_path, layout(socket="unix:///other.sock"))
+    other.crash()
+    mine = Host(tmp_path, layout())
+    mine.crash()
+    adoption, why = find(str(tmp_path), layout(), fresh_start=True)
+    assert adoption is None and "--fresh-start" in why
+    assert not mine.region.path.exists() and other.region.path.exists()
+    for dead in dead_regions(tmp_path):
+        dead.remove()
+
+
+def test_a_region_without_a_readable_index_is_removed(tmp_path):
+    first = Host(tmp_path, layout())
+    first.crash()
+    index_path(first.region.path).write_bytes(b"garbage")
+    adoption, why = find(str(tmp_path), layout())
+    assert adoption is None and not first.region.path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------- crash points
+
+
+class CrashPoints:
+    """Copies of the region and its index taken at I/O boundaries of a
+    running cache: before and after each journal write (and halfway through
+    some, a torn record) and each stamp change, as kill -9 could leave them."""
+
+    def __init__(self, monkeypatch: Any, folder: Path, rng: random.Random,
+                 host: Host, every: float) -> None:
+        self.folder, self.rng, self.host, self.every = folder, rng, host, every
+        self.taken: list[tuple[Path, int]] = []
+        real_write = index_module._write_at
+
+        def write_at(fd: int, data: bytes, offset: int) -> None:
+            if rng.random() < every and len(data) > 1:
+                cut = rng.randrange(1, len(data))
+                real_write(fd, data[:cut], offset)  # a torn record
+                self.take()
+                real_write(fd, data[cut:], offset + cut)
+            else:
+                self.maybe_take()
+                real_write(fd, data, offset)
+            self.maybe_take()
+
+        monkeypatch.setattr(index_module, "_write_at", write_at)
+        for name in ("write", "clear"):
+            real = getattr(StampTable, name)
+
+            def stamped(table: StampTable, *args: Any, _real: Any = real) -> None:
+                self.maybe_take()
+                _real(table, *args)
+                self.maybe_take()
+
+            monkeypatch.setattr(StampTable, name, stamped)
+
+    def maybe_take(self) -> None:
+        if self.rng.random() < self.every:
+            self.take()
+
+    def take(self) -> None:
+        """A copy of both files now, and every id handed out so far."""
+        snap = self.folder / f"crash{len(self.taken)}"
+        snap.mkdir()
+        region = self.host.region
+        shutil.copyfile(region.path, snap / region.path.name)
+        shutil.copyfile(index_path(region.path), snap / index_path(region.path).name)
+        self.taken.append((snap, self.host.cache._next_entry_id))
+
+
+def churn(host: Host, rng: random.Random, steps: int) -> None:
+    """Saves (some never committed), evictions, acknowledgements, writers that
+    vanish, quarantines that end, compactions."""
+    cache = host.cache
+    views = [scheduler(cache, engine=f"v{i}") for i in range(2)]
+    writers = [worker(cache, engine=f"w{i}") for i in range(2)]
+    for step in range(steps):
+        roll = rng.random()
+        writer = rng.choice(writers)
+        if roll < 0.6:
+            try:
+                host.save(writer, f"k{rng.randrange(40)}", rng.randint(1, 4),
+                          commit=rng.random() < 0.85)
+            except Exception:
+                pass  # full: nothing changed
+        elif roll < 0.8:
+            for view in views:
+                refs = [(e.mm_hash, e.entry_id) for e in drain(view)
+                        if isinstance(e, EvictedEvent)]
+                cache.acknowledge(view, refs)
+        elif roll < 0.85:
+            writers.remove(writer)
+            cache.end_session(writer)
+            writers.append(worker(cache, engine=f"w{step}"))
+        elif roll < 0.9:
+            host.clock.now += rng.uniform(0, 40)
+            cache.release_quarantine()
+        else:
+            cache.compact_index()
+
+
+def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(index_module, "ID_BLOCK", 8)  # reservations on the way too
+    deadline = time.monotonic() + 20
+    adopted_total = snapshots = 0
+    seed = 0
+    while time.monotonic() < deadline and seed < 12:
+        folder = tmp_path / f"run{seed}"
+        folder.mkdir()
+        rng = random.Random(seed)
+        seed += 1
+        (folder / "live").mkdir()
+        host = Host(folder / "live", layout(pages=24))
+        points = CrashPoints(monkeypatch, folder, rng, host, every=0.08)
+        churn(host, rng, 250)
+        monkeypatch.undo()
+        monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
+        monkeypatch.setattr(index_module, "ID_BLOCK", 8)
+        snapshots += len(points.taken)
+        for snap, handed_out in points.taken:
+            after = Host(snap, layout(pages=24), clock=FakeClock())
+            assert after.adoption is not None, after.why_not
+            invariants.check(after.cache)  # pages, counters, and every stamp
+            for entry in after.cache.entries():
+                assert entry.state is not State.PENDING
+                assert after.read(entry) == payload(entry.entry_id, entry.nbytes), (
+                    f"{entry.mm_hash} adopted with bytes that are not its own")
+            assert after.cache._next_entry_id >= handed_out  # no id is handed out twice
+            adopted_total += len(list(after.cache.entries()))
+            after.crash()
+            shutil.rmtree(snap)
+        host.crash()
+    print(f"{seed} runs, {snapshots} crash points, {adopted_total} entries adopted")
+    assert seed >= 3 and adopted_total > 0
