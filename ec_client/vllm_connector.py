@@ -15,7 +15,9 @@ Extra-config keys (all optional): `ec_daemon_socket` (else $EC_DAEMON_SOCKET,
 else the daemon's default), `ec_daemon_copy_backend` (auto|torch|cupy|cpu, or
 a custom class as `package.module:ClassName`: see `ec_client.copy`; default
 auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
-(extra text in the layout fingerprint, default ""),
+(extra text in the layout fingerprint, default ""), `ec_daemon_weights_id`
+(names the weights in the fingerprint instead of `ec_client.identity`'s
+reading of the model's files, default ""),
 `ec_daemon_save_queue_bytes` (GPU memory held by outputs waiting to be
 saved, default 256 MiB; a full queue skips the save), `ec_daemon_max_defer_s`
 (how long a request waits at most for another engine's encode of the same
@@ -37,15 +39,21 @@ has no way to fail a request from the worker before its output is streamed,
 and any placeholder would be kept in the encoder cache, and the KV computed
 from it in the prefix cache, serving wrong output to later requests.
 
-The namespace is the layout fingerprint both roles can compute at
-construction: model, revision, dtype, quantization and the LM embedding row
-width. vLLM measures encoder output widths only in producers and only after
-the workers' connectors exist, so they cannot be part of a key a consumer
-must match; each entry carries its own shape instead, and the loads restore it.
+The namespace is the layout fingerprint every process of an engine computes
+alike at construction: model, revision, dtype, quantization, the LM
+embedding row width, `ec_daemon_namespace`, the identity of the weights
+(`w=`: `ec_client.identity`, or `ec_daemon_weights_id`), so a checkpoint
+replaced under the same path or a switched symlink gets a namespace of its
+own, and a digest of the encoder settings that change an image's encoder
+output (`mm=`: `encoder_config_of`). vLLM measures encoder output widths only
+in producers and only after the workers' connectors exist, so they cannot be
+part of a key a consumer must match; each entry carries its own shape
+instead, and the loads restore it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -60,6 +68,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
+from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
 from ec_client.regions import RegionInfo
 from ec_client.scheduler import DEFAULT_MAX_DEFER_SECONDS, LoadSpec, SchedulerDelegate
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
@@ -75,11 +84,15 @@ if TYPE_CHECKING:
 
     from ec_client.worker import WorkerDelegate
 
-logger = init_logger(__name__)
+# Under "vllm", the one logger vLLM gives a handler and level: outside it
+# the start-up line below (the namespace, the weights' identity) was dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
 # How often get_ec_connector_stats hands vLLM a summary (it asks every step).
 STATS_INTERVAL_SECONDS = 1.0
+# The daemon takes a layout variant of up to 256 characters.
+MAX_WEIGHTS_ID_CHARS = 128
 
 
 @dataclass
@@ -113,6 +126,7 @@ class ConnectorSettings:
     copy_backend: str
     deadline_seconds: float
     namespace: str
+    weights_id: str
     save_queue_bytes: int
     max_defer_seconds: float
     token_file: str | None
@@ -127,6 +141,7 @@ class ConnectorSettings:
             deadline_seconds=float(extra.get("ec_daemon_rpc_deadline_s",
                                              DEFAULT_DEADLINE_SECONDS)),
             namespace=str(extra.get("ec_daemon_namespace", "")),
+            weights_id=_weights_id(extra.get("ec_daemon_weights_id")),
             save_queue_bytes=int(extra.get("ec_daemon_save_queue_bytes",
                                            DEFAULT_SAVE_QUEUE_BYTES)),
             max_defer_seconds=float(extra.get("ec_daemon_max_defer_s",
@@ -141,6 +156,14 @@ class ConnectorSettings:
                 "tls_ca": self.tls_ca}
 
 
+def _weights_id(value: Any) -> str:
+    text = str(value or "")
+    if len(text) > MAX_WEIGHTS_ID_CHARS or not text.isprintable():
+        raise ValueError(f"ec_daemon_weights_id must be at most {MAX_WEIGHTS_ID_CHARS} "
+                         f"printable characters, got {text!r}")
+    return text
+
+
 def engine_identity(vllm_config: VllmConfig) -> str:
     """Shared by an engine's EngineCore and its workers (same config)."""
     ec = vllm_config.ec_transfer_config
@@ -148,15 +171,55 @@ def engine_identity(vllm_config: VllmConfig) -> str:
     return f"{base}_dp{vllm_config.parallel_config.data_parallel_index}"
 
 
-def layout_of(vllm_config: VllmConfig, namespace: str = "") -> Layout:
+def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = "") -> Layout:
+    """The layout fingerprint; `weights_id` overrides the weights' identity
+    read from the model's files (`ec_client.identity`)."""
     model = vllm_config.model_config
     dtype = str(model.dtype).removeprefix("torch.")
     element = torch.empty(0, dtype=model.dtype).element_size()
     width = int(model.get_inputs_embeds_size()) * element
+    weights = weights_identity(str(model.model_weights or model.model), model.revision,
+                               override=weights_id, cache_dirs=_hub_caches(vllm_config))
+    if weights == UNKNOWN:  # never shared with an engine that may hold other weights
+        weights = f"{UNKNOWN}-{engine_identity(vllm_config)}"
+    encoder = encoder_digest(encoder_config_of(vllm_config))
     variant = "|".join(str(v) for v in (model.revision or "", model.quantization or "",
-                                        namespace) if v)
+                                        namespace, f"w={weights}", f"mm={encoder}") if v)
     return Layout(model=str(model.model), dtype=dtype, row_bytes={"embeds": width},
                   variant=variant)
+
+
+def encoder_config_of(vllm_config: VllmConfig) -> str:
+    """What, besides the weights, changes the encoder output of the same
+    image: vLLM's hash of the encoder settings (attention backend and dtype,
+    TP mode, device-side normalisation), the processor and media options,
+    overrides of the model's config, and its code; as stable text."""
+    model = vllm_config.model_config
+    mm = model.multimodal_config
+    overrides = model.hf_overrides
+    # "device" only places the processor: vLLM adds it to encode-only
+    # producers, which must share a namespace with their consumers.
+    processor = {k: v for k, v in ((mm.mm_processor_kwargs if mm is not None else None)
+                                   or {}).items() if k != "device"}
+    factors = {
+        "encoder": mm.compute_hash() if mm is not None else "",
+        "mm_processor_kwargs": processor,
+        "media_io_kwargs": (mm.media_io_kwargs if mm is not None else None) or {},
+        # A callable is named by its qualified name: its repr holds an address.
+        "hf_overrides": (f"{overrides.__module__}.{overrides.__qualname__}"
+                         if callable(overrides) else overrides or {}),
+        "hf_config_path": model.hf_config_path or "",
+        "code_revision": model.code_revision or "",
+        "model_impl": str(model.model_impl),
+        "dummy_weights": str(vllm_config.load_config.load_format) == "dummy",
+    }
+    return json.dumps(factors, sort_keys=True, default=str)
+
+
+def _hub_caches(vllm_config: VllmConfig) -> list[str]:
+    """Where vLLM keeps hub models: its --download-dir, then the HF cache."""
+    download_dir = vllm_config.load_config.download_dir
+    return [download_dir, *hub_caches()] if download_dir else hub_caches()
 
 
 class ECDaemonConnector(ECConnectorBase):
@@ -172,7 +235,7 @@ class ECDaemonConnector(ECConnectorBase):
         self._next_stats = 0.0
         self._done: list[int] = []
         self._load_seconds: list[float] = []
-        layout = layout_of(vllm_config, self.settings.namespace)
+        layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = SchedulerDelegate(

@@ -1,0 +1,201 @@
+"""What identifies an engine's weights, for the namespace of its cache keys.
+
+The layout fingerprint names a model as the engine was given it, a path or a
+hub id, and that is not the weights: a checkpoint replaced under the same
+path, a `/models/current` symlink switched to another folder, or an unpinned
+hub model that moved on would be served the old weights' encoder outputs
+from a warm cache (the daemon outlives engines, and the second tier spreads
+entries across hosts). `weights_identity` names the weights themselves,
+cheaply enough to run once in every process of an engine at start-up, and
+the same in each of them and on every host holding the same files:
+
+- the operator's override (`ec_daemon_weights_id`), verbatim; nothing is read;
+- a local folder (symlinks resolved) or file: a digest over the contents of
+  its small `*.json` and `*.py` files (model and processor configs, the
+  weights index and any remote code: they decide what the encoder computes
+  from an image) and, for every weight file, its relative name, size and
+  either the Hugging Face blob it links to (named by its content hash, so
+  the same on every host) or its modification time in ns;
+- a hub id: the commit its revision resolves to in the local Hugging Face
+  cache; a commit pins every file (the files themselves are not read: the
+  workers compute this before the weights are downloaded).
+
+Guaranteed: a weight file rewritten, replaced (`mv`, `cp`, a new download)
+or linked to another blob, or a config edited, changes the identity, since
+each of those gives the file another mtime, blob or content. Weights are not
+read, so a file given the same name, size and mtime as the one it replaced
+(`touch -r`, tools that pin mtimes such as the Nix store) is not noticed:
+set the override there. Hosts share entries only with the same mtimes on
+every host (`cp -p`, `rsync -a`, one image pulled everywhere) or Hugging
+Face cache snapshots; otherwise set the same override on every host.
+
+Nothing here raises for a file it cannot read: that file counts as
+unreadable (still told apart from a readable one) and one warning says so.
+Only weights found nowhere (a hub id missing from the cache) give UNKNOWN,
+with a warning; the connector then keeps that engine's entries to itself
+(never shared with an engine that may hold other weights under the name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import re
+import stat
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+UNKNOWN = "unknown"
+# Hex characters kept of a digest or commit: 64 bits tell weights apart.
+ID_CHARS = 16
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt"})
+# Read whole when at most CONTENT_MAX_BYTES; a larger one (a big tokenizer.json)
+# counts by size and mtime as a weight file does.
+CONTENT_SUFFIXES = frozenset({".json", ".py"})
+CONTENT_MAX_BYTES = 4 << 20
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+# Hugging Face blobs are named by the sha256 (LFS) or git sha1 of their content.
+BLOB_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+FORMAT = "ec-weights-v1"
+
+
+def weights_identity(model: str, revision: str | None = None, *, override: str = "",
+                     cache_dirs: Sequence[str] | None = None) -> str:
+    """A short string naming the weights of `model` (a local folder or file,
+    or a hub id at `revision`); `override` is returned as it is. Hub ids are
+    looked up in `cache_dirs`, by default the Hugging Face cache."""
+    if override:
+        return override
+    if os.path.exists(model):
+        return files_identity(model)
+    caches = hub_caches() if cache_dirs is None else cache_dirs
+    commit = hub_commit(model, revision, caches)
+    if commit is not None:
+        return commit[:ID_CHARS]
+    log.warning("ec-daemon: the weights of %s (revision %s) cannot be identified: it is "
+                "neither a local path nor in the Hugging Face cache (%s). This engine "
+                "shares no entries with other engines (another may load other weights under "
+                "this name); pin a commit as the revision, or set ec_daemon_weights_id",
+                model, revision or "main",
+                ", ".join(caches) or "none")
+    return UNKNOWN
+
+
+def files_identity(path: str) -> str:
+    """The digest of a local model folder or file (symlinks resolved)."""
+    root = os.path.realpath(path)
+    problems: list[str] = []
+    files = _model_files(root, problems)
+    lines = [FORMAT, *(f"{name} {_describe(name, full, problems)}" for name, full in files)]
+    if not any(Path(name).suffix in WEIGHT_SUFFIXES for name, _ in files):
+        problems.append("no weight files (" + ", ".join(sorted(WEIGHT_SUFFIXES)) + ")")
+    if problems:
+        log.warning("ec-daemon: identifying the weights of %s (%s): %s; the identity counts "
+                    "what could not be read as such", path, root, "; ".join(problems))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:ID_CHARS]
+
+
+def encoder_digest(encoder_config: str) -> str:
+    """A short digest of the text describing the encoder's configuration."""
+    return hashlib.sha256(encoder_config.encode()).hexdigest()[:ID_CHARS]
+
+
+def hub_commit(repo_id: str, revision: str | None, cache_dirs: Iterable[str]) -> str | None:
+    """The commit `revision` (default main) of hub model `repo_id` resolves to:
+    the revision itself when it is a commit hash, else the ref the Hugging
+    Face cache recorded when it last fetched it; None when none is found."""
+    if revision and COMMIT_RE.fullmatch(revision):
+        return revision
+    ref = revision or "main"
+    if not REPO_RE.fullmatch(repo_id) or ".." in ref or ref.startswith("/"):
+        return None
+    folder = "models--" + repo_id.replace("/", "--")
+    for cache in cache_dirs:
+        path = Path(cache) / folder / "refs" / ref
+        try:
+            text = path.read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            log.warning("ec-daemon: cannot read %s: %s", path, exc)
+            continue
+        if COMMIT_RE.fullmatch(text):
+            return text
+    return None
+
+
+def hub_caches() -> list[str]:
+    """The Hugging Face hub cache folder, as huggingface_hub finds it."""
+    try:  # a vLLM dependency, and the authority on where its cache is
+        constants = importlib.import_module("huggingface_hub.constants")
+    except ImportError:
+        pass
+    else:
+        return [str(constants.HF_HUB_CACHE)]
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache",
+                                                  "huggingface")
+        cache = os.path.join(home, "hub")
+    return [os.path.expanduser(cache)]
+
+
+def _model_files(root: str, problems: list[str]) -> list[tuple[str, str]]:
+    """(relative name, path) of the files that count, sorted; hidden ones
+    (.cache/, .git/) are left out."""
+    if not os.path.isdir(root):
+        return [(os.path.basename(root), root)]
+
+    def unlisted(exc: OSError) -> None:
+        problems.append(f"cannot list {exc.filename}: {exc.strerror}")
+
+    found = []
+    for folder, dirs, files in os.walk(root, onerror=unlisted):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for file in files:
+            if not file.startswith(".") and Path(file).suffix in WEIGHT_SUFFIXES | CONTENT_SUFFIXES:
+                full = os.path.join(folder, file)
+                found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
+    return sorted(found)
+
+
+def _describe(name: str, path: str, problems: list[str]) -> str:
+    """What identifies one file: its blob, its content, or its size and mtime."""
+    blob = _hub_blob(path)
+    if blob is not None:
+        return f"blob {blob}"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        problems.append(f"{name}: {exc.strerror}")
+        return "unreadable"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if Path(name).suffix in CONTENT_SUFFIXES and info.st_size <= CONTENT_MAX_BYTES:
+        try:
+            return "sha256 " + hashlib.sha256(_read(path)).hexdigest()
+        except OSError as exc:
+            problems.append(f"{name}: {exc.strerror or exc}")
+    return f"size {info.st_size} mtime {info.st_mtime_ns}"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(CONTENT_MAX_BYTES + 1)
+
+
+def _hub_blob(path: str) -> str | None:
+    """The blob a symlink of a Hugging Face cache snapshot points to (even a
+    blob not downloaded yet), or None for anything else."""
+    if not os.path.islink(path):
+        return None
+    target = Path(os.path.realpath(path))
+    if target.parent.name == "blobs" and BLOB_RE.fullmatch(target.name):
+        return target.name
+    return None

@@ -1,0 +1,113 @@
+"""Other weights under the same model path are never served the old weights'
+encoder outputs: the namespace carries the weights' identity
+(ec_client.identity), computed alike by an engine's scheduler and worker."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from typing import Any
+
+import pytest
+
+from ec_client.identity import files_identity
+from ec_client.vllm_connector import MAX_WEIGHTS_ID_CHARS, ConnectorSettings, layout_of
+from tests.vllm import vllm_harness as h
+from tests.vllm.engine_proc import A, B, run_engine, same_output
+from tests.vllm.tiny_model import build_tiny_paligemma
+
+pytestmark = pytest.mark.timeout(1200)
+
+WEIGHTS = "model.safetensors"
+# The connector's start-up line, one per process: "ECDaemonConnector WORKER
+# for engine X on SOCKET (Layout(...))".
+STARTED = re.compile(r"ECDaemonConnector (SCHEDULER|WORKER) for engine \S+ on \S+ "
+                     r"\((Layout\(.*\))\)")
+
+
+def layouts(result: dict[str, Any]) -> dict[str, set[str]]:
+    """The layouts each role of an engine logged."""
+    found: dict[str, set[str]] = {}
+    for role, layout in STARTED.findall(result["output"]):
+        found.setdefault(role, set()).add(layout)
+    return found
+
+
+def test_weights_replaced_under_the_same_path_are_encoded_again(tmp_path, daemon, reference):
+    model = build_tiny_paligemma(tmp_path / "model", seed=0)  # the weights of `reference`
+    first = run_engine(model, [A, B], socket=daemon.socket)
+    assert first["encoder_images"] == 2
+    for image in (A, B):
+        assert same_output(first["results"][image], reference[image])
+    daemon.wait_for(lambda: daemon.stats()["entries"] == 2, what="A and B saved")
+
+    # Another checkpoint of the same size copied over the first, same path.
+    other = build_tiny_paligemma(tmp_path / "other", seed=1)
+    assert (other / WEIGHTS).stat().st_size == (model / WEIGHTS).stat().st_size
+    shutil.copyfile(other / WEIGHTS, model / WEIGHTS)
+
+    second = run_engine(model, [A, B], socket=daemon.socket)
+    assert [r["encoder_images"] for r in second["requests"]] == [1, 1]  # no hits
+    new_reference = run_engine(other, [A, B])["results"]
+    for image in (A, B):
+        assert same_output(second["results"][image], new_reference[image])
+    # The old encoder outputs would have given other answers.
+    assert any(not same_output(new_reference[image], reference[image]) for image in (A, B))
+
+    # Each engine's scheduler and worker computed one namespace (the first
+    # engine's saves are where its scheduler looks: test_engine_e2e's hits),
+    # and the new weights got a namespace of their own.
+    before, after = layouts(first), layouts(second)
+    assert before["SCHEDULER"] == before["WORKER"] and len(before["WORKER"]) == 1
+    assert after["SCHEDULER"] == after["WORKER"] and len(after["WORKER"]) == 1
+    assert before["WORKER"] != after["WORKER"]
+    stats = daemon.stats()
+    assert stats["saves"] == 4
+    assert sorted(ns["entries"] for ns in stats["namespaces"]) == [2, 2]
+
+
+def test_the_layout_names_the_weights_and_the_encoder_settings(tiny_model):
+    config = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    variant = layout_of(config).variant
+    assert f"w={files_identity(str(tiny_model))}" in variant.split("|")
+    assert "w=release-7" in layout_of(config, weights_id="release-7").variant.split("|")
+    assert layout_of(config).variant == variant  # the same in every process
+
+    mm = config.model_config.multimodal_config
+    mm.mm_processor_kwargs = {"device": "cuda"}  # where the processor runs: no change
+    assert layout_of(config).variant == variant
+    mm.mm_processor_kwargs = {"do_pan_and_scan": True}
+    changed = layout_of(config).variant
+    assert changed != variant
+    assert [p for p in changed.split("|") if p.startswith("w=")] == \
+        [p for p in variant.split("|") if p.startswith("w=")]
+
+
+def test_producers_and_consumers_share_the_namespace(tiny_model):
+    producer = h.make_config(tiny_model, "unix:///nonexistent/ec.sock", role="ec_producer")
+    consumer = h.make_config(tiny_model, "unix:///nonexistent/ec.sock", role="ec_consumer")
+    assert layout_of(producer).variant == layout_of(consumer).variant
+
+
+def test_the_weights_id_comes_from_the_extra_config():
+    assert ConnectorSettings.from_extra_config({}).weights_id == ""
+    settings = ConnectorSettings.from_extra_config({"ec_daemon_weights_id": "sha256:abc"})
+    assert settings.weights_id == "sha256:abc"
+    too_long = "x" * (MAX_WEIGHTS_ID_CHARS + 1)  # the daemon would refuse the layout
+    with pytest.raises(ValueError, match="ec_daemon_weights_id"):
+        ConnectorSettings.from_extra_config({"ec_daemon_weights_id": too_long})
+
+
+def test_weights_that_cannot_be_identified_are_never_shared(tiny_model, monkeypatch, tmp_path):
+    """A hub id in no cache (fetched some other way): its weights are unknown,
+    so each engine keeps its entries to itself rather than risk another
+    engine's weights under the same name."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    one = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    two = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    for config in (one, two):
+        config.model_config.model = config.model_config.model_weights = "org/not-cached"
+    monkeypatch.setattr("ec_client.vllm_connector.hub_caches", lambda: [str(tmp_path)])
+    first, second = layout_of(one).variant, layout_of(two).variant
+    assert first == layout_of(one).variant  # the same in every process of one engine
+    assert "w=unknown-" in first and first != second
