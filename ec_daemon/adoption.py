@@ -200,9 +200,11 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> tuple[
     None, why not: for the log line)."""
     mine: list[DeadRegion] = []
     others = 0
+    unreadable = []
     for dead in dead_regions(shm_dir):
         if dead.header is None:
             log.info("removed stale region %s of a dead daemon (%s)", dead.path, dead.problem)
+            unreadable.append(f"{dead.path.name}: {dead.problem}")
             dead.remove()
         elif dead.header.socket != layout.socket:
             others += dead.size
@@ -213,7 +215,8 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> tuple[
         log.info("left %s of dead daemons' regions of other sockets in %s for their next "
                  "start (`ec-daemon clean --all` removes them)", format_size(others), shm_dir)
     if not mine:
-        return None, f"no region of a previous daemon on {layout.socket} in {shm_dir}"
+        removed = f" (removed {'; '.join(unreadable)})" if unreadable else ""
+        return None, f"no region of a previous daemon on {layout.socket} in {shm_dir}{removed}"
     if fresh_start:
         for dead in mine:
             dead.remove()

@@ -145,12 +145,18 @@ def test_only_a_regular_file_of_this_user_is_opened(tmp_path):
     with pytest.raises(PermissionError):
         open_own_file(tmp_path / "link")
     os.mkfifo(tmp_path / "fifo")
-    opened = []  # a FIFO must not block the open: bounded by a thread
-    thread = threading.Thread(target=lambda: opened.append(
-        pytest.raises(PermissionError, open_own_file, tmp_path / "fifo")))
+    refused: list[BaseException] = []  # a FIFO must not block the open: bounded by a thread
+
+    def open_fifo() -> None:
+        try:
+            open_own_file(tmp_path / "fifo")
+        except PermissionError as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=open_fifo, daemon=True)
     thread.start()
     thread.join(5)
-    assert opened and not thread.is_alive()
+    assert refused and not thread.is_alive()
     if os.getuid() == 0:  # another user's file (root can make one)
         (tmp_path / "theirs").write_bytes(b"x")
         os.chown(tmp_path / "theirs", 12345, 12345)
