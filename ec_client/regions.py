@@ -8,10 +8,12 @@ reading it), and a load dispatched just before the restart still reads the
 old region: an adopted one (a warm restart) is the same file, and a
 replaced one is unlinked but stays readable through the mapping. A mapping
 no copy uses is unmapped once a newer generation is current, it has been
-retired for `RETIRE_SECONDS` (a dead daemon's tmpfs memory is not pinned for
-long), and the scheduler no longer names it among the generations its loads
-in flight read (`keep_loading`, from every step's metadata): a load whose
-copy starts long after its dispatch, in a slow step, still finds it.
+retired for `RETIRE_SECONDS`, and the scheduler cannot load from it any
+more: the latest step's metadata does not name it (`step`: the scheduler's
+loads in flight and the region it answers hits for), or the worker has been
+idle between steps for `RETIRE_SECONDS` (an idle engine dispatches nothing,
+and a dead daemon's tmpfs memory is not pinned for long). So a load whose
+copy starts long after the daemon died, behind a slow step, still finds it.
 
 Thread-safe: loads run on the engine's thread, saves on the saver thread,
 attach and detach on the link thread.
@@ -68,7 +70,9 @@ class Regions:
         self._lock = threading.Lock()
         self._mapped: dict[int, _Mapped] = {}
         self.current: int | None = None  # generation of the attached daemon
-        self._loading: frozenset[int] = frozenset()  # named by loads in flight
+        self._keep: frozenset[int] = frozenset()  # named by the latest step's metadata
+        self._in_step = False
+        self._idle_since = clock()
 
     @contextmanager
     def use(self, info: RegionInfo) -> Iterator[tuple[RegionMapping, StampTable]]:
@@ -102,22 +106,31 @@ class Regions:
                 pass
         self.prune()
 
-    def keep_loading(self, generations: frozenset[int]) -> None:
-        """The generations the scheduler's loads in flight read (the latest
-        step's metadata): mapped however long ago they were retired."""
-        if generations != self._loading:
-            self._loading = generations
-            self.prune()
+    def step(self, keep: frozenset[int]) -> None:
+        """A step began; its metadata names `keep`, the generations the
+        scheduler may still load from: mapped while the engine works."""
+        with self._lock:
+            self._keep = keep
+            self._in_step = True
+
+    def step_done(self) -> None:
+        """The step ended (the worker is idle until the next one)."""
+        with self._lock:
+            self._in_step = False
+            self._idle_since = self._clock()
+        self.prune()
 
     def prune(self) -> None:
-        """Unmap retired mappings that no copy uses, no load in flight names,
-        and whose grace is over."""
+        """Unmap retired mappings that no copy uses, whose grace is over and
+        that the scheduler can no longer load from."""
         now = self._clock()
         with self._lock:
-            loading = self._loading
+            keep = self._keep
+            if not self._in_step and now - self._idle_since >= RETIRE_SECONDS:
+                keep = frozenset()  # idle: the scheduler dispatches nothing
             done = [m for m in self._mapped.values() if m.users == 0 and m.retired_at is not None
                     and now - m.retired_at >= RETIRE_SECONDS
-                    and m.info.generation not in loading]
+                    and m.info.generation not in keep]
             for mapped in done:
                 del self._mapped[mapped.info.generation]
         for mapped in done:

@@ -87,9 +87,11 @@ class StepMetadata:
 
     loads: list[LoadSpec] = field(default_factory=list)
     regions: dict[int, RegionInfo] = field(default_factory=dict)
-    # Generations with loads dispatched and not yet reported by every rank,
-    # these included: workers keep those regions mapped, however long.
-    loading: frozenset[int] = frozenset()
+    # The region generations this scheduler may still have a rank load from:
+    # its loads dispatched and not reported by every rank (these included),
+    # and the region it answers hits for. A worker keeps them mapped while it
+    # works on this step, however long a restarted daemon has been gone.
+    keep: frozenset[int] = frozenset()
 
 
 class _Current(NamedTuple):
@@ -143,7 +145,7 @@ class SchedulerDelegate:
         self._unavailable: set[str] = set()
         self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
         self._loading: dict[int, int] = {}  # generation -> loads in flight
-        self._loading_set: frozenset[int] = frozenset()
+        self._keep: tuple[int | None, frozenset[int]] | None = None  # (current, keep)
         self._generation: int | None = None  # of the last attachment, kept while detached
         self._next_expiry = 0.0
         self._taken: dict[str, tuple[int, int]] = {}
@@ -245,7 +247,7 @@ class SchedulerDelegate:
             self._expire(now)
         if not planned:
             self.view.end_step((), self.view.lineage, self._send)
-            return StepMetadata(loading=self._loading_set)
+            return StepMetadata(keep=self._keep_now())
         metadata = StepMetadata()
         loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
         lineage = self.view.lineage
@@ -262,7 +264,7 @@ class SchedulerDelegate:
             regions[current.region.generation] = current.region
             nbytes += spec.nbytes
         self.view.end_step(in_view, lineage, self._send)
-        metadata.loading = self._loading_set
+        metadata.keep = self._keep_now()
         self._loads += len(loads)
         self._load_bytes += nbytes
         return metadata
@@ -324,14 +326,26 @@ class SchedulerDelegate:
                          self._send)
 
     def _count_loading(self, generation: int, change: int) -> None:
-        """Loads in flight per region generation (StepMetadata.loading)."""
+        """Loads in flight per region generation (for StepMetadata.keep)."""
+        had = generation in self._loading
         left = self._loading.get(generation, 0) + change
         if left > 0:
             self._loading[generation] = left
         else:
             self._loading.pop(generation, None)
-        if (left > 0) != (generation in self._loading_set):
-            self._loading_set = frozenset(self._loading)
+        if had != (left > 0):
+            self._keep = None
+
+    def _keep_now(self) -> frozenset[int]:
+        """StepMetadata.keep, rebuilt only when it changed."""
+        attached = self._current
+        generation = attached.region.generation if attached is not None else None
+        cached = self._keep
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        keep = frozenset(self._loading) | ({generation} if generation is not None else set())
+        self._keep = (generation, keep)
+        return keep
 
     def _counts_since(self, reader: str) -> tuple[int, int]:
         """(lookups, hits) since `reader` last asked; each reader (the

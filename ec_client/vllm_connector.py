@@ -102,7 +102,7 @@ class ECDaemonConnectorMetadata(ECConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     regions: dict[int, RegionInfo] = field(default_factory=dict)
-    loading: frozenset[int] = frozenset()  # generations loads in flight read
+    keep: frozenset[int] = frozenset()  # generations the scheduler may still load from
 
 
 @dataclass
@@ -273,7 +273,7 @@ class ECDaemonConnector(ECConnectorBase):
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECDaemonConnectorMetadata)
-        self._worker.regions.keep_loading(metadata.loading)
+        self._worker.regions.step(metadata.keep)
         if not metadata.loads:
             return
         started = time.perf_counter()
@@ -299,6 +299,7 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
+        self._worker.regions.step_done()
         # Load times from one rank only: every rank loads the same entries.
         stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
         self._load_seconds = []
@@ -332,7 +333,7 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
         step = self._scheduler.build_step_metadata()
-        return ECDaemonConnectorMetadata(step.loads, step.regions, step.loading)
+        return ECDaemonConnectorMetadata(step.loads, step.regions, step.keep)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._scheduler is None:

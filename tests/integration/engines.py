@@ -355,8 +355,9 @@ def churn_main(socket: str, engine_id: str, seed: int, keys: int, seconds: float
             counts["hits"] += 1
             scheduler.after_alloc("r", mm_hash)
             metadata = scheduler.build_step_metadata()
-            worker.regions.keep_loading(metadata.loading)
+            worker.regions.step(metadata.keep)  # as the connector does each step
             result = worker.load(metadata.loads, metadata.regions)
+            worker.regions.step_done()
             scheduler.apply_worker_output(result.done, list(result.failed))
             counts["failed"] += len(result.failed)
             for loaded in result.loaded.values():

@@ -128,7 +128,6 @@ def test_a_slow_load_across_a_warm_restart_reads_the_saved_bytes(shm_folder, evi
         time.sleep(SLOW_STEP_SECONDS)  # the previous daemon's ghost is long gone
         (entry,) = second.lookup(LAYOUT, "k")
         assert entry.state == engines.pb.HIDDEN and entry.awaiting == 1  # the engine's view
-        worker.regions.keep_loading(metadata.loading)
         result = worker.load(metadata.loads, metadata.regions)
         assert result.failed == {} and np.array_equal(result.loaded["k"], data(7))
         scheduler.apply_worker_output(result.done)
@@ -145,9 +144,10 @@ def test_a_slow_load_across_a_warm_restart_reads_the_saved_bytes(shm_folder, evi
 
 
 # Protects: when the next daemon must start a fresh region (--fresh-start, a
-# new size...), a worker keeps the old region mapped for as long as the
-# scheduler's loads in flight name it, not for a fixed grace: a copy that
-# starts long after its dispatch still reads the saved bytes. Then it goes.
+# new size...), a worker busy with a slow step keeps the old region mapped for
+# as long as the step's metadata says the scheduler may load from it, not for
+# a fixed grace: a copy that starts long after the daemon died still reads
+# the saved bytes. Once steps say otherwise, or the engine idles, it goes.
 def test_a_slow_load_across_a_fresh_start_reads_the_saved_bytes(shm_folder):
     folder = short_tmpdir()
     first = start(folder, shm_folder)
@@ -160,24 +160,54 @@ def test_a_slow_load_across_a_fresh_start_reads_the_saved_bytes(shm_folder):
         assert worker.save("k", data(3)) and worker.flush(10)
         first.wait_for(lambda: scheduler.view.get("k"))
         metadata = dispatch(scheduler, "k")
-        assert metadata.loading == {old}
-        worker.regions.keep_loading(metadata.loading)  # what each step's metadata says
+        assert metadata.keep == {old}
+        # The worker is busy with the step before the one that carries the load.
+        worker.regions.step(scheduler.build_step_metadata().keep)
         first.kill()
         second = start(folder, shm_folder, "--fresh-start")
         reattached(second, scheduler, worker)
         assert worker.link.attachment.region.generation != old
-        # Steps go on meanwhile: their metadata still names the old generation.
-        worker.regions.keep_loading(scheduler.build_step_metadata().loading)
         time.sleep(SLOW_STEP_SECONDS)  # longer than any fixed grace
         worker.regions.prune()
         assert old in worker.regions.generations()
+        worker.regions.step_done()
+        worker.regions.step(metadata.keep)  # the step with the load, at last
         result = worker.load(metadata.loads, metadata.regions)
+        worker.regions.step_done()
         assert result.failed == {} and np.array_equal(result.loaded["k"], data(3))
         scheduler.apply_worker_output(result.done)
-        # No load names it any more: the old region's memory goes back.
-        worker.regions.keep_loading(scheduler.build_step_metadata().loading)
-        worker.regions.prune()
+        # Steps of the new region: the old one's memory goes back.
+        later = scheduler.build_step_metadata()
+        assert old not in later.keep
+        worker.regions.step(later.keep)
+        worker.regions.step_done()
         assert old not in worker.regions.generations()
+    finally:
+        scheduler.close()
+        worker.close()
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+
+
+# Protects: an idle engine (no steps) does not pin a replaced region's memory:
+# the new daemon of a fresh start gets its tmpfs space back within seconds.
+def test_an_idle_worker_lets_a_replaced_region_go(shm_folder):
+    folder = short_tmpdir()
+    first = start(folder, shm_folder)
+    scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    second = None
+    try:
+        reattached(first, scheduler, worker)
+        old = worker.link.attachment.region.generation
+        worker.regions.step(scheduler.build_step_metadata().keep)  # names the old region
+        worker.regions.step_done()
+        first.kill()
+        second = start(folder, shm_folder, "--fresh-start")
+        reattached(second, scheduler, worker)
+        second.wait_for(lambda: old not in worker.regions.generations(), timeout=15,
+                        what="the idle worker to unmap the replaced region")
     finally:
         scheduler.close()
         worker.close()

@@ -192,3 +192,42 @@ def test_a_mapping_the_backend_refuses_is_not_kept(tmp_path, clock):
     with pytest.raises(RuntimeError), regions.use(region_file(tmp_path, 1)):
         pass
     assert regions.generations() == [] and unmapped == []  # never registered
+
+
+def test_a_region_the_scheduler_may_still_load_from_stays_while_the_engine_works(
+        tmp_path, regions, hooks, clock):
+    """A daemon replaced by a fresh region: the worker is in a step whose
+    metadata names the old generation (a load of it may follow, however slow
+    the step): kept past any grace. A step that no longer names it, or an
+    idle worker, lets it go."""
+    old, new = region_file(tmp_path, 1), region_file(tmp_path, 2)
+    regions.make_current(old)
+    regions.step(frozenset({1}))
+    regions.make_current(new)
+    clock.now += 100 * RETIRE_SECONDS
+    regions.prune()
+    assert regions.generations() == [1, 2]
+    regions.step_done()
+    regions.step(frozenset({1}))  # the next step still names it
+    clock.now += 100 * RETIRE_SECONDS
+    regions.prune()
+    assert regions.generations() == [1, 2]
+    regions.step_done()
+    regions.step(frozenset({2}))
+    regions.step_done()
+    assert regions.generations() == [2] and hooks.unmapped == [1]
+
+
+def test_an_idle_worker_unmaps_a_retired_region_after_the_grace(tmp_path, regions, hooks,
+                                                                 clock):
+    old, new = region_file(tmp_path, 1), region_file(tmp_path, 2)
+    regions.make_current(old)
+    regions.step(frozenset({1}))
+    regions.step_done()  # the last step named it; then nothing more comes
+    regions.make_current(new)
+    clock.now += RETIRE_SECONDS / 2
+    regions.prune()
+    assert regions.generations() == [1, 2]
+    clock.now += RETIRE_SECONDS
+    regions.prune()
+    assert regions.generations() == [2] and hooks.unmapped == [1]
