@@ -10,7 +10,11 @@ process tree, printed as tables and written to results/bench-<time>.json.
    mmap; 6. eight engines at 100 steps/s; 7. daemon bookkeeping memory with
    1M entries; 8. the second tier: a verified fetch and a promotion vs a raw
    redis GET of the same bytes, promotion end to end through two daemons,
-   and saves and hits with the tier on vs off (benchmarks/remote.py, tier.py).
+   and saves and hits with the tier on vs off (benchmarks/remote.py, tier.py);
+9. warm restart: adoption time by entries and region size vs reading the
+   index alone, the index's cost to saves (core, and two daemons on vs off),
+   seconds until engines hit again, the hit rate around a kill -9
+   (benchmarks/warm_restart.py).
 `--quick` shrinks every benchmark (a couple of minutes in all) to check that
 they run; its numbers are not results. This machine is noisy: ratios hold,
 absolute times do not.
@@ -29,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import concurrency, micro, remote, tier
+from benchmarks import concurrency, micro, remote, tier, warm_restart
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -155,6 +159,13 @@ TARGETS: list[tuple[str, str, float, Check]] = [
                 if row["parser"] == "hiredis"]),
     ("saves and hits, second tier on / off", "min", 0.95,
      lambda r: [row["ratio"] for row in r.get("tier", [])]),
+    ("saves through the daemon, warm restart on / off", "min", 0.95,
+     lambda r: [r["warm"]["daemon_saves"]["ratio"]] if "warm" in r else []),
+    ("seconds from a restarted daemon's start to an engine's hit, 100k entries", "max", 1.0,
+     lambda r: [r["warm"]["engines_back"]["first_hit_s"]] if "warm" in r else []),
+    ("hit rate in the minute after a kill -9 / before (adopting)", "min", 0.95,
+     lambda r: [row["hit_rate_after"] / row["hit_rate_before"] for row in r["warm"]["hit_rate"]
+                if row["start"] == "adopting"] if "warm" in r else []),
 ]
 
 
@@ -186,26 +197,29 @@ def main() -> None:
     sizes = Sizes(args.quick)
     started = time.monotonic()
     results: dict[str, Any] = {"quick": args.quick}
-    print(">> 1/8 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+    print(">> 1/9 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
     results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
         args.vllm_python, args.torchvision, sizes.upstream_scale)
-    print(">> 2/8 copy throughput", flush=True)
+    print(">> 2/9 copy throughput", flush=True)
     results["copy"] = micro.copy_throughput(sizes.copy_sizes)
-    print(">> 3/8 stamp check", flush=True)
+    print(">> 3/9 stamp check", flush=True)
     results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
-    print(">> 4/8 allocator quality", flush=True)
+    print(">> 4/9 allocator quality", flush=True)
     results["allocator"] = micro.allocator_quality(**sizes.allocator)
-    print(">> 5/8 start-up", flush=True)
+    print(">> 5/9 start-up", flush=True)
     results["startup"] = micro.startup(**sizes.startup)
-    print(f">> 6/8 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
+    print(f">> 6/9 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
           "each)", flush=True)
     results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
-    print(">> 7/8 memory", flush=True)
+    print(">> 7/9 memory", flush=True)
     results["memory"] = micro.memory(sizes.memory_entries)
-    print(">> 8/8 second tier (a local redis-server)", flush=True)
+    print(">> 8/9 second tier (a local redis-server)", flush=True)
     results["remote"] = remote.measure(quick=args.quick)
     results["tier"] = tier.measure(args.quick)
     results["promotion"] = tier.promotion_latency(args.quick)
+    print(">> 9/9 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
+          "an engine: a few minutes)", flush=True)
+    results["warm"] = warm_restart.measure(args.quick)
     results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
@@ -247,6 +261,26 @@ def main() -> None:
     print()
     print(table("8c. promotion end to end: a miss deferred until the entry is ready (best)",
                 results["promotion"], ["MiB", "promote_ms", "promote_gbps"]))
+    print()
+    warm = results["warm"]
+    print(table("9a. adoption of a crashed region (ms; ratio = adoption in all / reading "
+                "the index alone)", warm["adoption"],
+                ["entries", "region_GiB", "index_MiB", "read_index_ms", "adopt_ms",
+                 "restore_ms", "total_ms", "ratio_to_read"]))
+    print()
+    print(table("9b. the index's cost to saves (ratio = on / off)",
+                [{"what": "saves/s on the cache core (with evictions)",
+                  "off": warm["index_cost"]["off_saves_per_s"],
+                  "on": warm["index_cost"]["on_saves_per_s"],
+                  "ratio": warm["index_cost"]["ratio"]}, warm["daemon_saves"]],
+                ["what", "off", "on", "ratio"]))
+    print()
+    print(table("9c. a kill -9 around an engine (hit rates; first_hit_s from the kill)",
+                warm["hit_rate"], ["start", "hit_rate_before", "hit_rate_first_s",
+                                   "hit_rate_after", "first_hit_s", "curve_first_5s"]))
+    print()
+    print(table("9d. engines back: a daemon started on a crashed region", [warm["engines_back"]],
+                list(warm["engines_back"])))
     print()
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
         print(table(f"{number}. {name}", [results[name]], list(results[name])))

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 _NOTHING = object()
 BACKOFF_START_SECONDS = 0.05
+# Attach attempts while the daemon is down: a refused connection costs
+# nothing, and a restarted daemon (warm: its cache adopted) is worth hitting
+# again at once.
+RECONNECT_MAX_SECONDS = 0.5
+# After an attachment this client could not use (a callback failed).
 BACKOFF_MAX_SECONDS = 2.0
 # A view answers hits until this fraction of the lease after the send time
 # of the newest heartbeat the daemon echoed; the rest of the lease is the
@@ -188,7 +193,7 @@ class SessionLink:
                 self._note_error(f"attach failed: {exc.code().name}: {exc.details()}",
                                  retryable=exc.code() in RETRYABLE)
                 self._stopping.wait(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+                backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
                 continue
             backoff = BACKOFF_START_SECONDS
             if not self._serve(reply, asked):

@@ -21,11 +21,12 @@ recorded, so a stamp never names two entries of one region.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
+import re
 import time
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ec_daemon.config import format_size
@@ -99,52 +100,62 @@ class Adoption:
         return "; ".join(parts)
 
 
-def verify(records: Iterable[Record], slots: memoryview, *, page_bytes: int,
-           highest_id: int, ids_reserved: int) -> Verified:
-    """Which `records` (journal order) the stamp table `slots` (one uint64 per
-    payload page) proves, which pages are free, which quarantined, and where
-    entry ids continue."""
-    owned: dict[int, list[Run]] = {}  # stamp -> its runs, in address order
+def verify(records: Iterable[Record], table: bytes, *, page_bytes: int, highest_id: int,
+           ids_reserved: int) -> Verified:
+    """Which `records` (journal order) the stamp table `table` (one native
+    uint64 per payload page) proves, which pages are free, which quarantined,
+    and where entry ids continue. A record is adopted when every page of its
+    runs carries its id and no record adopted before claimed one of them."""
+    work = bytearray(table)
+    slots = memoryview(work).cast("Q")
+    pages = len(slots)
     out = Verified()
-    page = 0
-    for stamp, group in itertools.groupby(slots):
-        length = sum(1 for _ in group)
-        (out.free if stamp == 0 else owned.setdefault(stamp, [])).append((page, length))
-        page += length
-    max_stamp = max(owned, default=0)
     for record in records:
-        runs = owned.get(record.entry_id)
-        if runs is not None and _valid(record, page_bytes) and _merged(record.runs) == runs:
-            del owned[record.entry_id]  # a page is adopted once
+        stamp = array("Q", [record.entry_id]).tobytes()
+        if _valid(record, page_bytes, pages) and all(
+                slots[first:first + n].tobytes() == stamp * n for first, n in record.runs):
+            for first, n in record.runs:
+                slots[first:first + n] = array("Q", bytes(8 * n))  # claimed: once only
             out.records.append(record)
         else:
             out.rejected += 1
-    out.quarantined = sorted(run for runs in owned.values() for run in runs)
-    out.next_entry_id = max(highest_id, max_stamp, ids_reserved - 1) + 1
+    # Stamped pages no adopted entry owns (unfinished saves, rejected records).
+    out.quarantined = _runs(re.finditer(rb"[^\x00]+", work), inside=False)
+    highest_stamp = max((max(slots[first:first + n]) for first, n in out.quarantined),
+                        default=0)
+    out.free = _runs(re.finditer(rb"\x00+", table), inside=True)
+    out.next_entry_id = max(highest_id, highest_stamp, ids_reserved - 1) + 1
+    slots.release()
     return out
 
 
-def _valid(record: Record, page_bytes: int) -> bool:
+def _runs(matches: Iterator[re.Match[bytes]], *, inside: bool) -> list[Run]:
+    """Page runs of byte ranges of the table: the slots wholly `inside` them
+    (zero slots), or every slot they touch (stamped slots); adjacent joined."""
+    out: list[Run] = []
+    for match in matches:
+        start, end = match.span()
+        first, last = (-(-start // 8), end // 8) if inside else (start // 8, -(-end // 8))
+        if last <= first:
+            continue
+        if out and out[-1][0] + out[-1][1] >= first:
+            out[-1] = (out[-1][0], max(out[-1][0] + out[-1][1], last) - out[-1][0])
+        else:
+            out.append((first, last - first))
+    return out
+
+
+def _valid(record: Record, page_bytes: int, pages: int) -> bool:
     """A record the daemon could have written: a key, shape and size it
-    accepts, and exactly the pages its bytes need."""
+    accepts, and exactly the pages its bytes need, inside the region."""
     try:
         validate_save(record.mm_hash, record.nbytes, record.shape, record.dtype)
     except InvalidArgument:
         return False
-    pages = sum(n for _, n in record.runs)
-    return bool(record.namespace) and pages == -(-record.nbytes // page_bytes) \
-        and all(n > 0 for _, n in record.runs)
-
-
-def _merged(runs: list[tuple[int, int]]) -> list[Run]:
-    """Runs in address order, adjacent ones joined (as the stamp scan sees them)."""
-    out: list[Run] = []
-    for first, pages in sorted(runs):
-        if out and out[-1][0] + out[-1][1] == first:
-            out[-1] = (out[-1][0], out[-1][1] + pages)
-        else:
-            out.append((first, pages))
-    return out
+    need = -(-record.nbytes // page_bytes)
+    return bool(record.namespace) and all(
+        n > 0 and first >= 0 and first + n <= pages for first, n in record.runs) \
+        and sum(n for _, n in record.runs) == need
 
 
 def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
@@ -161,12 +172,11 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     except (OSError, IndexUnreadable) as exc:
         raise NotAdoptable(f"its index cannot be read: {exc}") from None
     read_seconds = time.perf_counter() - started
-    table = os.pread(dead.fd, layout.data_offset, 0)
-    if len(table) != layout.data_offset:
-        raise NotAdoptable("its stamp table is short")
     pages = (layout.region_size - layout.data_offset) // layout.page_bytes
-    slots = memoryview(table).cast("Q")[:pages]
-    verified = verify(records.values(), slots, page_bytes=layout.page_bytes,
+    table = os.pread(dead.fd, 8 * pages, 0)
+    if len(table) != 8 * pages:
+        raise NotAdoptable("its stamp table is short")
+    verified = verify(records.values(), table, page_bytes=layout.page_bytes,
                       highest_id=highest, ids_reserved=header.ids_reserved)
     try:  # rewritten whole (a torn tail goes), ids continuing above every old one
         index = Index.reopen(path, dataclasses.replace(

@@ -372,7 +372,7 @@ class Cache:
         for record in records:
             key = (record.namespace, record.mm_hash)
             entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
-                          [(first, pages) for first, pages in record.runs], None)
+                          record.runs, None)
             self._namespaces.setdefault(key[0], {})[key[1]] = entry
             usage = self.namespace_usage.setdefault(key[0], [0, 0])
             usage[0] += 1

@@ -153,6 +153,9 @@ SETTINGS: tuple[Setting, ...] = (
             "that wakes up must not overwrite a newer entry)", "S"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
+    Setting("warm_restart", _bool, lambda: "true",
+            "keep an index of the cache beside the region, so the next daemon on this socket "
+            "adopts it (false: every start is empty, and the region goes at exit)", "BOOL"),
     Setting("fresh_start", _bool, lambda: "false",
             "start with an empty cache: remove the region a previous daemon on this socket "
             "left instead of adopting it", "BOOL", switch=True),
@@ -210,6 +213,7 @@ class DaemonConfig:
     alloc_wait_seconds: float
     quarantine_seconds: float
     check_invariants: bool
+    warm_restart: bool
     fresh_start: bool
     on_exit: str
     metrics_port: int

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
 import stat
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +57,11 @@ MAX_SOCKET_BYTES = HEADER_BYTES - _HEAD.size - 1024
 ID_BLOCK = 1 << 16
 
 _FRAME = struct.Struct("<II")  # body length, crc32(body)
-_READY = struct.Struct("<BQQ")  # kind, entry_id, nbytes
+# kind, entry_id, nbytes, then the counts and lengths of what follows: ndim,
+# runs, and the bytes of dtype, namespace and mm_hash; then the shape and the
+# runs (u64 each), then the three strings. One unpack reads the fixed part.
+_READY = struct.Struct("<BQQBIBHH")
 _REF = struct.Struct("<BQ")  # kind, entry_id
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_RUN = struct.Struct("<QQ")
 READY, HIDDEN, GONE = 1, 2, 3
 # A record longer than this is corrupt (the longest real one is far shorter).
 MAX_RECORD_BYTES = 1 << 24
@@ -83,7 +84,7 @@ class Header:
     ids_reserved: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """A READY record (with `hidden` set when a HIDDEN record followed it)."""
 
@@ -95,6 +96,7 @@ class Record:
     dtype: str
     runs: list[tuple[int, int]]
     hidden: bool = False
+    raw: bytes = b""  # the framed record as read (rewritten as it is)
 
 
 def index_path(region_path: Path) -> Path:
@@ -106,21 +108,23 @@ def encode_ready(entry_id: int, namespace: str, mm_hash: str, nbytes: int,
                  shape: tuple[int, ...], dtype: str, runs: Iterable[tuple[int, int]]) -> bytes:
     """A framed READY record."""
     runs = list(runs)
-    parts = [_READY.pack(READY, entry_id, nbytes), _text(dtype), bytes((len(shape),)),
-             struct.pack(f"<{len(shape)}Q", *shape), _U32.pack(len(runs))]
-    parts.extend(_RUN.pack(first, pages) for first, pages in runs)
-    parts += [_text(namespace), _text(mm_hash)]
-    return _frame(b"".join(parts))
+    d, ns, h = dtype.encode(), namespace.encode(), mm_hash.encode()
+    body = b"".join((
+        _READY.pack(READY, entry_id, nbytes, len(shape), len(runs), len(d), len(ns), len(h)),
+        _numbers(len(shape), len(runs)).pack(*shape, *(n for run in runs for n in run)),
+        d, ns, h))
+    return _frame(body)
+
+
+@functools.cache
+def _numbers(ndim: int, runs: int) -> struct.Struct:
+    """The shape and the runs' (first page, pages), u64 each."""
+    return struct.Struct(f"<{ndim + 2 * runs}Q")
 
 
 def encode_ref(kind: int, entry_id: int) -> bytes:
     """A framed HIDDEN or GONE record."""
     return _frame(_REF.pack(kind, entry_id))
-
-
-def _text(value: str) -> bytes:
-    raw = value.encode()
-    return _U16.pack(len(raw)) + raw
 
 
 def _frame(body: bytes) -> bytes:
@@ -166,18 +170,20 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple
     at = start
     end = len(view)
     unpack_frame, crc32 = _FRAME.unpack_from, zlib.crc32
+    texts: dict[bytes, str] = {}
     while at + _FRAME.size <= end:
         length, crc = unpack_frame(view, at)
         body_at = at + _FRAME.size
         if length == 0 or length > MAX_RECORD_BYTES or body_at + length > end:
             break  # torn (the daemon died mid-append) or garbage
-        body = view[body_at:body_at + length]
+        body = bytes(view[body_at:body_at + length])
         if crc32(body) != crc:
             break
         try:
             kind = body[0]
             if kind == READY:
-                record = _decode_ready(body)
+                record = _decode_ready(body, texts)
+                record.raw = bytes(view[at:body_at + length])
                 records.pop(record.entry_id, None)  # a repeated id: the later one counts
                 records[record.entry_id] = record
                 entry_id = record.entry_id
@@ -196,30 +202,21 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple
     return records, highest, at
 
 
-def _decode_ready(body: memoryview) -> Record:
-    _, entry_id, nbytes = _READY.unpack_from(body)
-    at = _READY.size
-    dtype, at = _read_text(body, at)
-    ndim = body[at]
-    shape = struct.unpack_from(f"<{ndim}Q", body, at + 1)
-    at += 1 + 8 * ndim
-    (count,) = _U32.unpack_from(body, at)
-    at += _U32.size
-    runs = [_RUN.unpack_from(body, at + i * _RUN.size) for i in range(count)]
-    at += count * _RUN.size
-    namespace, at = _read_text(body, at)
-    mm_hash, at = _read_text(body, at)
-    if at != len(body):
-        raise ValueError("trailing bytes in a record")
-    return Record(entry_id, namespace, mm_hash, nbytes, tuple(shape), dtype, runs)
-
-
-def _read_text(body: memoryview, at: int) -> tuple[str, int]:
-    (length,) = _U16.unpack_from(body, at)
-    end = at + _U16.size + length
-    if end > len(body):
-        raise ValueError("a string runs past its record")
-    return bytes(body[at + _U16.size:end]).decode(), end
+def _decode_ready(body: bytes, texts: dict[bytes, str]) -> Record:
+    """`texts` shares the strings of namespaces and dtypes between records."""
+    _, entry_id, nbytes, ndim, count, dlen, nslen, hlen = _READY.unpack_from(body)
+    numbers = _numbers(ndim, count)
+    values = numbers.unpack_from(body, _READY.size)
+    at = _READY.size + numbers.size
+    if at + dlen + nslen + hlen != len(body):
+        raise ValueError("a record's lengths do not add up")
+    dtype, namespace, mm_hash = (body[at:at + dlen], body[at + dlen:at + dlen + nslen],
+                                 body[at + dlen + nslen:])
+    runs = [(values[ndim], values[ndim + 1])] if count == 1 else list(
+        zip(values[ndim::2], values[ndim + 1::2], strict=True))
+    return Record(entry_id, texts.get(namespace) or texts.setdefault(namespace, namespace.decode()),
+                  mm_hash.decode(), nbytes, values[:ndim],
+                  texts.get(dtype) or texts.setdefault(dtype, dtype.decode()), runs)
 
 
 def read_index(path: Path) -> tuple[Header, dict[int, Record], int]:
@@ -291,6 +288,8 @@ class Index:
         self._live: dict[int, bytes] = {}  # entry id -> its READY record
         self._hidden: set[int] = set()
         self._live_bytes = 0
+        self._buffer: list[bytes] = []  # records not written yet (`flush_with`)
+        self._schedule: Callable[[Callable[[], None]], object] | None = None
         self.ok = True
         self.compactions = 0
 
@@ -314,13 +313,35 @@ class Index:
         (the entries adopted, least recently used first). Raises OSError."""
         index = cls(path, -1, header, HEADER_BYTES)
         for r in records:
-            index._live[r.entry_id] = encode_ready(r.entry_id, r.namespace, r.mm_hash, r.nbytes,
-                                                   r.shape, r.dtype, r.runs)
+            index._live[r.entry_id] = r.raw or encode_ready(
+                r.entry_id, r.namespace, r.mm_hash, r.nbytes, r.shape, r.dtype, r.runs)
             if r.hidden:
                 index._hidden.add(r.entry_id)
         index._live_bytes = sum(map(len, index._live.values()))
         index._rewrite(list(index._live))
         return index
+
+    def flush_with(self, schedule: Callable[[Callable[[], None]], object]) -> None:
+        """Write records once per `schedule` (the event loop's call_soon: once
+        per loop turn, before that turn's messages go out) instead of one
+        write(2) each. A record the process dies with only loses its entry:
+        what is adopted is decided by the stamps, which are in the region."""
+        self._schedule = schedule
+
+    def flush(self) -> None:
+        """Write the records appended since the last flush."""
+        if not self._buffer:
+            return
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        if not self.ok:
+            return
+        try:
+            _write_at(self._fd, data, self._end)
+        except OSError as exc:
+            self._disable(exc)
+            return
+        self._end += len(data)
 
     # ---------------------------------------------------------- records
 
@@ -376,6 +397,8 @@ class Index:
 
     def close(self, *, remove: bool = False) -> None:
         if self._fd >= 0:
+            self.flush()
+        if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         if remove:
@@ -395,13 +418,12 @@ class Index:
     def _append(self, record: bytes) -> bool:
         if not self.ok:
             return False
-        try:
-            _write_at(self._fd, record, self._end)
-        except OSError as exc:
-            self._disable(exc)
-            return False
-        self._end += len(record)
-        return True
+        if self._schedule is not None and not self._buffer:
+            self._schedule(self.flush)
+        self._buffer.append(record)
+        if self._schedule is None:
+            self.flush()
+        return self.ok
 
     def _rewrite(self, order: Iterable[int]) -> None:
         """Header and live records into a new file, renamed over the old one:
@@ -430,6 +452,7 @@ class Index:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = fd
+        self._buffer.clear()  # the rewrite says what they said
         self._live = {i: live[i] for i in ordered}
         self._end = HEADER_BYTES + len(body) + len(tail)
 

@@ -48,7 +48,7 @@ class Entry:
         self.shape = shape
         self.dtype = dtype
         self.runs = runs
-        self.pages = sum(n for _, n in runs)
+        self.pages = runs[0][1] if len(runs) == 1 else sum(n for _, n in runs)
         self.state = State.PENDING  # restore() sets an adopted entry's
         self.owner: Session | None = owner
         # Hidden entries only: the views (live or ghost) that still owe an

@@ -100,7 +100,10 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
         layout = Layout(socket_identity(config.socket), data_offset + capacity,
                         config.page_bytes, data_offset)
-        adoption, why_not = find(config.shm_dir, layout, fresh_start=config.fresh_start)
+        adoption, why_not = find(config.shm_dir, layout,
+                                 fresh_start=config.fresh_start or not config.warm_restart)
+        if not config.warm_restart:
+            why_not = "--warm-restart false"
         if adoption is not None:
             log.info("%s", adoption.summary())
             region = adoption.region
@@ -108,12 +111,13 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         else:
             log.info("starting with an empty cache: %s", why_not)
             region = await _create_region(config, layout, gid)
+        remove = config.on_exit == "remove" or not config.warm_restart
         try:
             await _serve_region(config, server, region, data_offset, stop or asyncio.Event(),
                                 adoption)
         finally:
-            region.close(remove=config.on_exit == "remove")
-        if config.on_exit == "remove":
+            region.close(remove=remove)
+        if remove:
             log.info("stopped; region %s removed", region.path)
         else:
             log.info("stopped; region %s kept for the next start on %s to adopt "
@@ -141,7 +145,8 @@ async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) 
     while True:
         try:
             return Region.create(config.shm_dir, layout.region_size, mode=config.socket_mode,
-                                 gid=gid, progress=log.info, index_header=layout.header)
+                                 gid=gid, progress=log.info,
+                                 index_header=layout.header if config.warm_restart else None)
         except RegionTooLarge as exc:
             now = time.monotonic()
             if now >= deadline:
@@ -213,6 +218,8 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                   sessions=SessionTable(config.lease_seconds), data_offset=data_offset,
                   stamps=table, index=region.index,
                   quarantine_seconds=config.quarantine_seconds)
+    if region.index is not None:
+        region.index.flush_with(asyncio.get_running_loop().call_soon)
     if adoption is not None:
         v = adoption.verified
         cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,

@@ -142,7 +142,7 @@ def _remove_orphaned_shm(before: set[str]) -> None:
 def start_engine(model: Path, images: list[int], socket: str = "", role: str = "ec_both",
                  pause_after: int = 0, copy_backend: str = "cpu",
                  env: dict[str, str] | None = None, wait_start: bool = False,
-                 max_defer_seconds: float = 0) -> Engine:
+                 max_defer_seconds: float = 0, connector: str = "") -> Engine:
     """`wait_start`: the engine prints STARTED once built and waits for a
     line on stdin before its first request."""
     args = [sys.executable, "-m", "tests.vllm.engine_run", str(model),
@@ -156,6 +156,8 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--wait-start"]
     if max_defer_seconds:
         args += ["--max-defer-seconds", str(max_defer_seconds)]
+    if connector:
+        args += ["--connector", connector]
     before = _shm_names()
     return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,7 +1,8 @@
 """One real vLLM engine on CPU, as a separate process, for the end-to-end tests.
 
     python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
-        --role ec_both --copy-backend cpu --max-defer-seconds S] [--pause-after N]
+        --role ec_both --copy-backend cpu --connector MODULE:CLASS
+        --max-defer-seconds S] [--pause-after N]
         [--wait-start]
 
 Generates greedily for each image seed in turn, one request at a time (the
@@ -39,6 +40,8 @@ def main() -> int:
     parser.add_argument("--socket", default="")
     parser.add_argument("--role", default="ec_both")
     parser.add_argument("--copy-backend", default="cpu")
+    parser.add_argument("--connector", default="ec_client.vllm_connector:ECDaemonConnector",
+                        help="module:Class of the EC connector")
     parser.add_argument("--pause-after", type=int, default=0)
     parser.add_argument("--wait-start", action="store_true")
     parser.add_argument("--max-defer-seconds", type=float, default=0)
@@ -48,9 +51,10 @@ def main() -> int:
 
     extra: dict[str, Any] = {}
     if args.socket:
+        module, name = args.connector.split(":")
         extra["ec_transfer_config"] = {
-            "ec_connector": "ECDaemonConnector",
-            "ec_connector_module_path": "ec_client.vllm_connector",
+            "ec_connector": name,
+            "ec_connector_module_path": module,
             "ec_role": args.role,
             "ec_connector_extra_config": {"ec_daemon_socket": args.socket,
                                           "ec_daemon_copy_backend": args.copy_backend}}
