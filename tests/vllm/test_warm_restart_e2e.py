@@ -123,7 +123,8 @@ def test_a_slow_step_across_a_daemon_restart_serves_the_saved_output(
         wait_for_marker(engine, marker, ENGINE_TIMEOUT)
         fresh = ("--fresh-start",) if start_as == "fresh" else ()
         daemon = restart(daemon, signal.SIGKILL, *lease_flags, *fresh)
-        assert ("adopted region" in daemon.log()) == (start_as == "adopting"), daemon.log()
+        assert ("adopted region" in daemon.log() and "2 entries" in daemon.log()) == (
+            start_as == "adopting"), daemon.log()
         daemon.wait_for(lambda: daemon.stats()["sessions"] == 2, timeout=30,
                         what="engine 2's scheduler and worker to attach again")
         # Otherwise the restart did not happen inside the window: retry on a quieter machine.
