@@ -269,11 +269,24 @@ class ECDaemonConnector(ECConnectorBase):
 
     # ------------------------------------------------------------ worker
 
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        """A step begins (the worker's side): while it runs, the regions its
+        metadata says the scheduler may still load from stay mapped."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata,
+                                                   ECDaemonConnectorMetadata):
+            self._worker.regions.step(connector_metadata.keep)
+
+    def clear_connector_metadata(self) -> None:
+        """The step ended."""
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.regions.step_done()
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECDaemonConnectorMetadata)
-        self._worker.regions.step(metadata.keep)
         if not metadata.loads:
             return
         started = time.perf_counter()
@@ -299,7 +312,6 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        self._worker.regions.step_done()
         # Load times from one rank only: every rank loads the same entries.
         stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
         self._load_seconds = []
