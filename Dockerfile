@@ -5,6 +5,13 @@
 #   docker build -t ec-daemon .
 #   docker run --shm-size=9g -v ec-socket:/run/ec-daemon ec-daemon --cpu-bytes 8GiB
 #
+# `docker stop` sends SIGTERM (the default stop signal): the daemon drains,
+# removes its socket and keeps its region (and the region's index) in /dev/shm
+# for the next start to adopt (EC_DAEMON_ON_EXIT=remove deletes them instead).
+# A container's own /dev/shm (--shm-size) does not survive a restart, so the
+# cache does not either; a tmpfs volume at /dev/shm that another running
+# container (the engine) also mounts does (deploy/compose.yaml).
+#
 # Without network access (no registry, no PyPI), from a local base image with
 # python3 and python3-venv, and a wheelhouse in ./wheels (README, "Docker"):
 #

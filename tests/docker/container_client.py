@@ -84,6 +84,13 @@ def generation(delegate: Any) -> int | None:
     return attachment.region.generation if attachment else None
 
 
+def session(delegate: Any) -> str | None:
+    """The current attachment's session id: a new one after every re-attach,
+    also to the same region (a daemon that adopted it keeps its generation)."""
+    attachment = delegate.link.attachment
+    return attachment.session_id if attachment else None
+
+
 # ------------------------------------------------------------------ saves
 
 
@@ -116,11 +123,13 @@ def produce(prefix: str, seed: int, count: int) -> dict[str, Any]:
 # ------------------------------------------------------------------ loads
 
 
-def lookup(scheduler: SchedulerDelegate, keys: list[str]) -> list[bool]:
-    """One step that looks `keys` up and plans nothing."""
+def lookup(scheduler: SchedulerDelegate, keys: list[str]) -> dict[str, Any]:
+    """One step that looks `keys` up and plans nothing: the hits, and the
+    entry id the view holds for each key (None when it holds none)."""
     hits = [scheduler.has_item(k) for k in keys]
     scheduler.build_step_metadata()
-    return hits
+    entries = [scheduler.view.get(k) for k in keys]
+    return {"hits": hits, "entry_ids": [e.entry_id if e is not None else None for e in entries]}
 
 
 def load(scheduler: SchedulerDelegate, worker: WorkerDelegate, keys: list[str],
@@ -166,19 +175,27 @@ class Engine:
     def state(self) -> dict[str, Any]:
         return {"scheduler_generation": generation(self.scheduler),
                 "worker_generation": generation(self.worker),
+                "scheduler_session": session(self.scheduler),
+                "worker_session": session(self.worker),
                 "fresh": self.scheduler.link.fresh(), "synced": self.scheduler.view.synced,
                 "entries": len(self.scheduler.view),
                 "scheduler_error": self.scheduler.link.last_error,
                 "worker_error": self.worker.link.last_error,
                 "worker_stats": dict(self.worker.stats)}
 
-    def wait_reattached(self, old: int | None, timeout: float) -> dict[str, Any]:
-        """Until both sides are attached to a generation other than `old`
-        and the view is synced (or `timeout`)."""
+    def wait_reattached(self, old: int | None, timeout: float,
+                        sessions: list[str] | None = None) -> dict[str, Any]:
+        """Until both sides are attached to one generation, other than `old`
+        when given, in sessions other than `sessions` (the ones to leave:
+        a daemon that adopted the region keeps its generation), and the
+        view is synced (or `timeout`)."""
+        left = set(sessions or ())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             gens = {generation(self.scheduler), generation(self.worker)}
+            ids = {session(self.scheduler), session(self.worker)}
             if len(gens) == 1 and None not in gens and old not in gens \
+                    and None not in ids and not ids & left \
                     and self.scheduler.view.synced and self.scheduler.link.fresh():
                 break
             time.sleep(0.05)
@@ -215,8 +232,10 @@ def serve(engine_id: str) -> None:
     one RESULT line per command:
       {"op": "save", "prefix", "seed", "count"}   -> like `produce`
       {"op": "load", "prefix", "count", "timeout"} -> like `consume`
-      {"op": "lookup", "prefix", "count"}          -> {"hits": [...]} (one step)
-      {"op": "reattached", "old", "timeout"}       -> state once re-attached
+      {"op": "lookup", "prefix", "count"}          -> {"hits", "entry_ids"} (one step)
+      {"op": "reattached", "old", "sessions", "timeout"}
+          -> state once re-attached: to a generation other than `old` (when
+             not null), in sessions other than `sessions` (when given)
       {"op": "state"} / {"op": "close"}
     """
     engine = Engine(engine_id, "both")
@@ -231,9 +250,10 @@ def serve(engine_id: str) -> None:
         elif op == "load":
             answer(load(engine.scheduler, engine.worker, keys, command.get("timeout", 30)))
         elif op == "lookup":
-            answer({"hits": lookup(engine.scheduler, keys), **engine.state()})
+            answer({**lookup(engine.scheduler, keys), **engine.state()})
         elif op == "reattached":
-            answer(engine.wait_reattached(command["old"], command.get("timeout", 30)))
+            answer(engine.wait_reattached(command.get("old"), command.get("timeout", 30),
+                                          command.get("sessions")))
         elif op == "state":
             answer(engine.state())
         elif op == "close":

@@ -148,8 +148,30 @@ def shell(name: str, script: str, *, user: str = "0") -> str:
 
 def regions(name: str) -> list[str]:
     """Region files in the /dev/shm that container `name` sees."""
+    return [f for f in daemon_files(name) if f.endswith(".region")]
+
+
+def daemon_files(name: str) -> list[str]:
+    """Every file of a daemon in the /dev/shm that container `name` sees:
+    regions, their indexes (`ec-daemon-GENERATION.index`, kept beside a
+    region for the next start to adopt) and hidden half-made ones."""
     out = shell(name, "ls -1A /dev/shm")
-    return sorted(f for f in out.split() if f.startswith("ec-daemon-") and f.endswith(".region"))
+    return sorted(f for f in out.split() if f.lstrip(".").startswith("ec-daemon-"))
+
+
+def region_files(generation: int) -> list[str]:
+    """The names daemon_files lists for one region of `generation`: the
+    region and its index."""
+    return [f"ec-daemon-{generation:016x}.index", f"ec-daemon-{generation:016x}.region"]
+
+
+def start_lines(name: str) -> list[str]:
+    """The daemon container's log lines that say what each start did with
+    the cache, oldest first: "adopted region ..." (a warm restart) or
+    "starting with an empty cache: <why>"; one per start of the container."""
+    done = docker("logs", name, timeout=30)
+    return [line for line in (done.stdout + done.stderr).splitlines()
+            if "adopted region " in line or "starting with an empty cache: " in line]
 
 
 def stat(name: str, path: str) -> tuple[str, int, int, str]:
@@ -178,6 +200,26 @@ def run_daemon(res: Resources, *, socket_volume: str, ipc: list[str],
            "--volume", f"{socket_volume}:{SOCKET_DIR}", *env_args, *extra_run, DAEMON_IMAGE,
            *extra)
     return name
+
+
+def run_watcher(res: Resources, shared: list[str]) -> str:
+    """A container that only sleeps with the clients' sharing flags: it keeps
+    their /dev/shm (the daemon's IPC namespace, or the tmpfs volume: Docker
+    unmounts a tmpfs volume, discarding its files, when the last running
+    container using it stops) and lets a test look at it."""
+    name = res.container("watcher")
+    docker("run", "--detach", *network_args(), "--name", name, *shared, "--entrypoint", "sleep",
+           CLIENT_IMAGE, "600")
+    return name
+
+
+def run_once(image: str, args: list[str], *,
+             volumes: list[str]) -> subprocess.CompletedProcess[str]:
+    """A one-off container of `image` (its own ENTRYPOINT; removed when
+    done) with `volumes` (docker --volume values); its output."""
+    mounts = [arg for volume in volumes for arg in ("--volume", volume)]
+    name = f"{RUN_PREFIX}once-{uuid.uuid4().hex[:8]}"
+    return docker("run", "--rm", *network_args(), "--name", name, *mounts, image, *args)
 
 
 def client_args(socket_volume: str, shared: list[str], user: str) -> list[str]:

@@ -51,7 +51,10 @@ def test_compose_wires_the_daemon_and_vllm_together():
     # The region's tmpfs is a volume both mount, not the daemon's IPC namespace
     # (a restarted daemon container gets a new /dev/shm that a joined vLLM
     # never sees: tests/docker).
-    shm_volume = "ec-shm:/dev/shm"
+    # nocopy: a container created while the volume is empty must not copy its
+    # image's /dev/shm mode (0755 root) onto it: the daemon could not write there.
+    shm_volume = {"type": "volume", "source": "ec-shm", "target": "/dev/shm",
+                  "volume": {"nocopy": True}}
     assert shm_volume in daemon["volumes"] and shm_volume in vllm["volumes"]
     assert "ipc" not in daemon and "ipc" not in vllm
     options = compose["volumes"]["ec-shm"]["driver_opts"]
