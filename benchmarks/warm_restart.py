@@ -120,7 +120,8 @@ def index_cost(rounds: int, saves: int) -> dict[str, Any]:
     """Saves with evictions on the cache core: journaling on / off."""
     from ec_daemon.cache import Cache
     from ec_daemon.events import EvictedEvent
-    from ec_daemon.index import Header, Index
+    from ec_daemon.index import Index
+    from ec_daemon.journal import Header
     from ec_daemon.sessions import SessionTable
     from ec_protocol.stamps import StampTable, table_bytes
 

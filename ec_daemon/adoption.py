@@ -31,15 +31,8 @@ from dataclasses import dataclass, field
 
 from ec_daemon.config import format_size
 from ec_daemon.errors import InvalidArgument
-from ec_daemon.index import (
-    FORMAT_VERSION,
-    Header,
-    Index,
-    IndexUnreadable,
-    Record,
-    index_path,
-    read_index,
-)
+from ec_daemon.index import Index, index_path, read_index
+from ec_daemon.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
 from ec_daemon.limits import validate_save
 from ec_daemon.records import Run
 from ec_daemon.region import PREFIX, SUFFIX, DeadRegion, Region, dead_regions

@@ -30,7 +30,6 @@ raise a `CacheError` have changed nothing.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -47,7 +46,8 @@ from ec_daemon.events import (
     SnapshotDoneEvent,
 )
 from ec_daemon.eviction import EvictionPolicy, LRUPolicy
-from ec_daemon.index import ID_BLOCK, Record
+from ec_daemon.index import ID_BLOCK, NoIndex
+from ec_daemon.journal import Record
 from ec_daemon.limits import validate_mm_hash, validate_save
 from ec_daemon.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
 from ec_daemon.sessions import SessionTable
@@ -75,32 +75,6 @@ class Stamps:
 
     def holds(self, extents: Iterable[Extent], stamp: int) -> bool:
         return True  # no table, no region: nothing was read from pages
-
-
-class NoIndex:
-    """Where the cache journals entries (`index.Index`); this default keeps
-    none (unit tests, and a region whose index could not be written)."""
-
-    ids_reserved = sys.maxsize
-
-    def ready(self, entry_id: int, namespace: str, mm_hash: str, nbytes: int,
-              shape: tuple[int, ...], dtype: str, runs: list[Run]) -> None:
-        return None
-
-    def hidden(self, entry_id: int) -> None:
-        return None
-
-    def gone(self, entry_id: int) -> None:
-        return None
-
-    def reserve_ids(self, below: int) -> None:
-        return None
-
-    def needs_compaction(self) -> bool:
-        return False
-
-    def compact(self, order: Iterable[int]) -> None:
-        return None
 
 
 class Cache:

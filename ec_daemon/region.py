@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from ec_daemon.config import format_size
-from ec_daemon.index import Header, Index, IndexUnreadable, index_path, open_own_file, read_header
+from ec_daemon.index import Index, index_path, open_own_file, read_header
+from ec_daemon.journal import Header, IndexUnreadable
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from ec_daemon.adoption import Layout, find
 from ec_daemon.cache import Cache
 from ec_daemon.errors import ResourceExhausted
 from ec_daemon.events import AllocOutcome, EvictedEvent
-from ec_daemon.index import encode_ready, index_path
+from ec_daemon.index import index_path
+from ec_daemon.journal import encode_ready
 from ec_daemon.records import State
 from ec_daemon.region import Region, dead_regions
 from ec_daemon.sessions import SessionTable

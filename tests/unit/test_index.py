@@ -1,5 +1,6 @@
-"""The durable index (`ec_daemon.index`): what a journal says after a crash
-at any byte, compaction, the id reservation, and files it must not trust."""
+"""The durable index (`ec_daemon.index`, in the format of `ec_daemon.journal`):
+what a journal says after a crash at any byte, compaction, the id
+reservation, and files it must not trust."""
 
 from __future__ import annotations
 
@@ -10,19 +11,16 @@ import threading
 import pytest
 
 from ec_daemon import index as index_module
-from ec_daemon.index import (
+from ec_daemon.index import Index, open_own_file, read_header, read_index
+from ec_daemon.journal import (
     GONE,
     HEADER_BYTES,
     Header,
-    Index,
     IndexUnreadable,
     decode_records,
     encode_header,
     encode_ready,
     encode_ref,
-    open_own_file,
-    read_header,
-    read_index,
 )
 
 HEADER = Header(generation=0xAB, region_size=1 << 20, page_bytes=4096, data_offset=4096,
