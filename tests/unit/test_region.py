@@ -1,7 +1,9 @@
 import fcntl
 import os
 import stat
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +87,42 @@ def test_the_second_tier_writes_and_reads_payload_across_extents(tmp_path):
             region.write(extents, [payload[:-1]])
         with pytest.raises(ValueError, match="longer"):
             region.write(extents, [payload, b"x"])
+
+
+def test_a_name_another_user_took_costs_a_generation_not_the_start(tmp_path, monkeypatch):
+    """Someone who saw a generation created the region's final name first:
+    link(2) never replaces it; the region takes another generation."""
+    import ec_daemon.region as region_module
+
+    taken = tmp_path / f"{PREFIX}{0xAB:016x}.region"
+    taken.write_bytes(b"not ours")
+    if os.getuid() == 0:
+        os.chown(taken, 12345, 12345)
+    generations = iter([0xAB, 0xCD])
+    monkeypatch.setattr(region_module, "new_generation", lambda: next(generations))
+    region = Region.create(tmp_path, 1 << 16)
+    try:
+        assert region.generation == 0xCD and taken.read_bytes() == b"not ours"
+    finally:
+        region.close()
+    assert taken.exists()
+
+
+def test_fifos_and_other_users_files_under_region_names_are_left_alone(tmp_path):
+    """A FIFO named like a dead region must not block the scan (any local user
+    can plant one in /dev/shm); another user's file is never touched."""
+    fifo = tmp_path / f"{PREFIX}{0x11:016x}.region"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / f"{PREFIX}{0x22:016x}.index")
+    planted = [fifo]
+    if os.getuid() == 0:  # another user's file (root can make one)
+        theirs = tmp_path / f"{PREFIX}{0x33:016x}.region"
+        theirs.write_bytes(b"x")
+        os.chown(theirs, 12345, 12345)
+        planted.append(theirs)
+    found: list[list[Path]] = []
+    scan = threading.Thread(target=lambda: found.append(clean_stale(tmp_path)), daemon=True)
+    scan.start()
+    scan.join(10)
+    assert found == [[]], "the scan blocked on a FIFO"
+    assert all(path.exists() for path in planted)
