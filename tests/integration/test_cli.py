@@ -187,3 +187,19 @@ def test_systemd_is_notified_when_serving_and_stopping(tmp_path):
     finally:
         listener.close()
         d.cleanup()
+
+
+# Protects: any local user can plant a FIFO under a region's name in a
+# mode-1777 /dev/shm; the daemon's scan of dead regions must not block on it.
+def test_a_fifo_under_a_region_name_does_not_hang_the_start(shm_folder):
+    fifo = shm_folder / "ec-daemon-00000000000000aa.region"
+    os.mkfifo(fifo)
+    os.mkfifo(shm_folder / "ec-daemon-00000000000000aa.index")
+    d = Daemon(shm_dir=str(shm_folder))
+    try:
+        d.start()  # bounded by the harness: serving within its start timeout
+        assert d.serving() and fifo.exists()
+    finally:
+        d.cleanup()
+        fifo.unlink()
+        (shm_folder / "ec-daemon-00000000000000aa.index").unlink()
