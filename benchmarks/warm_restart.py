@@ -231,19 +231,29 @@ def engines_back(entries: int) -> dict[str, Any]:
     scheduler = SchedulerDelegate(daemon.socket, engine_id="bench", layout=layout)
     time.sleep(3)  # the engine tries the dead socket, backing off as it does
     last = f"{entries - 1:064x}"
+    marks: dict[str, float] = {}
     try:
-        started = time.monotonic()
+        started, wall = time.monotonic(), time.time()
         daemon.start(wait=False)
-        while not scheduler.has_item(last):
+        while not scheduler.has_item(last):  # the snapshot's last entry: all of them
             scheduler.build_step_metadata()
+            now = time.monotonic() - started
+            if scheduler.link.attachment is not None:
+                marks.setdefault("attached_s", now)
+            if scheduler.view.synced:
+                marks.setdefault("synced_s", now)
             time.sleep(0.001)
-            if time.monotonic() - started > 120:
+            if now > 120:
                 raise RuntimeError("no hit within 120 s:\n" + daemon.log())
         first_hit = time.monotonic() - started
         scheduler.build_step_metadata()
         log = daemon.log()
         adopted_ms = float(log.split(" in ")[1].split(" ms")[0]) if "adopted" in log else None
-        return {"entries": entries, "first_hit_s": first_hit, "adoption_ms": adopted_ms}
+        serving = next(line for line in log.splitlines() if "serving on" in line)
+        serving_s = time.mktime(time.strptime(serving[:19], "%Y-%m-%d %H:%M:%S")) \
+            + int(serving[20:23]) / 1000 - wall
+        return {"entries": entries, "first_hit_s": first_hit, "adoption_ms": adopted_ms,
+                "serving_s": serving_s, **marks}
     finally:
         scheduler.close()
         daemon.cleanup()
