@@ -15,19 +15,22 @@ the same in each of them and on every host holding the same files:
   weights index and any remote code: they decide what the encoder computes
   from an image) and, for every weight file, its relative name, size and
   either the Hugging Face blob it links to (named by its content hash, so
-  the same on every host) or its modification time in ns;
+  the same on every host) or its modification time in ns and a digest of
+  64 blocks of 4 KiB spread over it (images built with pinned mtimes);
 - a hub id: the commit its revision resolves to in the local Hugging Face
   cache; a commit pins every file (the files themselves are not read: the
   workers compute this before the weights are downloaded).
 
 Guaranteed: a weight file rewritten, replaced (`mv`, `cp`, a new download)
 or linked to another blob, or a config edited, changes the identity, since
-each of those gives the file another mtime, blob or content. Weights are not
-read, so a file given the same name, size and mtime as the one it replaced
-(`touch -r`, tools that pin mtimes such as the Nix store) is not noticed:
-set the override there. Hosts share entries only with the same mtimes on
-every host (`cp -p`, `rsync -a`, one image pulled everywhere) or Hugging
-Face cache snapshots; otherwise set the same override on every host.
+each of those gives the file another mtime, blob or content. Weights are
+only sampled, so a file given the same name, size and mtime as the one it
+replaced (`touch -r`, pinned build timestamps, the Nix store) is noticed
+only when one of the sampled blocks differs, which a retrained tower of any
+size almost surely makes so: set the override where that is not enough.
+Hosts share entries only with the same mtimes on every host (`cp -p`,
+`rsync -a`, one image pulled everywhere) or Hugging Face cache snapshots;
+otherwise set the same override on every host.
 
 Nothing here raises for a file it cannot read: that file counts as
 unreadable (still told apart from a readable one) and one warning says so.
@@ -57,11 +60,15 @@ WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".c
 # counts by size and mtime as a weight file does.
 CONTENT_SUFFIXES = frozenset({".json", ".py"})
 CONTENT_MAX_BYTES = 4 << 20
+# Blocks read from each weight file (spread evenly): a vision tower of a few
+# hundred MiB in a checkpoint of tens of GiB holds several of them.
+SAMPLES = 64
+SAMPLE_BYTES = 4096
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 # Hugging Face blobs are named by the sha256 (LFS) or git sha1 of their content.
 BLOB_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-FORMAT = "ec-weights-v1"
+FORMAT = "ec-weights-v2"
 
 
 def weights_identity(model: str, revision: str | None = None, *, override: str = "",
@@ -182,7 +189,29 @@ def _describe(name: str, path: str, problems: list[str]) -> str:
             return "sha256 " + hashlib.sha256(_read(path)).hexdigest()
         except OSError as exc:
             problems.append(f"{name}: {exc.strerror or exc}")
-    return f"size {info.st_size} mtime {info.st_mtime_ns}"
+    return f"size {info.st_size} mtime {info.st_mtime_ns} samples {_samples(path, problems)}"
+
+
+def _samples(path: str, problems: list[str]) -> str:
+    """A digest of SAMPLES blocks spread evenly over a weight file: two
+    checkpoints of one architecture with the same sizes and mtimes (images
+    built with pinned timestamps) still differ here, at a few hundred KiB read."""
+    digest = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        problems.append(f"{os.path.basename(path)}: {exc.strerror}")
+        return "unreadable"
+    try:
+        size = os.fstat(fd).st_size
+        for i in range(SAMPLES):
+            digest.update(os.pread(fd, SAMPLE_BYTES, size * i // SAMPLES))
+    except OSError as exc:
+        problems.append(f"{os.path.basename(path)}: {exc.strerror}")
+        return "unreadable"
+    finally:
+        os.close(fd)
+    return digest.hexdigest()[:ID_CHARS]
 
 
 def _read(path: str) -> bytes:

@@ -92,15 +92,19 @@ class StepMetadata:
     # and the region it answers hits for. A worker keeps them mapped while it
     # works on this step, however long a restarted daemon has been gone.
     keep: frozenset[int] = frozenset()
+    # The namespace hits are answered from: a worker that attached with
+    # another (it identified the weights differently) must not save.
+    namespace: str = ""
 
 
 class _Current(NamedTuple):
-    """The attachment hits are answered for, the view epoch it filled, and
-    the lineage its loads in flight count in."""
+    """The attachment hits are answered for, the view epoch it filled, the
+    lineage its loads in flight count in, and its namespace."""
 
     region: RegionInfo
     epoch: int
     lineage: int
+    namespace: str
 
 
 @dataclass(slots=True)
@@ -247,7 +251,7 @@ class SchedulerDelegate:
             self._expire(now)
         if not planned:
             self.view.end_step((), self.view.lineage, self._send)
-            return StepMetadata(keep=self._keep_now())
+            return StepMetadata(keep=self._keep_now(), namespace=self._namespace())
         metadata = StepMetadata()
         loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
         lineage = self.view.lineage
@@ -265,6 +269,7 @@ class SchedulerDelegate:
             nbytes += spec.nbytes
         self.view.end_step(in_view, lineage, self._send)
         metadata.keep = self._keep_now()
+        metadata.namespace = self._namespace()
         self._loads += len(loads)
         self._load_bytes += nbytes
         return metadata
@@ -336,6 +341,10 @@ class SchedulerDelegate:
         if had != (left > 0):
             self._keep = None
 
+    def _namespace(self) -> str:
+        current = self._current
+        return current.namespace if current is not None else ""
+
     def _keep_now(self) -> frozenset[int]:
         """StepMetadata.keep, rebuilt only when it changed."""
         attached = self._current
@@ -388,7 +397,8 @@ class SchedulerDelegate:
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
         self.view.clear(keep_loads=same_region)
-        self._current = _Current(attachment.region, self.view.epoch, self.view.lineage)
+        self._current = _Current(attachment.region, self.view.epoch, self.view.lineage,
+                                 attachment.namespace)
         log.info("ec-daemon scheduler session %d attached (generation %016x%s, namespace %r)",
                  attachment.index, attachment.region.generation,
                  ", the same region" if same_region else "", attachment.namespace)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +82,12 @@ class ReadyView:
         self._counts = (lookups + 1, hits + (entry is not None))
         return entry
 
-    def end_step(self, dispatched: Iterable[Ref], lineage: int, send: Send) -> bool:
+    def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are
         in flight; acknowledge the deferred evictions of the others. Returns
         False when the acknowledgements could not be sent."""
-        if not self._claimed:
-            return True  # nothing claimed since the last boundary: nothing deferred
+        if not self._claimed and not dispatched:
+            return True  # nothing claimed or dispatched since the last boundary
         with self._lock:
             self._claimed.clear()
             if lineage == self.lineage:

@@ -103,6 +103,7 @@ class ECDaemonConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     regions: dict[int, RegionInfo] = field(default_factory=dict)
     keep: frozenset[int] = frozenset()  # generations the scheduler may still load from
+    namespace: str = ""  # the scheduler's: a worker that computed another never saves
 
 
 @dataclass
@@ -211,7 +212,10 @@ def encoder_config_of(vllm_config: VllmConfig) -> str:
         "hf_config_path": model.hf_config_path or "",
         "code_revision": model.code_revision or "",
         "model_impl": str(model.model_impl),
-        "dummy_weights": str(vllm_config.load_config.load_format) == "dummy",
+        # Weights from somewhere other than the model's files (dummy weights,
+        # a tensorizer URI in the loader's config): the loader says which.
+        "load_format": str(vllm_config.load_config.load_format),
+        "model_loader_extra_config": vllm_config.load_config.model_loader_extra_config or {},
     }
     return json.dumps(factors, sort_keys=True, default=str)
 
@@ -235,6 +239,13 @@ class ECDaemonConnector(ECConnectorBase):
         self._next_stats = 0.0
         self._done: list[int] = []
         self._load_seconds: list[float] = []
+        lora = vllm_config.lora_config
+        # vLLM names an item `lora_name:mm_hash` when a LoRA adapter changes the
+        # encoder (tower/connector LoRA): an adapter retrained under the same
+        # name would be served its predecessor's outputs, so such items are
+        # never cached.
+        self._adapter_items = bool(lora is not None
+                                   and getattr(lora, "enable_tower_connector_lora", False))
         layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
@@ -267,6 +278,10 @@ class ECDaemonConnector(ECConnectorBase):
             world_size=world, role=self._ec_role, backend=backend, allocate_out=allocate_out,
             save_queue_bytes=self.settings.save_queue_bytes, **self.settings.transport)
 
+    def _private(self, identifier: str) -> bool:
+        """An item whose encoder output depends on a LoRA adapter."""
+        return self._adapter_items and ":" in identifier
+
     # ------------------------------------------------------------ worker
 
     def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
@@ -276,6 +291,7 @@ class ECDaemonConnector(ECConnectorBase):
         if self._worker is not None and isinstance(connector_metadata,
                                                    ECDaemonConnectorMetadata):
             self._worker.regions.step(connector_metadata.keep)
+            self._worker.follow_scheduler(connector_metadata.namespace)
 
     def clear_connector_metadata(self) -> None:
         """The step ended."""
@@ -306,7 +322,7 @@ class ECDaemonConnector(ECConnectorBase):
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
                     **kwargs: Any) -> None:
         assert self._worker is not None
-        if self.is_producer:
+        if self.is_producer and not self._private(mm_hash):
             self._worker.save(mm_hash, encoder_cache[mm_hash])
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
@@ -325,7 +341,7 @@ class ECDaemonConnector(ECConnectorBase):
 
     def has_cache_item(self, identifier: str) -> bool:
         assert self._scheduler is not None
-        return self._scheduler.has_item(identifier)
+        return not self._private(identifier) and self._scheduler.has_item(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False defers the request a step: an item it still needs is being
@@ -335,7 +351,8 @@ class ECDaemonConnector(ECConnectorBase):
         if self._scheduler is None:
             return True
         needed = [f.identifier for f in request.mm_features
-                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
+                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                  and not self._private(f.identifier)]
         return not needed or self._scheduler.ensure(needed)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
@@ -345,7 +362,7 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
         step = self._scheduler.build_step_metadata()
-        return ECDaemonConnectorMetadata(step.loads, step.regions, step.keep)
+        return ECDaemonConnectorMetadata(step.loads, step.regions, step.keep, step.namespace)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._scheduler is None:

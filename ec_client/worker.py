@@ -116,6 +116,23 @@ class WorkerDelegate:
         self._saves.put((mm_hash, output, self.backend.prepare_save(output), nbytes))
         return True
 
+    def follow_scheduler(self, namespace: str) -> None:
+        """The engine's scheduler answers hits from `namespace` (each step's
+        metadata). A worker attached with another namespace identified the
+        weights differently (for instance before a download moved a hub
+        model's ref): its saves would land where engines on other weights
+        read, so it stops saving, for good, and says so. Loads are unaffected."""
+        attachment = self.link.attachment
+        if not namespace or attachment is None or attachment.namespace == namespace \
+                or not self.saves_enabled:
+            return
+        self.saves_enabled = False
+        self.stats["saves_off_namespace"] += 1
+        log.error("ec-daemon worker rank %d: its namespace %r differs from its scheduler's %r "
+                  "(the weights were identified differently in the two processes): this "
+                  "worker saves nothing. Pin the model's revision to a commit, or set "
+                  "ec_daemon_weights_id.", self.rank, attachment.namespace, namespace)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save landed or was dropped."""
         with self._idle:

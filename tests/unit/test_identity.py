@@ -77,6 +77,18 @@ def test_a_checkpoint_copied_over_with_its_mtime_changes_it(tmp_path):
     assert ident(model) != before
 
 
+def test_checkpoints_built_with_pinned_timestamps_are_told_apart(tmp_path):
+    """Two fine-tunes of one architecture in images with pinned mtimes: same
+    names, sizes and mtimes. The sampled blocks of their weights differ."""
+    one = checkpoint(tmp_path / "one", seed=0)
+    two = checkpoint(tmp_path / "two", seed=1)  # same written_at, same size
+    assert (one / WEIGHTS).stat().st_mtime_ns == (two / WEIGHTS).stat().st_mtime_ns
+    assert ident(one) != ident(two)
+    copy = tmp_path / "copy"
+    shutil.copytree(one, copy)  # copy2: the same bytes and mtimes, another host
+    assert ident(copy) == ident(one)
+
+
 def test_weights_rewritten_in_place_change_it(tmp_path):
     model = checkpoint(tmp_path / "m", seed=0)
     before = ident(model)

@@ -177,15 +177,15 @@ def test_an_eviction_of_a_replaced_entry_id_leaves_the_newer_entry(view):
     assert entry is not None and entry.entry_id == 5
 
 
-def test_after_clear_an_older_epochs_step_end_and_finish_do_nothing(view):
+def test_after_clear_an_older_lineages_step_end_and_finish_do_nothing(view):
     link = Link()
-    old = view.epoch
+    old = view.lineage
     view.claim("a")
     view.end_step([A], old, link)
     view.apply(evicted("a", 1), link)
     assert link.acks == [] and view.inflight() == 1
     view.clear()  # the session is gone (its ghost protects the load)
-    assert view.epoch == old + 1 and len(view) == 0 and view.inflight() == 0
+    assert view.lineage == old + 1 and len(view) == 0 and view.inflight() == 0
     assert not view.synced
     view.finish([A], old, link)
     assert link.acks == []  # nothing for the new session's view
@@ -260,3 +260,36 @@ def test_touches_of_too_many_distinct_entries_are_dropped_not_grown(view, monkey
     view.end_step(refs + refs[:1], view.epoch, link)
     touches = view.take_touches()
     assert len(touches) == 3 and ("k0", 1, 2) in touches  # a known entry still counts
+
+
+def test_loads_in_flight_outlive_a_reattach_to_the_same_region(view):
+    """A restarted daemon adopted the region: the view is refilled, but the
+    loads dispatched before still count, and a later eviction of their entry
+    waits for them; the next session hears of them (`loading`)."""
+    link = Link()
+    view.claim("a")
+    view.end_step([A], view.lineage, link)
+    lineage = view.lineage
+    view.clear(keep_loads=True)
+    assert view.lineage == lineage and view.inflight() == 1 and view.loading() == [A]
+    view.apply(ready("a", 1), link)  # the adopted entry, same id
+    view.apply(evicted("a", 1), link)
+    assert link.acks == []
+    view.finish([A], lineage, link)
+    assert link.acks == [A]
+
+
+def test_a_hit_dispatched_across_a_reattach_to_the_same_region_is_counted(view):
+    """The daemon restarted between a hit and the step's end: the re-attach
+    dropped the step's claims, but the load is dispatched all the same, so
+    it must count (else the new daemon could reuse its pages under it)."""
+    link = Link()
+    assert view.claim("a") is not None
+    view.clear(keep_loads=True)  # the link re-attached mid-step
+    view.end_step([A], view.lineage, link)
+    assert view.inflight() == 1
+    view.apply(ready("a", 1), link)
+    view.apply(evicted("a", 1), link)
+    assert link.acks == []
+    view.finish([A], view.lineage, link)
+    assert link.acks == [A]

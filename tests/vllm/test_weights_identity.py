@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
 from ec_client.identity import files_identity
 from ec_client.vllm_connector import MAX_WEIGHTS_ID_CHARS, ConnectorSettings, layout_of
@@ -111,3 +113,53 @@ def test_weights_that_cannot_be_identified_are_never_shared(tiny_model, monkeypa
     first, second = layout_of(one).variant, layout_of(two).variant
     assert first == layout_of(one).variant  # the same in every process of one engine
     assert "w=unknown-" in first and first != second
+
+
+def test_items_keyed_by_a_lora_adapter_are_never_cached(tiny_model, daemon):
+    """With tower/connector LoRA, vLLM names an item `adapter:mm_hash`: an
+    adapter retrained under the same name would be served its predecessor's
+    outputs, so such items are neither saved nor looked up; plain items are."""
+    config = h.make_config(tiny_model, daemon.socket, instance_id="lora")
+    config.lora_config = SimpleNamespace(enable_tower_connector_lora=True)
+    scheduler = h.connector(config, ECConnectorRole.SCHEDULER)
+    worker = h.connector(config, ECConnectorRole.WORKER)
+    try:
+        h.wait_attached(scheduler)
+        h.wait_attached(worker)
+        outputs = {"adapter:img": h.encoder_output(1), "img": h.encoder_output(2)}
+        _, hits = h.step(scheduler, worker, [h.request("r1", "adapter:img"),
+                                             h.request("r2", "img")], outputs)
+        assert hits == [False, False]
+        assert worker._worker.flush(20)
+        h.wait_until(lambda: scheduler._scheduler.view.get("img") is not None)
+        assert daemon.stats()["saves"] == 1  # "img" only
+        assert not scheduler.has_cache_item("adapter:img") and scheduler.has_cache_item("img")
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_a_worker_that_identified_other_weights_than_its_scheduler_saves_nothing(
+        tiny_model, daemon, caplog):
+    """The scheduler and a worker of one engine computed different namespaces
+    (the weights identified at different moments, around a download that
+    moved a hub ref): the worker's saves would land where engines on other
+    weights read. Each step's metadata names the scheduler's namespace; the
+    worker then stops saving and says so."""
+    config = h.make_config(tiny_model, daemon.socket, instance_id="split")
+    scheduler = h.connector(config, ECConnectorRole.SCHEDULER)
+    stale = h.make_config(tiny_model, daemon.socket, instance_id="split",
+                          ec_daemon_weights_id="the-weights-before-the-download")
+    worker = h.connector(stale, ECConnectorRole.WORKER)
+    try:
+        h.wait_attached(scheduler)
+        h.wait_attached(worker)
+        _, hits = h.step(scheduler, worker, [h.request("r", "img-x")],
+                         {"img-x": h.encoder_output(3)})
+        assert hits == [False]
+        assert worker._worker.flush(20)
+        assert daemon.stats()["saves"] == 0 and not worker._worker.saves_enabled
+        assert "saves nothing" in caplog.text
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
