@@ -198,25 +198,18 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> tuple[
         Adoption | None, str]:
     """Adopt the newest dead region of this socket, if one fits; remove the
     other dead regions of this socket and those without a readable index
-    (older versions, or a daemon that died creating one). Dead regions of
-    other sockets are left for their own daemons. Returns (the adoption or
-    None, why not: for the log line)."""
+    (older versions, or a daemon that died creating one). Regions of other
+    sockets are left for their own daemons, never even locked. Returns (the
+    adoption or None, why not: for the log line)."""
     mine: list[DeadRegion] = []
-    others = 0
     unreadable = []
-    for dead in dead_regions(shm_dir):
+    for dead in dead_regions(shm_dir, layout.socket):
         if dead.header is None:
             log.info("removed stale region %s of a dead daemon (%s)", dead.path, dead.problem)
             unreadable.append(f"{dead.path.name}: {dead.problem}")
             dead.remove()
-        elif dead.header.socket != layout.socket:
-            others += dead.size
-            dead.release()
         else:
             mine.append(dead)
-    if others:
-        log.info("left %s of dead daemons' regions of other sockets in %s for their next "
-                 "start (`ec-daemon clean --all` removes them)", format_size(others), shm_dir)
     if not mine:
         removed = f" (removed {'; '.join(unreadable)})" if unreadable else ""
         return None, f"no region of a previous daemon on {layout.socket} in {shm_dir}{removed}"

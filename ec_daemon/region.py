@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -241,10 +242,10 @@ class DeadRegion:
         return Region(self.path, self.size, _generation_of(self.path), fd, index)
 
     def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            index_path(self.path).unlink()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        """Remove the region and its index (only regular files of this user:
+        another user's file or folder under the index's name stays)."""
+        _unlink_own(index_path(self.path))
+        _unlink_own(self.path)
         self.release()
 
     def release(self) -> None:
@@ -254,12 +255,15 @@ class DeadRegion:
             self.fd = -1
 
 
-def dead_regions(shm_dir: str | Path) -> list[DeadRegion]:
+def dead_regions(shm_dir: str | Path, socket: str | None = None) -> list[DeadRegion]:
     """This user's region files in `shm_dir` whose daemon is dead, locked now
-    (the caller adopts, removes or releases each), newest index first.
+    (the caller adopts, removes or releases each), newest index first; with
+    `socket`, only those whose index names it or that have no readable index
+    (the others are never locked: their own daemon may be starting now).
     Half-created regions and indexes without a region, left by a daemon that
     died starting, are removed on the way. Anything that is not a regular
-    file of this user (a symlink, a FIFO, another user's) is left alone."""
+    file of this user (a symlink, a FIFO, a folder, another user's) is left
+    alone, and no such file can make the scan fail."""
     folder = Path(shm_dir)
     if not folder.is_dir():
         return []
@@ -268,41 +272,50 @@ def dead_regions(shm_dir: str | Path) -> list[DeadRegion]:
                  *folder.glob(f".{PREFIX}*{COMPACTING_SUFFIX}"),
                  *folder.glob(f"{PREFIX}*{INDEX_SUFFIX}")]:
         if _mtime(path) >= old or (path.suffix == INDEX_SUFFIX
-                                   and path.with_suffix(SUFFIX).exists()):
+                                   and os.path.lexists(path.with_suffix(SUFFIX))):
             continue  # (checked before locking: never race a creator)
         fd = _lock_own(path)
         if fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            _unlink_own(path)
             os.close(fd)
     found = []
     for path in folder.glob(f"{PREFIX}*{SUFFIX}"):
-        fd = _lock_own(path)
-        if fd is None:
+        header, problem = _header(path)
+        if socket is not None and header is not None and header.socket != socket:
             continue
-        header, problem = None, ""
-        try:
-            header = read_header(index_path(path))
-        except FileNotFoundError:
-            problem = "it has no index"
-        except (OSError, IndexUnreadable) as exc:
-            problem = f"its index is unreadable: {exc}"
-        found.append(DeadRegion(path, fd, os.fstat(fd).st_size, header, problem))
+        fd = _lock_own(path)
+        if fd is not None:
+            found.append(DeadRegion(path, fd, os.fstat(fd).st_size, header, problem))
     found.sort(key=lambda d: -_mtime(index_path(d.path)))
     return found
+
+
+def _header(path: Path) -> tuple[Header | None, str]:
+    """The header of a region's index, or why there is none."""
+    try:
+        return read_header(index_path(path)), ""
+    except FileNotFoundError:
+        return None, "it has no index"
+    except (OSError, IndexUnreadable) as exc:
+        return None, f"its index is unreadable: {exc}"
 
 
 def clean_stale(shm_dir: str | Path, socket: str | None = None) -> list[Path]:
     """Remove dead daemons' regions (those of `socket` only, when given);
     returns them. Regions of live daemons and other users' files stay."""
     removed = []
-    for dead in dead_regions(shm_dir):
-        if socket is None or dead.header is None or dead.header.socket == socket:
-            dead.remove()
-            removed.append(dead.path)
-        else:
-            dead.release()
+    for dead in dead_regions(shm_dir, socket):
+        dead.remove()
+        removed.append(dead.path)
     return removed
+
+
+def _unlink_own(path: Path) -> None:
+    """Remove `path` if it is still a regular file of this user; never fails."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            path.unlink()
 
 
 def _lock_own(path: Path) -> int | None:
@@ -325,9 +338,11 @@ def _generation_of(path: Path) -> int:
 
 
 def _mtime(path: Path) -> float:
+    """When `path` itself (not what it links to) changed; never for a file
+    that cannot be looked at."""
     try:
-        return path.stat().st_mtime
-    except FileNotFoundError:
+        return os.lstat(path).st_mtime
+    except OSError:
         return float("inf")
 
 

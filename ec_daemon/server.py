@@ -40,7 +40,7 @@ from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
 from ec_daemon.errors import InvariantViolated
 from ec_daemon.metrics import start_exporter
-from ec_daemon.region import Region, RegionError, RegionTooLarge
+from ec_daemon.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
 from ec_daemon.startup import StartupError, prepare_socket
@@ -131,9 +131,13 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
 
 def socket_identity(uri: str) -> str:
     """The socket a region belongs to, as its index records it: a Unix
-    socket by its absolute path, TCP as given."""
+    socket by its absolute path with its folder's links resolved (/var/run
+    and /run name one socket), TCP as given."""
     path = unix_path(uri)
-    return f"unix://{os.path.abspath(path)}" if path is not None else uri
+    if path is None:
+        return uri
+    folder, name = os.path.split(os.path.abspath(path))
+    return f"unix://{os.path.join(os.path.realpath(folder), name)}"
 
 
 async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) -> Region:
@@ -150,7 +154,7 @@ async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) 
         except RegionTooLarge as exc:
             now = time.monotonic()
             if now >= deadline:
-                raise StartupError(str(exc)) from None
+                raise StartupError(f"{exc}{_other_regions(config.shm_dir)}") from None
             if now - said >= 5:
                 said = now
                 log.warning("%s; waiting up to %.0fs for clients of a previous daemon to "
@@ -158,6 +162,19 @@ async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) 
             await asyncio.sleep(0.5)
         except (RegionError, OSError) as exc:
             raise StartupError(str(exc)) from None
+
+
+def _other_regions(shm_dir: str) -> str:
+    """What else holds the tmpfs, for the error of a region that does not fit."""
+    sizes = []
+    for path in Path(shm_dir).glob(f"{PREFIX}*{SUFFIX}"):
+        with contextlib.suppress(OSError):
+            sizes.append(os.lstat(path).st_blocks * 512)
+    if not sizes:
+        return ""
+    return (f"; {len(sizes)} region file(s) of other or stopped daemons hold "
+            f"{format_size(sum(sizes))} there (a stopped daemon's region stays for its next "
+            "start: `ec-daemon clean --all` removes those of stopped daemons)")
 
 
 def _start_tier(config: DaemonConfig) -> Any:

@@ -253,3 +253,31 @@ def test_kill_9_at_random_moments_never_serves_wrong_bytes(shm_folder):
     assert restarts >= 5 and loads > 50
     assert sum(t["wrong"] for t in totals) == 0
     assert sum(t["failed"] for t in totals) == 0
+
+
+# Protects: one socket spelled two ways (/var/run/... and /run/...: a parent
+# folder that is a link) is one socket: its region is adopted, not stranded
+# in the tmpfs beside a new one.
+def test_the_same_socket_through_a_linked_folder_adopts_the_region(shm_folder):
+    real = short_tmpdir()
+    link = real.parent / f"{real.name}-link"
+    link.symlink_to(real)
+
+    def daemon(socket_folder) -> Daemon:
+        d = Daemon(folder=real, shm_dir=str(shm_folder))
+        d.socket = f"unix://{socket_folder}/s/ec.sock"
+        d.args[d.args.index("--socket") + 1] = d.socket
+        return d
+
+    first = daemon(real).start()
+    second = None
+    try:
+        (region,) = first.region_files()
+        first.kill()
+        second = daemon(link).start()  # the same socket, through the link
+        assert second.region_files() == [region] and "adopted region" in second.log()
+    finally:
+        if second is not None:
+            second.cleanup()
+        first.cleanup()
+        link.unlink()

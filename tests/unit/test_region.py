@@ -126,3 +126,39 @@ def test_fifos_and_other_users_files_under_region_names_are_left_alone(tmp_path)
     scan.join(10)
     assert found == [[]], "the scan blocked on a FIFO"
     assert all(path.exists() for path in planted)
+
+
+def test_a_symlink_loop_or_a_folder_under_our_names_never_fails_the_scan(tmp_path):
+    """Another local user's link loop under a half-created region's name, or a
+    folder under the index name of a dead region of ours (which has none):
+    skipped, never raised; our dead region is still removed."""
+    os.symlink(f".{PREFIX}loop.creating", tmp_path / f".{PREFIX}loop.creating")
+    ours = tmp_path / f"{PREFIX}{0x44:016x}.region"
+    ours.write_bytes(b"x")  # dead, no index (a --warm-restart false daemon)
+    folder = tmp_path / f"{PREFIX}{0x44:016x}.index"
+    folder.mkdir()
+    if os.getuid() == 0:
+        os.chown(folder, 12345, 12345)
+    assert clean_stale(tmp_path) == [ours]
+    assert not ours.exists() and folder.is_dir()
+
+
+def test_regions_of_other_sockets_are_not_even_locked(tmp_path, monkeypatch):
+    """Their own daemon may be starting at this moment: locking them, even
+    briefly, would make it miss its region and start cold."""
+    import ec_daemon.region as region_module
+    from ec_daemon.journal import Header
+
+    header = lambda gen, socket: Header(gen, 1 << 16, 4096, 4096, socket)  # noqa: E731
+    mine = Region.create(tmp_path, 1 << 16, index_header=lambda g: header(g, "unix:///a.sock"))
+    theirs = Region.create(tmp_path, 1 << 16,
+                           index_header=lambda g: header(g, "unix:///b.sock"))
+    mine.close(remove=False)
+    theirs.close(remove=False)
+    locked: list[Path] = []
+    real = region_module._lock_own
+    monkeypatch.setattr(region_module, "_lock_own", lambda p: locked.append(p) or real(p))
+    (dead,) = region_module.dead_regions(tmp_path, "unix:///a.sock")
+    assert dead.path == mine.path and theirs.path not in locked
+    dead.release()
+    assert sorted(clean_stale(tmp_path)) == sorted([mine.path, theirs.path])
