@@ -102,7 +102,7 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
             cache = Cache(capacity_bytes=pages * PAGE, page_bytes=PAGE,
                           sessions=SessionTable(10.0), data_offset=offset)
             v = adopted.verified
-            cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,
+            cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
                           cache.sessions.previous_daemon)
             total_s = time.perf_counter() - started
             assert cache.ready_entries == entries

@@ -160,7 +160,7 @@ class SchedulerDelegate:
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
             on_detached=self._on_detached, on_message=self._on_message,
-            heartbeat=self._heartbeat)
+            heartbeat=self._heartbeat, opening=self._opening)
         if start:
             self.link.start()
 
@@ -383,10 +383,25 @@ class SchedulerDelegate:
 
     # ------------------------------------------------- link callbacks
 
-    def _on_attached(self, attachment: Attachment) -> list[Any]:
+    def _opening(self, attachment: Attachment) -> Any:
+        """The new session's first message: when its region is the one this
+        view loaded from (a restarted daemon adopted it), the loads still in
+        flight (`holds`), so the daemon keeps their pages for this session
+        before it lets the previous daemon's ghost of this engine go. At most
+        MAX_BATCH distinct entries: far more than one engine loads at once."""
+        if attachment.region.generation != self._generation:
+            return None
+        loading = self.view.loading()
+        if len(loading) > MAX_BATCH:
+            log.warning("ec-daemon: %d entries loading across the restart; %d declared",
+                        len(loading), MAX_BATCH)
+        return pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
+                                       for h, e in loading[:MAX_BATCH]])
+
+    def _on_attached(self, attachment: Attachment) -> None:
         """A new session: the view starts over. When the region is the one
         this view loaded from (a restarted daemon adopted it), loads in flight
-        stay counted and the daemon hears of them first (`holds`)."""
+        stay counted (they were declared in the opening message)."""
         owner = attached_socket_owner(self.transport.uri)  # a stranger's socket raises
         # Hits are answered only for a region this host's workers can map: a
         # region missing here (a client left in a restarted container's old
@@ -402,10 +417,6 @@ class SchedulerDelegate:
         log.info("ec-daemon scheduler session %d attached (generation %016x%s, namespace %r)",
                  attachment.index, attachment.region.generation,
                  ", the same region" if same_region else "", attachment.namespace)
-        loading = self.view.loading() if same_region else []
-        return [pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
-                                        for h, e in loading[start:start + MAX_BATCH]])
-                for start in range(0, len(loading), MAX_BATCH)]
 
     def _on_detached(self) -> None:
         self._current = None

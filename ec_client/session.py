@@ -15,11 +15,12 @@ t + lease * FRESH_FRACTION: a view answers hits only while it is, so a view
 the daemon may have dropped (a frozen process, a stalled stream) never
 dispatches. Both clocks are the host's monotonic clock.
 
-Callbacks run on the link's thread, in order: on_attached (it may return
-messages to send first on the new stream), on_message..., on_detached. A
-callback that raises is logged once, and the link detaches and attaches
-again (a link thread that died would stop acknowledging evictions, and
-reclamation would stall for every engine on the host).
+Callbacks run on the link's thread, in order: opening (what the stream's
+first message carries besides the session id), on_attached,
+on_message..., on_detached. A callback that raises is logged once, and the
+link detaches (telling the daemon) and attaches again (a link thread that
+died would stop acknowledging evictions, and reclamation would stall for
+every engine on the host).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -82,10 +83,11 @@ def default_client_name() -> str:
 class SessionLink:
     def __init__(self, transport: Any, *, engine_id: str, role: str, layout: Layout,
                  rank: int | None = None, world_size: int = 1, client_name: str = "",
-                 on_attached: Callable[[Attachment], Iterable[Any] | None] = lambda a: None,
+                 on_attached: Callable[[Attachment], None] = lambda a: None,
                  on_detached: Callable[[], None] = lambda: None,
                  on_message: Callable[[Any], None] = lambda m: None,
                  heartbeat: Callable[[], Any] | None = None,
+                 opening: Callable[[Attachment], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -102,6 +104,8 @@ class SessionLink:
         self._on_attached = on_attached
         self._on_detached = on_detached
         self._on_message = on_message
+        # A ClientMessage (or None) merged into the stream's first message.
+        self._opening = opening
         # Builds each heartbeat's ClientMessage (counters, batched touches).
         self._heartbeat = heartbeat or (lambda: pb.ClientMessage(heartbeat=pb.Heartbeat()))
         self._clock = clock
@@ -209,16 +213,25 @@ class SessionLink:
             lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms)
         lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        outbox.put(pb.ClientMessage(open_session_id=attachment.session_id))
+        first = pb.ClientMessage(open_session_id=attachment.session_id)
+        if self._opening is not None:
+            try:
+                extra = self._opening(attachment)
+            except Exception:
+                log.exception("ec-daemon opening callback failed; opening without it")
+                extra = None
+            if extra is not None:
+                first.MergeFrom(extra)
+        outbox.put(first)
         self._beats.clear()
         responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
         self._responses = responses
         try:
-            for first in self._on_attached(attachment) or ():
-                outbox.put(first)
+            self._on_attached(attachment)
         except Exception as exc:  # e.g. the region vanished: attach again
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             responses.cancel()
+            self._give_up(attachment)
             return False
         self.fresh_until = asked + lease * FRESH_FRACTION  # the lease began after `asked`
         with self._attached:
@@ -248,6 +261,15 @@ class SessionLink:
             outbox.put(None)
             healthy = self._detached() and healthy
         return healthy
+
+    def _give_up(self, attachment: Attachment) -> None:
+        """An attachment this client cannot use: detach it at once, so the
+        daemon holds nothing for it (best effort: else its lease ends it)."""
+        try:
+            self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
+                                timeout=1.0)
+        except grpc.RpcError as exc:
+            log.debug("ec-daemon detach of an unusable attachment: %s", exc.code().name)
 
     def _detached(self) -> bool:
         try:

@@ -67,6 +67,7 @@ class Verified:
     quarantined: list[Run] = field(default_factory=list)
     next_entry_id: int = 1
     rejected: int = 0  # records whose pages did not carry their stamp alone
+    views: list[tuple[str, str]] = field(default_factory=list)  # (engine, namespace) attached
 
 
 @dataclass
@@ -161,7 +162,7 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     _check_layout(dead, header, layout)
     path = index_path(dead.path)
     try:
-        header, records, highest = read_index(path)
+        header, journal = read_index(path)
     except (OSError, IndexUnreadable) as exc:
         raise NotAdoptable(f"its index cannot be read: {exc}") from None
     read_seconds = time.perf_counter() - started
@@ -169,11 +170,13 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     table = os.pread(dead.fd, 8 * pages, 0)
     if len(table) != 8 * pages:
         raise NotAdoptable("its stamp table is short")
-    verified = verify(records.values(), table, page_bytes=layout.page_bytes,
-                      highest_id=highest, ids_reserved=header.ids_reserved)
-    try:  # rewritten whole (a torn tail goes), ids continuing above every old one
+    verified = verify(journal.records.values(), table, page_bytes=layout.page_bytes,
+                      highest_id=journal.highest, ids_reserved=header.ids_reserved)
+    verified.views = sorted(journal.views)
+    try:  # ids continuing above every old one; a torn tail cut
         index = Index.reopen(path, dataclasses.replace(
-            header, ids_reserved=verified.next_entry_id), verified.records)
+            header, ids_reserved=verified.next_entry_id), journal, verified.records,
+            verified.views)
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
     return Adoption(dead.take(index), verified, time.perf_counter() - started, read_seconds)

@@ -111,6 +111,9 @@ class Cache:
         self.namespace_counters: dict[str, dict[str, int]] = {}
         # Hook for the service: pages came back (a save may be waiting).
         self.on_reclaim: Callable[[], None] = lambda: None
+        # Ghosts of the views of the daemon whose region was adopted, by
+        # (engine, namespace): each until its engine re-attaches.
+        self._previous: dict[tuple[str, str], Session] = {}
         # Hook for watchers (`watch`): an entry just became READY or HIDDEN.
         self.on_entry_change: Callable[[Entry], None] = lambda entry: None
 
@@ -123,6 +126,7 @@ class Cache:
         self.namespace_counters.setdefault(session.namespace,
                                            {"hits": 0, "misses": 0, "loads": 0})
         if session.is_scheduler:
+            self.index.view_on(session.engine_id, session.namespace)  # before it sees anything
             for entry in self._namespaces.get(session.namespace, {}).values():
                 if entry.state is State.READY:
                     session.outbox.append(self._ready_event(entry))
@@ -146,6 +150,8 @@ class Cache:
         if not ghost:
             for entry in list(session.awaiting):
                 self._acknowledge(entry, session)
+            if session.is_scheduler:
+                self.index.view_off(session.engine_id, session.namespace)
         session.outbox.clear()
         session.wake()
         self._prune_namespace(session.namespace)
@@ -161,10 +167,30 @@ class Cache:
         """Acknowledge for ghosts whose lease is over; returns them."""
         ghosts = self.sessions.expired_ghosts()
         for ghost in ghosts:
-            for entry in list(ghost.awaiting):
-                self._acknowledge(entry, ghost)
-            self._prune_namespace(ghost.namespace)
+            self._ghost_gone(ghost)
         return ghosts
+
+    def reattached(self, session: Session) -> None:
+        """`session`'s engine declared its loads in flight (`hold`) on the
+        session's first message: the ghost standing for that engine's view of
+        the previous daemon (`restore`) awaits nothing any more."""
+        ghost = self._previous.pop((session.engine_id, session.namespace), None)
+        if ghost is not None:
+            self.sessions.drop_ghost(ghost)
+            self._ghost_gone(ghost)
+
+    def serving(self) -> None:
+        """The daemon serves now: the previous daemon's views get their whole
+        lease from here (adopting a large region takes seconds)."""
+        until = self.sessions.clock() + self.sessions.lease_seconds
+        for ghost in self._previous.values():
+            ghost.ghost_until = until
+
+    def _ghost_gone(self, ghost: Session) -> None:
+        for entry in list(ghost.awaiting):
+            self._acknowledge(entry, ghost)
+        self.index.view_off(ghost.engine_id, ghost.namespace)
+        self._prune_namespace(ghost.namespace)
 
     def record_lookups(self, session: Session, lookups: int, hits: int) -> None:
         """Counters a scheduler's local view reports on its heartbeats."""
@@ -331,18 +357,26 @@ class Cache:
     # ---------------------------------------------------- warm restart
 
     def restore(self, records: Iterable[Record], free: list[Run], quarantined: list[Run],
-                next_entry_id: int, ghost: Callable[[str], Session]) -> None:
+                next_entry_id: int, views: Iterable[tuple[str, str]],
+                ghost: Callable[[str, str], Session]) -> None:
         """Rebuild an empty cache from an adopted region (`adoption`): the
         verified `records` (least recently used first) become ready or hidden
         entries, `quarantined` runs (stamped, owned by no adopted entry: a
         writer of the previous daemon may still be copying) stay out of use
-        for the quarantine, and ids continue from `next_entry_id`. Hidden
-        entries, and every eviction in their namespace for one lease, await
-        `ghost(namespace)`: the previous daemon's views may still be loading."""
+        for the quarantine, and ids continue from `next_entry_id`. Each engine
+        whose view was attached (`views`: engine, namespace) may still be
+        loading: a ghost of it, `ghost(namespace, engine)`, is awaited by the
+        hidden entries of its namespace and by every eviction there, until the
+        engine re-attaches (`reattached`) or a lease passes."""
         assert self._next_entry_id == 1 and not self._namespaces, "restore into an empty cache"
         self.allocator = ExtentAllocator(self.allocator.total_pages, free)
         self._next_entry_id = next_entry_id
-        ghosts: dict[str, Session] = {}
+        for engine, namespace in views:
+            self._previous[(engine, namespace)] = ghost(namespace, engine)
+        awaited: dict[str, set[Session]] = {}
+        for g in self._previous.values():
+            awaited.setdefault(g.namespace, set()).add(g)
+        hidden = []
         for record in records:
             key = (record.namespace, record.mm_hash)
             entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
@@ -351,14 +385,14 @@ class Cache:
             usage = self.namespace_usage.setdefault(key[0], [0, 0])
             usage[0] += 1
             usage[1] += entry.nbytes
-            if key[0] not in ghosts:
-                ghosts[key[0]] = ghost(key[0])
             if record.hidden:
                 entry.state = State.HIDDEN
-                entry.awaiting = {ghosts[key[0]]}
-                ghosts[key[0]].awaiting.add(entry)
+                entry.awaiting = set(awaited.get(key[0], ()))
+                for view in entry.awaiting:
+                    view.awaiting.add(entry)
                 self.hidden_pages += entry.pages
                 self.hidden_entries += 1
+                hidden.append(entry)
             else:
                 entry.state = State.READY
                 self.policy.add(key, entry.pages)
@@ -368,6 +402,9 @@ class Cache:
             self.quarantine.append((self.sessions.clock() + self.quarantine_seconds,
                                     quarantined, pages))
             self.quarantined_pages += pages
+        for entry in hidden:
+            if not entry.awaiting:  # no view was attached: nobody can be loading it
+                self._reclaim(entry)
 
     def compact_index(self) -> bool:
         """Rewrite the journal when it holds mostly dead records, live entries

@@ -40,7 +40,10 @@ from ec_daemon.journal import (
     HIDDEN,
     IDS_AT,
     REF_RECORD_BYTES,
+    VIEW_OFF,
+    VIEW_ON,
     Header,
+    Journal,
     Record,
     decode_header,
     decode_records,
@@ -48,6 +51,7 @@ from ec_daemon.journal import (
     encode_ids,
     encode_ready,
     encode_ref,
+    encode_view,
 )
 
 log = logging.getLogger(__name__)
@@ -64,8 +68,8 @@ def index_path(region_path: Path) -> Path:
     return region_path.with_suffix(".index")
 
 
-def read_index(path: Path) -> tuple[Header, dict[int, Record], int]:
-    """(header, live records, highest entry id) of the index file at `path`.
+def read_index(path: Path) -> tuple[Header, Journal]:
+    """The header and what the journal says, of the index file at `path`.
     Only a regular file of this user is read, never following a symlink and
     never blocking on a FIFO. Raises IndexUnreadable (or OSError)."""
     fd = open_own_file(path)
@@ -74,9 +78,7 @@ def read_index(path: Path) -> tuple[Header, dict[int, Record], int]:
         data = _read_all(fd, size)
     finally:
         os.close(fd)
-    header = decode_header(data)
-    records, highest, _ = decode_records(data)
-    return header, records, highest
+    return decode_header(data), decode_records(data)
 
 
 def read_header(path: Path) -> Header:
@@ -132,6 +134,7 @@ class Index:
         self._end = journal_bytes  # where the next record goes
         self._live: dict[int, bytes] = {}  # entry id -> its READY record
         self._hidden: set[int] = set()
+        self._views: dict[tuple[str, str], int] = {}  # (engine, namespace) -> sessions
         self._live_bytes = 0
         self._buffer: list[bytes] = []  # records not written yet (`flush_with`)
         self._schedule: Callable[[Callable[[], None]], object] | None = None
@@ -153,17 +156,32 @@ class Index:
         return cls(path, fd, header, HEADER_BYTES)
 
     @classmethod
-    def reopen(cls, path: Path, header: Header, records: Iterable[Record]) -> Index:
-        """The index of an adopted region, rewritten to hold just `records`
-        (the entries adopted, least recently used first). Raises OSError."""
-        index = cls(path, -1, header, HEADER_BYTES)
-        for r in records:
+    def reopen(cls, path: Path, header: Header, journal: Journal, adopted: list[Record],
+               views: Iterable[tuple[str, str]] = ()) -> Index:
+        """The index of an adopted region, kept in place (no second copy in a
+        tmpfs that may be short): a torn tail is cut where `journal` ends, the
+        id reservation raised to `header`'s, and GONE appended for every
+        record not `adopted`. `views`: the engines still awaited (each counts
+        once). Raises OSError."""
+        fd = open_own_file(path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, journal.end)
+            _write_at(fd, encode_ids(header.ids_reserved), IDS_AT)
+        except BaseException:
+            os.close(fd)
+            raise
+        index = cls(path, fd, header, journal.end)
+        for r in adopted:
             index._live[r.entry_id] = r.raw or encode_ready(
                 r.entry_id, r.namespace, r.mm_hash, r.nbytes, r.shape, r.dtype, r.runs)
             if r.hidden:
                 index._hidden.add(r.entry_id)
+        index._views = dict.fromkeys(views, 1)
         index._live_bytes = sum(map(len, index._live.values()))
-        index._rewrite(list(index._live))
+        for entry_id in journal.records.keys() - index._live.keys():
+            index._append(encode_ref(GONE, entry_id))
+        if not index.ok:
+            raise OSError(errno.EIO, f"cannot write {path}")
         return index
 
     def flush_with(self, schedule: Callable[[Callable[[], None]], object]) -> None:
@@ -211,6 +229,22 @@ class Index:
         self._live_bytes -= len(record)
         self._hidden.discard(entry_id)
         self._append(encode_ref(GONE, entry_id))
+
+    def view_on(self, engine: str, namespace: str) -> None:
+        """A scheduler session of `engine` attached (before it sees anything)."""
+        key = (engine, namespace)
+        self._views[key] = self._views.get(key, 0) + 1
+        if self._views[key] == 1:
+            self._append(encode_view(VIEW_ON, engine, namespace))
+
+    def view_off(self, engine: str, namespace: str) -> None:
+        """One of `engine`'s scheduler sessions can load nothing more."""
+        key = (engine, namespace)
+        left = self._views.get(key, 0) - 1
+        if left > 0:
+            self._views[key] = left
+        elif self._views.pop(key, None) is not None:
+            self._append(encode_view(VIEW_OFF, engine, namespace))
 
     def reserve_ids(self, below: int) -> None:
         """Every id below `below` may be used from now on: said before any is."""
@@ -279,7 +313,8 @@ class Index:
             named = set(ordered)
             ordered += [i for i in live if i not in named]
         body = b"".join(live[i] for i in ordered)
-        tail = b"".join(encode_ref(HIDDEN, i) for i in ordered if i in hidden)
+        tail = b"".join(encode_ref(HIDDEN, i) for i in ordered if i in hidden) + b"".join(
+            encode_view(VIEW_ON, engine, namespace) for engine, namespace in self._views)
         header = Header(self.header.generation, self.header.region_size,
                         self.header.page_bytes, self.header.data_offset, self.header.socket,
                         self.ids_reserved)
@@ -323,6 +358,12 @@ class NoIndex:
         return None
 
     def gone(self, entry_id: int) -> None:
+        return None
+
+    def view_on(self, engine: str, namespace: str) -> None:
+        return None
+
+    def view_off(self, engine: str, namespace: str) -> None:
         return None
 
     def reserve_ids(self, below: int) -> None:

@@ -6,7 +6,13 @@
  body   = READY  entry_id nbytes ndim nruns len(dtype) len(namespace) len(mm_hash)
                  shape runs dtype namespace mm_hash
         | HIDDEN entry_id | GONE entry_id
+        | VIEW_ON len(engine) len(namespace) engine namespace | VIEW_OFF (the same)
 ```
+
+VIEW_ON and VIEW_OFF say which engines' scheduler views were attached: a
+daemon that adopts the region awaits each of them (a ghost) until it comes
+back, so an engine's loads in flight across the restart are protected
+without holding every eviction for a whole lease.
 
 Little-endian throughout. A reader stops at the first record that is torn
 (its length runs past the end: a daemon killed mid-append) or fails its
@@ -29,7 +35,7 @@ HEADER_BYTES = 4096
 _HEAD = struct.Struct("<8sIIQQQQH")  # magic, format, crc, generation, size, page, data, socket
 IDS_AT = 2048  # u64: every id below it may have been used
 _IDS = struct.Struct("<Q")
-MAX_SOCKET_BYTES = HEADER_BYTES - _HEAD.size - 1024
+MAX_SOCKET_BYTES = IDS_AT - _HEAD.size  # the socket's name ends before the reservation
 
 _FRAME = struct.Struct("<II")  # body length, crc32(body)
 # kind, entry_id, nbytes, then the counts and lengths of what follows: ndim,
@@ -37,8 +43,9 @@ _FRAME = struct.Struct("<II")  # body length, crc32(body)
 # runs (u64 each), then the three strings. One unpack reads the fixed part.
 _READY = struct.Struct("<BQQBIBHH")
 _REF = struct.Struct("<BQ")  # kind, entry_id
+_VIEW = struct.Struct("<BHH")  # kind, len(engine), len(namespace)
 REF_RECORD_BYTES = _FRAME.size + _REF.size  # a framed HIDDEN or GONE record
-READY, HIDDEN, GONE = 1, 2, 3
+READY, HIDDEN, GONE, VIEW_ON, VIEW_OFF = 1, 2, 3, 4, 5
 # A record longer than this is corrupt (the longest real one is far shorter).
 MAX_RECORD_BYTES = 1 << 24
 
@@ -95,6 +102,12 @@ def encode_ref(kind: int, entry_id: int) -> bytes:
     return _frame(_REF.pack(kind, entry_id))
 
 
+def encode_view(kind: int, engine: str, namespace: str) -> bytes:
+    """A framed VIEW_ON or VIEW_OFF record."""
+    e, ns = engine.encode(), namespace.encode()
+    return _frame(_VIEW.pack(kind, len(e), len(ns)) + e + ns)
+
+
 def _frame(body: bytes) -> bytes:
     return _FRAME.pack(len(body), zlib.crc32(body)) + body
 
@@ -127,13 +140,23 @@ def decode_header(data: bytes) -> Header:
     return Header(gen, size, page, offset, socket.decode(errors="replace"), ids)
 
 
-def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple[
-        dict[int, Record], int, int]:
-    """The live READY records (by entry id, in journal order) of a journal,
-    read up to its end or its first torn or corrupt record. Returns (records,
-    highest entry id named, bytes read up to where the journal ends)."""
+@dataclass
+class Journal:
+    """What a journal says: the live READY records (by entry id, in journal
+    order), the engines whose views were attached, the highest entry id
+    named, and where the readable journal ends."""
+
+    records: dict[int, Record]
+    views: set[tuple[str, str]]  # (engine, namespace)
+    highest: int
+    end: int
+
+
+def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> Journal:
+    """Read a journal up to its end or its first torn or corrupt record."""
     view = memoryview(data)
     records: dict[int, Record] = {}
+    views: set[tuple[str, str]] = set()
     highest = 0
     at = start
     end = len(view)
@@ -149,6 +172,7 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple
             break
         try:
             kind = body[0]
+            entry_id = 0
             if kind == READY:
                 record = _decode_ready(body, texts)
                 record.raw = bytes(view[at:body_at + length])
@@ -161,13 +185,20 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> tuple
                     records.pop(entry_id, None)
                 elif entry_id in records:
                     records[entry_id].hidden = True
+            elif kind in (VIEW_ON, VIEW_OFF):
+                _, elen, nslen = _VIEW.unpack_from(body)
+                if _VIEW.size + elen + nslen != len(body):
+                    raise ValueError("a record's lengths do not add up")
+                key = (body[_VIEW.size:_VIEW.size + elen].decode(),
+                       body[_VIEW.size + elen:].decode())
+                (views.add if kind == VIEW_ON else views.discard)(key)
             else:
                 break
         except (struct.error, UnicodeDecodeError, IndexError, ValueError):
             break
         highest = max(highest, entry_id)
         at = body_at + length
-    return records, highest, at
+    return Journal(records, views, highest, at)
 
 
 def _decode_ready(body: bytes, texts: dict[bytes, str]) -> Record:

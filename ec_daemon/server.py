@@ -86,9 +86,13 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                            "give a token")
     if socket_path is not None and config.tls_cert:
         raise StartupError("--tls-cert/--tls-key apply to TCP sockets only")
-    target = prepare_socket(config.socket, gid)
+    target, lock = prepare_socket(config.socket, gid)
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None)
-    _bind(server, target, config)  # before pre-faulting: fail fast
+    try:
+        _bind(server, target, config)  # before pre-faulting: fail fast
+    except BaseException:
+        lock.release()
+        raise
     try:
         if socket_path is not None:
             try:
@@ -127,6 +131,7 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         if socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(socket_path)
+        lock.release()
 
 
 def socket_identity(uri: str) -> str:
@@ -239,7 +244,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         region.index.flush_with(asyncio.get_running_loop().call_soon)
     if adoption is not None:
         v = adoption.verified
-        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,
+        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
                       cache.sessions.previous_daemon)
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
@@ -260,6 +265,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     await server.start()
+    cache.serving()
     for name in ("", SERVICE_NAME):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()

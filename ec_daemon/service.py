@@ -387,6 +387,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
                 self.end_session(session)  # a session without its stream is dead
                 raise
             session.streaming = True
+            if session.is_scheduler:  # its loads in flight were declared just now
+                self.cache.reattached(session)
         except Exception as exc:
             await _abort(context, exc)
         return session

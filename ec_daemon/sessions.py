@@ -82,17 +82,21 @@ class SessionTable:
             session.ghost_until = self.clock() + self.lease_seconds
             self._ghosts[session.namespace].add(session)
 
-    def previous_daemon(self, namespace: str) -> Session:
-        """A ghost for one lease standing for the views of the daemon whose
-        region was adopted: they may still be loading from it (each re-attaches
-        within a lease and re-declares its loads in flight)."""
+    def previous_daemon(self, namespace: str, engine_id: str) -> Session:
+        """A ghost for one lease standing for `engine_id`'s view of the daemon
+        whose region was adopted: it may still be loading from it (the
+        engine re-attaches within a lease and re-declares its loads)."""
         now = self.clock()
-        ghost = Session(session_id="", index=0, engine_id="previous daemon", role="consumer",
+        ghost = Session(session_id="", index=0, engine_id=engine_id, role="consumer",
                         rank=None, world_size=1, namespace=namespace,
-                        client_name="views of the previous daemon", created=now,
+                        client_name="a view of the previous daemon", created=now,
                         lease_deadline=now, alive=False, ghost_until=now + self.lease_seconds)
         self._ghosts[namespace].add(ghost)
         return ghost
+
+    def drop_ghost(self, ghost: Session) -> None:
+        """`ghost` awaits nothing any more (its engine came back)."""
+        _discard(self._ghosts, ghost.namespace, ghost)
 
     def expired_ghosts(self) -> list[Session]:
         """Ghosts whose lease is over, removed from the table."""

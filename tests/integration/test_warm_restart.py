@@ -281,3 +281,47 @@ def test_the_same_socket_through_a_linked_folder_adopts_the_region(shm_folder):
             second.cleanup()
         first.cleanup()
         link.unlink()
+
+
+# Protects: after a warm restart of a full cache, saves go on as soon as the
+# engines are back. The previous daemon's views are awaited one ghost per
+# engine, each released when its engine re-attaches and declares its loads,
+# not for a whole lease (a lease longer than the test here): no save is
+# refused, and the cache loses only what the saves need.
+def test_saves_into_a_full_cache_go_on_right_after_a_warm_restart(shm_folder):
+    folder = short_tmpdir()
+    flags = ("--lease-seconds", "60", "--quarantine-seconds", "60", "--alloc-wait-seconds", "1")
+
+    def daemon() -> Daemon:
+        return Daemon(folder=folder, shm_dir=str(shm_folder), cpu_bytes="16MiB",
+                      extra=flags).start()
+
+    first = daemon()
+    scheduler = SchedulerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    other = SchedulerDelegate(first.socket, engine_id="F", layout=LAYOUT)
+    worker = WorkerDelegate(first.socket, engine_id="E", layout=LAYOUT)
+    second = None
+    try:
+        reattached(first, scheduler, other, worker)
+        for i in range(85):  # 85 entries of 3 pages (160 KiB) of the 256: full
+            assert worker.save(f"old-{i}", data(i))
+        assert worker.flush(30)
+        first.kill()
+        second = daemon()
+        assert "85 entries" in second.log()
+        reattached(second, scheduler, other, worker)
+        before = dict(worker.stats)
+        for i in range(20):
+            assert worker.save(f"new-{i}", data(100 + i))
+        assert worker.flush(30)
+        saved = worker.stats["saves_done"] - before.get("saves_done", 0)
+        refused = worker.stats["saves_refused"] - before.get("saves_refused", 0)
+        assert (saved, refused) == (20, 0)
+        assert second.stats()["evictions"] <= 20 + 256 // 64 + 1  # what the saves needed
+    finally:
+        scheduler.close()
+        other.close()
+        worker.close()
+        first.cleanup()
+        if second is not None:
+            second.cleanup()

@@ -57,7 +57,7 @@ class Host:
                            index=self.region.index, quarantine_seconds=30.0)
         if adoption is not None:
             v = adoption.verified
-            self.cache.restore(v.records, v.free, v.quarantined, v.next_entry_id,
+            self.cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
                                self.cache.sessions.previous_daemon)
         invariants.check(self.cache)
 
@@ -114,9 +114,10 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     for name in ("a", "b", "c"):
         entry = second.cache.get("ns", name)
         assert second.read(entry) == payload(entry.entry_id, entry.nbytes)
-    # Evicted at the crash: back hidden, awaited by the previous daemon's views.
+    # Evicted at the crash: back hidden, awaited by a ghost of the engine whose
+    # view of the previous daemon may still be loading it.
     (ghost,) = second.cache.get("ns", "c").awaiting
-    assert ghost.is_ghost and ghost.engine_id == "previous daemon"
+    assert ghost.is_ghost and ghost.engine_id == "E"
     # The pending save and the dead writer's save: quarantined, not adopted.
     assert second.cache.quarantined_pages == 3
     summary = second.adoption.summary()
@@ -132,6 +133,49 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     assert second.cache.get("ns", "c") is None
     invariants.check(second.cache)
     second.crash()
+
+
+def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
+    """The ghost of an engine's old view holds the evictions of its namespace
+    only until that engine re-attaches and declares its loads (`hold`), not
+    for a whole lease: saves of a full cache go on within moments."""
+    first = Host(tmp_path, layout())
+    a_view, b_view = scheduler(first.cache, engine="A"), scheduler(first.cache, engine="B")
+    w = worker(first.cache)
+    first.save(w, "x", 30)
+    first.save(w, "y", 1)
+    assert first.save(w, "big", 4).outcome is AllocOutcome.WAIT  # x hidden, awaiting A and B
+    drain(a_view)
+    drain(b_view)
+    first.crash()
+
+    second = Host(tmp_path, layout())
+    x = second.cache.get("ns", "x")
+    assert x.state is State.HIDDEN and {g.engine_id for g in x.awaiting} == {"A", "B"}
+    a_again = scheduler(second.cache, engine="A")
+    second.cache.hold(a_again, [("x", x.entry_id)])  # A is still loading x
+    second.cache.reattached(a_again)
+    b_again = scheduler(second.cache, engine="B")
+    second.cache.reattached(b_again)  # B loads nothing
+    assert x.awaiting == {a_again}  # both ghosts gone; A's new view holds it
+    assert not list(second.cache.sessions.ghosts())
+    second.cache.acknowledge(a_again, [("x", x.entry_id)])  # A's load ended
+    assert second.cache.get("ns", "x") is None
+    second.crash()
+
+
+def test_an_entry_hidden_when_no_view_was_attached_is_freed_at_restore():
+    """No engine's view was attached (none journaled): nobody can be loading
+    a hidden entry, so its pages come back at once, with no ghost."""
+    from ec_daemon.journal import Record
+    from tests.unit.cache_helpers import make_cache
+
+    cache = make_cache(pages=8)
+    records = [Record(5, "ns", "hidden", 1024, (1, 1024), "uint8", [(0, 1)], hidden=True),
+               Record(6, "ns", "ready", 1024, (1, 1024), "uint8", [(1, 1)])]
+    cache.restore(records, [(2, 6)], [], 7, (), cache.sessions.previous_daemon)
+    assert cache.state_of("ns", "hidden") is None and cache.state_of("ns", "ready") is State.READY
+    assert cache.allocator.free_pages == 7 and not list(cache.sessions.ghosts())
 
 
 def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):

@@ -39,9 +39,9 @@ def test_a_journal_says_which_entries_are_ready_hidden_or_gone(tmp_path):
     index.hidden(2)
     index.gone(3)
     index.close()
-    header, records, highest = read_index(tmp_path / "x.index")
-    assert header == HEADER and highest == 3
-    assert [(r.entry_id, r.hidden, r.mm_hash, r.runs) for r in records.values()] == [
+    header, journal = read_index(tmp_path / "x.index")
+    assert header == HEADER and journal.highest == 3
+    assert [(r.entry_id, r.hidden, r.mm_hash, r.runs) for r in journal.records.values()] == [
         (1, False, "h1", [(1, 1)]), (2, True, "h2", [(2, 1)])]
 
 
@@ -56,9 +56,9 @@ def test_a_torn_tail_ends_the_journal_at_every_byte(tmp_path):
     index.close()
     data = path.read_bytes()
     for cut in range(before, len(data)):
-        records, _, end = decode_records(data[:cut])
-        assert list(records) == [1] and end == before
-    assert list(decode_records(data)[0]) == [1, 2]
+        journal = decode_records(data[:cut])
+        assert list(journal.records) == [1] and journal.end == before
+    assert list(decode_records(data).records) == [1, 2]
 
 
 def test_a_corrupt_record_ends_the_journal_there(tmp_path):
@@ -71,14 +71,14 @@ def test_a_corrupt_record_ends_the_journal_there(tmp_path):
     second = HEADER_BYTES + len(encode_ready(1, "ns", "h1", 4096, (1, 4096), "uint8",
                                              [(1, 1)]))
     data[second + 12] ^= 0xFF  # inside record 2's body: its checksum fails
-    assert list(decode_records(bytes(data))[0]) == [1]
+    assert list(decode_records(bytes(data)).records) == [1]
 
 
 def test_a_gone_record_of_a_repeated_id_removes_it(tmp_path):
     data = encode_header(HEADER) + encode_ready(5, "ns", "a", 1, (1,), "uint8", [(0, 1)]) \
         + encode_ref(GONE, 5) + encode_ready(5, "ns", "b", 1, (1,), "uint8", [(1, 1)])
-    records, highest, _ = decode_records(data)
-    assert [r.mm_hash for r in records.values()] == ["b"] and highest == 5
+    journal = decode_records(data)
+    assert [r.mm_hash for r in journal.records.values()] == ["b"] and journal.highest == 5
 
 
 @pytest.mark.parametrize("damage", ["magic", "version", "checksum"])
@@ -114,10 +114,10 @@ def test_compaction_keeps_live_records_in_the_given_order(tmp_path, monkeypatch)
     assert not index.needs_compaction() and path.stat().st_size < grown
     ready(index, 41, first=41)  # appends go on after the rewrite
     index.close()
-    header, records, _ = read_index(path)
+    header, journal = read_index(path)
     assert header.ids_reserved == 99
-    assert list(records) == [38, 31, 32, 33, 34, 35, 36, 37, 39, 40, 41]
-    assert [i for i, r in records.items() if r.hidden] == [35]
+    assert list(journal.records) == [38, 31, 32, 33, 34, 35, 36, 37, 39, 40, 41]
+    assert [i for i, r in journal.records.items() if r.hidden] == [35]
     assert [p.name for p in tmp_path.iterdir()] == ["x.index"]  # no temporary left
 
 
@@ -161,3 +161,22 @@ def test_only_a_regular_file_of_this_user_is_opened(tmp_path):
         with pytest.raises(PermissionError):
             open_own_file(tmp_path / "theirs")
     os.close(open_own_file(tmp_path / "real"))
+
+
+def test_the_journal_says_which_engines_views_were_attached(tmp_path, monkeypatch):
+    """Counted per engine and namespace (an engine re-attaching has two
+    sessions for a moment); compaction keeps the attached ones."""
+    monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
+    path = tmp_path / "x.index"
+    index = Index.create(path, HEADER)
+    index.view_on("A", "ns")
+    index.view_on("A", "ns")  # its new session, before the old one is gone
+    index.view_on("B", "ns")
+    index.view_off("A", "ns")
+    index.view_off("B", "ns")
+    assert read_index(path)[1].views == {("A", "ns")}
+    ready(index, 1)
+    index.gone(1)
+    index.compact([])
+    index.close()
+    assert read_index(path)[1].views == {("A", "ns")}

@@ -38,7 +38,9 @@ def uri(folder: Path) -> str:
 
 def test_a_missing_folder_is_created_owner_only(base: Path) -> None:
     folder = base / "a" / "sock"
-    assert prepare_socket(uri(folder)) == f"unix://{folder}/ec.sock"
+    target, lock = prepare_socket(uri(folder))
+    assert target == f"unix://{folder}/ec.sock"
+    lock.release()
     info = folder.lstat()
     assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
     assert info.st_uid == os.geteuid()
@@ -82,7 +84,7 @@ def test_a_group_writable_folder_needs_that_group_given_as_group(base: Path) -> 
         prepare_socket(uri(folder))
     with pytest.raises(StartupError, match=f"writable by group {group}"):
         prepare_socket(uri(folder), group + 1)
-    prepare_socket(uri(folder), group)
+    prepare_socket(uri(folder), group)[1].release()
 
 
 def test_the_refusal_is_one_line_that_says_what_to_do(base: Path) -> None:
@@ -97,5 +99,18 @@ def test_a_stale_socket_in_a_trusted_folder_is_removed(base: Path) -> None:
     folder = folder_with_mode(base, 0o700)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(folder / "ec.sock"))  # bound, never listening: refused
-    prepare_socket(uri(folder))
+    prepare_socket(uri(folder))[1].release()
     assert not (folder / "ec.sock").exists()
+
+
+def test_two_daemons_starting_at_once_on_one_socket_cannot_both_go_on(base: Path) -> None:
+    """The socket answers only once a daemon serves (after adopting or
+    pre-faulting its region), so a probe alone lets two starts race: the
+    socket's lock decides. At exit the lock goes with the socket."""
+    folder = folder_with_mode(base, 0o700)
+    _, lock = prepare_socket(uri(folder))
+    with pytest.raises(StartupError, match="another daemon is serving or starting"):
+        prepare_socket(uri(folder))
+    lock.release()
+    assert list(folder.iterdir()) == []
+    prepare_socket(uri(folder))[1].release()
