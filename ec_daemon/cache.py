@@ -187,6 +187,9 @@ class Cache:
             ghost.ghost_until = until
 
     def _ghost_gone(self, ghost: Session) -> None:
+        key = (ghost.engine_id, ghost.namespace)
+        if self._previous.get(key) is ghost:  # its lease ran out before its engine came back
+            del self._previous[key]
         for entry in list(ghost.awaiting):
             self._acknowledge(entry, ghost)
         self.index.view_off(ghost.engine_id, ghost.namespace)

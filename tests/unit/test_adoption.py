@@ -164,6 +164,24 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     second.crash()
 
 
+def test_an_engine_back_after_its_ghost_expired_stays_journaled(tmp_path):
+    """Its old view's ghost ran out first: the engine's new session, attached
+    later, is what the journal must still name (a crash now awaits it)."""
+    first = Host(tmp_path, layout())
+    scheduler(first.cache, engine="A")
+    first.crash()
+    second = Host(tmp_path, layout())
+    second.cache.serving()
+    second.clock.now += 11
+    assert [g.engine_id for g in second.cache.release_ghosts()] == ["A"]
+    back = scheduler(second.cache, engine="A")
+    second.cache.reattached(back)
+    second.crash()
+    third = Host(tmp_path, layout())
+    assert [g.engine_id for g in third.cache.sessions.ghosts()] == ["A"]
+    third.crash()
+
+
 def test_an_entry_hidden_when_no_view_was_attached_is_freed_at_restore():
     """No engine's view was attached (none journaled): nobody can be loading
     a hidden entry, so its pages come back at once, with no ghost."""
