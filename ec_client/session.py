@@ -47,7 +47,7 @@ BACKOFF_START_SECONDS = 0.05
 # Attach attempts while the daemon is down: a refused connection costs
 # nothing, and a restarted daemon (warm: its cache adopted) is worth hitting
 # again at once.
-RECONNECT_MAX_SECONDS = 0.5
+RECONNECT_MAX_SECONDS = 0.25
 # After an attachment this client could not use (a callback failed).
 BACKOFF_MAX_SECONDS = 2.0
 # A view answers hits until this fraction of the lease after the send time

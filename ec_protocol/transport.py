@@ -24,7 +24,7 @@ DEFAULT_DEADLINE_SECONDS = 5.0
 _OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 250),  # a restarted daemon (warm) is worth it at once
     ("grpc.enable_retries", 0),
     # The daemon caps its stream messages at ~1 MiB; leave room regardless.
     ("grpc.max_receive_message_length", 64 << 20),
