@@ -341,7 +341,9 @@ class ECDaemonConnector(ECConnectorBase):
 
     def has_cache_item(self, identifier: str) -> bool:
         assert self._scheduler is not None
-        return not self._private(identifier) and self._scheduler.has_item(identifier)
+        if self._adapter_items and ":" in identifier:  # (`_private`, inline: per lookup)
+            return False
+        return self._scheduler.has_item(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False defers the request a step: an item it still needs is being

@@ -35,7 +35,7 @@ from ec_daemon.index import Index, index_path, read_index
 from ec_daemon.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
 from ec_daemon.limits import validate_save
 from ec_daemon.records import Run
-from ec_daemon.region import PREFIX, SUFFIX, DeadRegion, Region, dead_regions
+from ec_daemon.region import DeadRegion, Region, dead_regions, region_path
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ class Adoption:
     region: Region
     verified: Verified
     seconds: float
-    read_seconds: float  # of which reading the index file
 
     def summary(self) -> str:
         v = self.verified
@@ -165,7 +164,6 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
         header, journal = read_index(path)
     except (OSError, IndexUnreadable) as exc:
         raise NotAdoptable(f"its index cannot be read: {exc}") from None
-    read_seconds = time.perf_counter() - started
     pages = (layout.region_size - layout.data_offset) // layout.page_bytes
     table = os.pread(dead.fd, 8 * pages, 0)
     if len(table) != 8 * pages:
@@ -179,7 +177,7 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
             verified.views)
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
-    return Adoption(dead.take(index), verified, time.perf_counter() - started, read_seconds)
+    return Adoption(dead.take(index), verified, time.perf_counter() - started)
 
 
 def _check_layout(dead: DeadRegion, header: Header, layout: Layout) -> None:
@@ -193,7 +191,7 @@ def _check_layout(dead: DeadRegion, header: Header, layout: Layout) -> None:
     if dead.size != layout.region_size:
         raise NotAdoptable(f"its file is {format_size(dead.size)}, not the "
                            f"{format_size(layout.region_size)} its index says")
-    if dead.path.name != f"{PREFIX}{header.generation:016x}{SUFFIX}":
+    if dead.path != region_path(dead.path.parent, header.generation):
         raise NotAdoptable("its index names another generation")
 
 

@@ -56,6 +56,8 @@ from ec_daemon.journal import (
 
 log = logging.getLogger(__name__)
 
+INDEX_SUFFIX = ".index"
+COMPACTING_SUFFIX = ".compacting"  # an index being rewritten; left by a daemon that died then
 # Ids are reserved this many at a time (one 8-byte write per block).
 ID_BLOCK = 1 << 16
 # Compact when the journal is this many times the live records, and past MIN.
@@ -65,7 +67,7 @@ COMPACT_MIN_BYTES = 1 << 20
 
 def index_path(region_path: Path) -> Path:
     """The index of a region file: same folder, same generation."""
-    return region_path.with_suffix(".index")
+    return region_path.with_suffix(INDEX_SUFFIX)
 
 
 def read_index(path: Path) -> tuple[Header, Journal]:
@@ -139,21 +141,11 @@ class Index:
         self._buffer: list[bytes] = []  # records not written yet (`flush_with`)
         self._schedule: Callable[[Callable[[], None]], object] | None = None
         self.ok = True
-        self.compactions = 0
 
     @classmethod
     def create(cls, path: Path, header: Header) -> Index:
         """A new, empty index (O_EXCL: never another user's file). Raises OSError."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
-        try:
-            _write_at(fd, encode_header(header), 0)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise
-        return cls(path, fd, header, HEADER_BYTES)
+        return cls(path, _new_file(path, encode_header(header)), header, HEADER_BYTES)
 
     @classmethod
     def reopen(cls, path: Path, header: Header, journal: Journal, adopted: list[Record],
@@ -271,8 +263,6 @@ class Index:
             self._rewrite(order)
         except OSError as exc:
             self._disable(exc)
-            return
-        self.compactions += 1
 
     def close(self, *, remove: bool = False) -> None:
         if self._fd >= 0:
@@ -283,14 +273,6 @@ class Index:
         if remove:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
-
-    @property
-    def journal_bytes(self) -> int:
-        return self._end
-
-    @property
-    def live_entries(self) -> int:
-        return len(self._live)
 
     # ---------------------------------------------------------- helpers
 
@@ -318,11 +300,10 @@ class Index:
         header = Header(self.header.generation, self.header.region_size,
                         self.header.page_bytes, self.header.data_offset, self.header.socket,
                         self.ids_reserved)
-        temp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.compacting")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        temp = self.path.with_name(
+            f".{self.path.name}.{secrets.token_hex(4)}{COMPACTING_SUFFIX}")
+        fd = _new_file(temp, encode_header(header) + body + tail)
         try:
-            _write_at(fd, encode_header(header) + body + tail, 0)
             os.rename(temp, self.path)
         except BaseException:
             os.close(fd)
@@ -374,6 +355,20 @@ class NoIndex:
 
     def compact(self, order: Iterable[int]) -> None:
         return None
+
+
+def _new_file(path: Path, data: bytes) -> int:
+    """A new owner-only file holding `data` (O_EXCL: never another user's, nor
+    a link), open for writing; nothing is left behind on failure."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        _write_at(fd, data, 0)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
+    return fd
 
 
 def _write_at(fd: int, data: bytes, offset: int) -> None:

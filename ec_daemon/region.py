@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from ec_daemon.config import format_size
-from ec_daemon.index import Index, index_path, open_own_file, read_header
+from ec_daemon.index import (
+    COMPACTING_SUFFIX,
+    INDEX_SUFFIX,
+    Index,
+    index_path,
+    open_own_file,
+    read_header,
+)
 from ec_daemon.journal import Header, IndexUnreadable
 
 log = logging.getLogger(__name__)
@@ -50,8 +57,6 @@ CREATING_SUFFIX = ".creating"
 # A half-created region untouched this long (pre-faulting keeps touching it)
 # belongs to a daemon that died starting.
 CREATING_STALE_SECONDS = 30
-INDEX_SUFFIX = ".index"
-COMPACTING_SUFFIX = ".compacting"  # an index being rewritten (`index`)
 # Names tried for a new region before giving up (each taken one is skipped).
 PUBLISH_ATTEMPTS = 16
 # Progress lines are printed while pre-faulting regions at least this large.
@@ -199,6 +204,11 @@ class Region:
         self.close()
 
 
+def region_path(folder: Path, generation: int) -> Path:
+    """Where the region of `generation` lives (its index beside it: `index_path`)."""
+    return folder / f"{PREFIX}{generation:016x}{SUFFIX}"
+
+
 def _publish(folder: Path, creating: Path,
              index_header: Callable[[int], Header] | None) -> tuple[Path, int, Index | None]:
     """Give the pre-faulted region its final name and its index under a new
@@ -207,7 +217,7 @@ def _publish(folder: Path, creating: Path,
     generation, index)."""
     for _ in range(PUBLISH_ATTEMPTS):
         generation = new_generation()
-        path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
+        path = region_path(folder, generation)
         index = None
         try:
             if index_header is not None:
