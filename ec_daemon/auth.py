@@ -3,8 +3,11 @@
 A Unix socket and the region are owner-only by default; `--socket-mode` and
 `--group` open both to a group (a vLLM container's user). TCP is refused
 unless a token file is given: every call must then carry
-`authorization: Bearer <token>` or gets UNAUTHENTICATED. TLS (cert and key
-flags) is optional on top, for TCP.
+`authorization: Bearer <token>` or gets UNAUTHENTICATED (on a Unix socket
+too, when a token file is given there). A second, read-only token
+(`--read-token-file`, for routers) may only call READ_ONLY_METHODS; anything
+else it asks gets PERMISSION_DENIED. TLS (cert and key flags) is optional on
+top, for TCP.
 """
 
 from __future__ import annotations
@@ -15,13 +18,31 @@ import grp
 import hmac
 import os
 import stat
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
+
+from ec_protocol.protocol import pb
 
 METADATA_KEY = "authorization"
+# What the read-only token may call: the daemon's methods that change
+# nothing a writer relies on, and the whole standard health service.
+READ_ONLY_CALLS = ("Watch", "Stats", "Lookup")
+
+
+def _method_paths(service: Any, names: Iterable[str] | None = None) -> frozenset[str]:
+    """gRPC method paths (`/package.Service/Method`) of a generated service
+    descriptor: `names` (a KeyError if the protocol lost one), or all."""
+    methods = service.methods if names is None else [service.methods_by_name[n] for n in names]
+    return frozenset(f"/{service.full_name}/{method.name}" for method in methods)
+
+
+READ_ONLY_METHODS = (_method_paths(pb.DESCRIPTOR.services_by_name["ECDaemon"], READ_ONLY_CALLS)
+                     | _method_paths(health_pb2.DESCRIPTOR.services_by_name["Health"]))
+READ_ONLY_SUMMARY = ", ".join(READ_ONLY_CALLS) + ", health"
 
 
 class AuthError(Exception):
@@ -173,40 +194,79 @@ def read_token(path: str) -> str:
     return token
 
 
+def token_interceptor(token_file: str, read_token_file: str) -> TokenInterceptor | None:
+    """The interceptor for --token-file and --read-token-file; None when
+    neither is given (every call is allowed). Raises AuthError: a file that
+    cannot be read or holds a short token, a read-only token without the
+    full one (it would restrict nothing), or the same token in both."""
+    if not token_file:
+        if read_token_file:
+            raise AuthError("--read-token-file needs --token-file: without a full token every "
+                            "call is allowed, so a read-only token would restrict nothing")
+        return None
+    token = read_token(token_file)
+    read_only = read_token(read_token_file) if read_token_file else None
+    if read_only == token:
+        raise AuthError(f"the read-only token in {read_token_file} is the full token of "
+                        f"{token_file}: give routers a different token")
+    return TokenInterceptor(token, read_only)
+
+
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying `token`."""
     return ((METADATA_KEY, f"Bearer {token}"),)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without the right bearer token (UNAUTHENTICATED)."""
+Refusal = tuple[grpc.StatusCode, str]
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Lets a call through by the bearer token it carries: the full token
+    allows every method, the read-only token only READ_ONLY_METHODS
+    (PERMISSION_DENIED otherwise); no token or another one gets
+    UNAUTHENTICATED. Tokens are compared in constant time."""
+
+    def __init__(self, token: str, read_token: str | None = None) -> None:
+        self._full = f"Bearer {token}".encode()
+        self._read = f"Bearer {read_token}".encode() if read_token else None
+
+    def refusal(self, method: str, metadata: Iterable[tuple[str, Any]] | None) -> Refusal | None:
+        """Why a call of `method` (its path, `/package.Service/Method`) with
+        `metadata` is refused: a status code and its details; None if allowed."""
+        presented = [str(value).encode() for key, value in metadata or ()
+                     if key == METADATA_KEY]
+        if any(hmac.compare_digest(value, self._full) for value in presented):
+            return None
+        if self._read is not None and any(hmac.compare_digest(value, self._read)
+                                          for value in presented):
+            if method in READ_ONLY_METHODS:
+                return None
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method.lstrip('/')} needs the full token: the read-only token only "
+                    f"reads ({READ_ONLY_SUMMARY})")
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong token (authorization: Bearer <token>)")
 
     async def intercept_service(
             self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
-        for key, value in details.invocation_metadata or ():
-            if key == METADATA_KEY and hmac.compare_digest(str(value), self._expected):
-                return handler
-        if handler is None:
-            return None
-        return _denying(handler)
+        refusal = self.refusal(details.method, details.invocation_metadata)
+        if refusal is None or handler is None:  # an unknown method stays UNIMPLEMENTED
+            return handler
+        return _denying(handler, *refusal)
 
 
-async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                        "missing or wrong token (authorization: Bearer <token>)")
+def _denying(handler: Any, code: grpc.StatusCode, details: str) -> Any:
+    """A handler of the same shape as `handler` that aborts with `code`."""
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
 
-
-def _denying(handler: Any) -> Any:
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_deny, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(_deny, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(deny, **kwargs)

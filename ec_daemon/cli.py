@@ -112,7 +112,8 @@ def _client_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="daemon address (env EC_DAEMON_SOCKET; default %(default)s)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     parser.add_argument("--token-file", default=None,
-                        help="token for a TCP daemon (env EC_DAEMON_TOKEN_FILE)")
+                        help="token for a TCP daemon: its --token-file or, enough for this "
+                        "command, its --read-token-file (env EC_DAEMON_TOKEN_FILE)")
     parser.add_argument("--tls-ca", default=None,
                         help="CA certificate for a TLS daemon (env EC_DAEMON_TLS_CA)")
     return parser

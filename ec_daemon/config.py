@@ -138,6 +138,9 @@ SETTINGS: tuple[Setting, ...] = (
             "group owning the socket and the region (a name or gid)", "GROUP"),
     Setting("token_file", str, lambda: "",
             "file with a shared token every call must carry (required for TCP)", "FILE"),
+    Setting("read_token_file", str, lambda: "",
+            "file with a second, read-only token for routers: calls carrying it may only "
+            "Watch, Stats, Lookup and check health (needs --token-file)", "FILE"),
     Setting("tls_cert", str, lambda: "", "TLS certificate (PEM) for a TCP socket", "FILE"),
     Setting("tls_key", str, lambda: "", "TLS private key (PEM) for a TCP socket", "FILE"),
     Setting("shm_dir", str, lambda: "/dev/shm",
@@ -205,6 +208,7 @@ class DaemonConfig:
     socket_mode: int
     group: str
     token_file: str
+    read_token_file: str
     tls_cert: str
     tls_key: str
     shm_dir: str

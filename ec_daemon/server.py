@@ -29,12 +29,12 @@ from grpc_reflection.v1alpha import reflection
 
 from ec_daemon.adoption import Adoption, Layout, find
 from ec_daemon.auth import (
+    READ_ONLY_SUMMARY,
     AuthError,
-    TokenInterceptor,
     apply_access,
     open_folder_to_group,
-    read_token,
     resolve_group,
+    token_interceptor,
 )
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig, format_size
@@ -77,17 +77,17 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
     socket_path = unix_path(config.socket)
     try:
         gid = resolve_group(config.group)
-        token = read_token(config.token_file) if config.token_file else None
+        interceptor = token_interceptor(config.token_file, config.read_token_file)
     except AuthError as exc:
         raise StartupError(str(exc)) from None
-    if socket_path is None and token is None:
+    if socket_path is None and interceptor is None:
         raise StartupError(f"refusing to listen on TCP {config.socket} without --token-file "
                            "(every call must carry the token); use a unix:// socket or "
                            "give a token")
     if socket_path is not None and config.tls_cert:
         raise StartupError("--tls-cert/--tls-key apply to TCP sockets only")
     target, lock = prepare_socket(config.socket, gid)
-    server = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None)
+    server = grpc.aio.server(interceptors=[interceptor] if interceptor else None)
     try:
         _bind(server, target, config)  # before pre-faulting: fail fast
     except BaseException:
@@ -227,8 +227,9 @@ def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
     finally:
         os.umask(old_umask)
     if unix_path(config.socket) is None:
-        log.info("listening on TCP %s (%s, token required)", target,
-                 "TLS" if credentials is not None else "no TLS")
+        log.info("listening on TCP %s (%s, token required%s)", target,
+                 "TLS" if credentials is not None else "no TLS",
+                 f"; read-only token for {READ_ONLY_SUMMARY}" if config.read_token_file else "")
 
 
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,

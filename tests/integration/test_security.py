@@ -14,18 +14,27 @@ import grpc
 import pytest
 
 from ec_client.scheduler import SchedulerDelegate
-from ec_protocol.protocol import Layout, pb
+from ec_protocol.protocol import Layout, pb, rpc
 from ec_protocol.transport import Transport
 from tests.integration.daemon import Daemon, free_port, short_tmpdir
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret-token-0123456789abcdef"
+READ_TOKEN = "r3ad-only-token-0123456789abcdef"
 
 
 @pytest.fixture
 def token_file(tmp_path):
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture
+def read_token_file(tmp_path):
+    path = tmp_path / "read-token"
+    path.write_text(READ_TOKEN + "\n")
     path.chmod(0o600)
     return str(path)
 
@@ -119,6 +128,64 @@ def test_tcp_calls_need_the_token(token_file):
             scheduler.close()
     finally:
         d.cleanup()
+
+
+def test_the_read_only_token_reads_but_cannot_attach_allocate_or_report(token_file,
+                                                                         read_token_file):
+    d = tcp_daemon("--token-file", token_file, "--read-token-file", read_token_file)
+    try:
+        router = Transport(d.socket, token_file=read_token_file)
+        try:
+            wait_ready(router, d)
+            assert "read-only token for Watch, Stats, Lookup, health" in d.log()
+            reply = router.call("Lookup", pb.LookupRequest(namespace="m|float16|image=2|",
+                                                           mm_hashes=["h"]))
+            assert reply.results[0].state == pb.ABSENT
+            watch = rpc.ECDaemonStub(router.channel).Watch(
+                pb.WatchRequest(), metadata=router.metadata, timeout=30)
+            assert next(watch).snapshot_done
+            watch.cancel()
+            for name, request in (("Attach", pb.AttachRequest(engine_id="R")),
+                                  ("Detach", pb.DetachRequest()),
+                                  ("Allocate", pb.AllocateRequest()),
+                                  ("Report", pb.ReportRequest())):
+                with pytest.raises(grpc.RpcError) as info:
+                    router.call(name, request)
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+                assert info.value.details() == (
+                    f"ec_daemon.v1.ECDaemon/{name} needs the full token: the read-only token "
+                    "only reads (Watch, Stats, Lookup, health)")
+            with pytest.raises(grpc.RpcError) as info:
+                next(router.stream(iter([pb.ClientMessage(open_session_id="s")])))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert router.call("Stats", pb.StatsRequest()).sessions == 0  # nothing attached
+            for command in ("health", "stats"):
+                done = cli(command, "--socket", d.socket, "--token-file", read_token_file)
+                assert done.returncode == 0, done.stderr
+            scheduler = SchedulerDelegate(d.socket, engine_id="E", token_file=token_file,
+                                          layout=Layout("m", "float16", {"image": 2}))
+            try:  # the full token still allows everything
+                assert scheduler.link.wait_attached(10) is not None
+                assert router.call("Stats", pb.StatsRequest()).sessions == 1
+            finally:
+                scheduler.close()
+        finally:
+            router.close()
+    finally:
+        d.cleanup()
+
+
+def test_read_only_token_settings_that_restrict_nothing_fail_at_start(token_file,
+                                                                      read_token_file):
+    tcp = f"127.0.0.1:{free_port()}"
+    alone = cli("--cpu-bytes", "8MiB", "--socket", tcp, "--read-token-file", read_token_file)
+    assert alone.returncode == 2, alone.stderr
+    assert "--read-token-file needs --token-file" in alone.stderr
+    same = cli("--cpu-bytes", "8MiB", "--socket", tcp, "--token-file", token_file,
+               "--read-token-file", token_file)
+    assert same.returncode == 2, same.stderr
+    assert (f"ec-daemon: error: the read-only token in {token_file} is the full token of "
+            f"{token_file}: give routers a different token") in same.stderr
 
 
 def tcp_daemon(*extra: str) -> Daemon:

@@ -1,4 +1,5 @@
-"""auth: setting access on the socket and its folder never follows a symlink."""
+"""auth: setting access on the socket and its folder never follows a symlink;
+which token may call which method."""
 
 from __future__ import annotations
 
@@ -10,9 +11,23 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from ec_daemon.auth import AuthError, apply_access, open_folder_to_group
+from ec_daemon.auth import (
+    READ_ONLY_METHODS,
+    AuthError,
+    TokenInterceptor,
+    apply_access,
+    bearer,
+    open_folder_to_group,
+    token_interceptor,
+)
+from ec_protocol.protocol import pb
+
+FULL = "full-token-0123456789abcdef"
+READ = "read-token-0123456789abcdef"
+DAEMON = pb.DESCRIPTOR.services_by_name["ECDaemon"]
 
 
 @pytest.fixture
@@ -79,3 +94,92 @@ def test_a_daemon_outside_its_group_is_told_so(base: Path, monkeypatch: pytest.M
     monkeypatch.setattr(os, "getgroups", lambda: [1000])
     with pytest.raises(AuthError, match=r"not in group 3000.*--group-add 3000"):
         apply_access(path, 0o660, 3000)
+
+
+def method(name: str) -> str:
+    return f"/{DAEMON.full_name}/{name}"
+
+
+def write_token(folder: Path, name: str, token: str) -> str:
+    path = folder / name
+    path.write_text(token + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def tokens(base: Path) -> TokenInterceptor:
+    interceptor = token_interceptor(write_token(base, "token", FULL),
+                                    write_token(base, "read-token", READ))
+    assert interceptor is not None
+    return interceptor
+
+
+@pytest.mark.parametrize("path", sorted(READ_ONLY_METHODS))
+def test_the_read_only_token_may_watch_stats_lookup_and_check_health(tokens, path):
+    assert tokens.refusal(path, bearer(READ)) is None
+
+
+def test_the_read_only_methods_are_exactly_these() -> None:
+    assert {
+        method("Watch"), method("Stats"), method("Lookup"), "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List"} == READ_ONLY_METHODS
+
+
+@pytest.mark.parametrize("name", sorted(
+    m.name for m in DAEMON.methods if method(m.name) not in READ_ONLY_METHODS))
+def test_the_read_only_token_may_not_attach_allocate_report_or_anything_else(tokens, name):
+    code, details = tokens.refusal(method(name), bearer(READ))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert details == (f"{DAEMON.full_name}/{name} needs the full token: the read-only token "
+                       "only reads (Watch, Stats, Lookup, health)")
+
+
+def test_the_read_only_token_may_not_call_a_service_added_later(tokens):
+    code, _ = tokens.refusal("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                             bearer(READ))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("name", [m.name for m in DAEMON.methods])
+def test_the_full_token_may_call_everything(tokens, name):
+    assert tokens.refusal(method(name), bearer(FULL)) is None
+
+
+@pytest.mark.parametrize("metadata", [
+    (), bearer("wrong-token-0123456789abcdef"), bearer(READ + "x"), bearer(READ[:-1]),
+    (("authorization", READ),), (("x-token", f"Bearer {FULL}"),)])
+@pytest.mark.parametrize("name", ["Stats", "Attach"])
+def test_no_token_or_another_is_unauthenticated(tokens, metadata, name):
+    code, _ = tokens.refusal(method(name), metadata)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_without_a_read_only_token_the_full_token_alone_counts(base: Path) -> None:
+    interceptor = token_interceptor(write_token(base, "token", FULL), "")
+    assert interceptor is not None
+    assert interceptor.refusal(method("Stats"), bearer(FULL)) is None
+    code, _ = interceptor.refusal(method("Stats"), bearer(READ))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_no_token_file_means_no_interceptor() -> None:
+    assert token_interceptor("", "") is None
+
+
+def test_a_read_only_token_needs_the_full_one(base: Path) -> None:
+    with pytest.raises(AuthError, match="--read-token-file needs --token-file"):
+        token_interceptor("", write_token(base, "read-token", READ))
+
+
+def test_the_read_only_token_must_differ_from_the_full_one(base: Path) -> None:
+    full = write_token(base, "token", FULL)
+    same = write_token(base, "read-token", f"  {FULL}  ")
+    with pytest.raises(AuthError, match=f"the read-only token in {same} is the full token of "
+                                        f"{full}: give routers a different token"):
+        token_interceptor(full, same)
+
+
+def test_a_short_read_only_token_is_refused(base: Path) -> None:
+    short = write_token(base, "read-token", "short")
+    with pytest.raises(AuthError, match=f"token in {short} is shorter than 16 characters"):
+        token_interceptor(write_token(base, "token", FULL), short)
