@@ -40,10 +40,13 @@ class CopyBackend(Protocol):
     def save(self, source: Any, mapping: RegionMapping, extents: Extents,
              ready: Any = None) -> None:
         """Copy all bytes of `source` into `extents`, in order, after `ready`;
-        return when landed."""
+        return when landed. The bytes are `source`'s in row-major order (what a
+        reader of its shape and dtype expects): a non-contiguous source is made
+        contiguous after `ready`, never copied in storage order."""
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
-        """Copy `extents` into `out` (whose byte size is their total); return `out`."""
+        """Copy `extents` into `out` (contiguous, whose byte size is their
+        total); return `out`. Raises TypeError for a non-contiguous `out`."""
 
 
 def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:

@@ -1,8 +1,11 @@
 """The `cpu` backend: plain memcpy between host buffers and the region.
 
-Sources and outputs are anything exposing a C-contiguous buffer: numpy
-arrays, bytes-likes, and CPU torch tensors (viewed as bytes, so bfloat16
-works too). One slice assignment (a memcpy) per extent.
+Sources and outputs are numpy arrays, bytes-likes, and CPU torch tensors
+(viewed as bytes, so bfloat16 works too). One slice assignment (a memcpy)
+per extent. A save stores the source's bytes in row-major order, what a
+reader of its shape and dtype expects: a non-contiguous source (transposed,
+strided, broadcast) is first copied into a contiguous buffer. A load's
+output must be contiguous.
 """
 
 from __future__ import annotations
@@ -16,21 +19,45 @@ from ec_client.mapping import RegionMapping
 def as_bytes(obj: Any, *, writable: bool = False) -> memoryview:
     """A flat byte view of `obj`'s memory (no copy). Raises TypeError for
     non-contiguous or unsupported objects."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage"):  # a torch tensor
-        if obj.device.type != "cpu":
-            raise TypeError("the cpu backend copies CPU tensors only")
+    if _is_torch(obj):
+        _check_cpu(obj)
         if not obj.is_contiguous():
-            raise TypeError("tensor is not contiguous")
-        import torch
-
-        obj = obj.view(torch.uint8).numpy() if obj.dim() else obj.reshape(1).view(
-            torch.uint8).numpy()
+            raise TypeError(f"tensor is not contiguous (shape {tuple(obj.shape)}, "
+                            f"strides {obj.stride()})")
+        obj = _torch_bytes(obj)
     view = memoryview(obj)
     if not view.c_contiguous:
-        raise TypeError("buffer is not C-contiguous")
+        raise TypeError(f"buffer is not C-contiguous (shape {view.shape}, "
+                        f"strides {view.strides})")
     if writable and view.readonly:
         raise TypeError("output buffer is read-only")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def row_major_bytes(obj: Any) -> memoryview:
+    """A flat byte view of `obj` in row-major order: its own memory when it
+    is contiguous, else a contiguous copy (never its storage order)."""
+    if _is_torch(obj):
+        _check_cpu(obj)
+        return as_bytes(obj.contiguous())
+    view = memoryview(obj)
+    return as_bytes(view if view.c_contiguous else view.tobytes())
+
+
+def _is_torch(obj: Any) -> bool:
+    return hasattr(obj, "data_ptr") and hasattr(obj, "untyped_storage")
+
+
+def _check_cpu(tensor: Any) -> None:
+    if tensor.device.type != "cpu":
+        raise TypeError("the cpu backend copies CPU tensors only")
+
+
+def _torch_bytes(tensor: Any) -> Any:
+    """A contiguous CPU tensor's bytes as a numpy uint8 array (no copy)."""
+    import torch
+
+    return (tensor if tensor.dim() else tensor.reshape(1)).view(torch.uint8).numpy()
 
 
 class Backend:
@@ -47,7 +74,7 @@ class Backend:
 
     def save(self, source: Any, mapping: RegionMapping, extents: Extents,
              ready: Any = None) -> None:
-        data = as_bytes(source)
+        data = row_major_bytes(source)
         check_extents(mapping, extents, data.nbytes)
         region = mapping.view
         for offset, length, done in spans(extents):
@@ -60,4 +87,3 @@ class Backend:
         for offset, length, done in spans(extents):
             data[done:done + length] = region[offset:offset + length]
         return out
-

@@ -4,7 +4,10 @@ The mapping is registered with cupy.cuda.runtime.hostRegister (in chunks);
 copies are cudaMemcpyAsync per extent on a non-blocking CuPy stream, ordered
 after the producing stream by an event and awaited before returning.
 Sources and outputs may be CuPy arrays or CUDA torch tensors (anything with
-a `data_ptr()` or `__cuda_array_interface__`).
+a `data_ptr()` or `__cuda_array_interface__`). A non-contiguous source is
+made contiguous on the copy stream after the producer's event (so the region
+holds its bytes in row-major order, never its storage order); an output must
+be contiguous.
 """
 
 from __future__ import annotations
@@ -21,11 +24,32 @@ _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
 
 
-def _device_pointer(obj: Any) -> tuple[int, int]:
-    if hasattr(obj, "data_ptr"):  # torch
-        return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size())
-    interface = obj.__cuda_array_interface__
-    return int(interface["data"][0]), int(obj.nbytes)
+def _nbytes(obj: Any) -> int:
+    if _is_torch(obj):
+        return int(obj.numel()) * int(obj.element_size())
+    return int(cupy.asarray(obj).nbytes)
+
+
+def _device_pointer(obj: Any) -> int:
+    """The device pointer of a contiguous tensor or CUDA array. Raises
+    TypeError for a non-contiguous one: from its pointer lie its bytes in
+    storage order, or past its end for a broadcast view."""
+    if not _is_contiguous(obj):
+        raise TypeError(f"array is not contiguous (shape {tuple(obj.shape)})")
+    if _is_torch(obj):
+        return int(obj.data_ptr())
+    return int(cupy.asarray(obj).data.ptr)
+
+
+def _is_torch(obj: Any) -> bool:
+    return hasattr(obj, "data_ptr")
+
+
+def _is_contiguous(obj: Any) -> bool:
+    if _is_torch(obj):
+        return bool(obj.is_contiguous())
+    # cupy.asarray views any __cuda_array_interface__ object without a copy.
+    return bool(cupy.asarray(obj).flags.c_contiguous)
 
 
 class Backend:
@@ -74,12 +98,13 @@ class Backend:
 
     def save(self, source: Any, mapping: RegionMapping, extents: Extents,
              ready: Any = None) -> None:
-        pointer, nbytes = _device_pointer(source)
-        check_extents(mapping, extents, nbytes)
+        check_extents(mapping, extents, _nbytes(source))
         base = self._bases[id(mapping)]
         if ready is not None:
             ready.synchronize()
         try:
+            data = self._contiguous(source)  # only now: the producer has written it
+            pointer = _device_pointer(data)
             for offset, length, done in spans(extents):
                 cupy.cuda.runtime.memcpyAsync(base + offset, pointer + done, length, _D2H,
                                               self._stream.ptr)
@@ -87,8 +112,8 @@ class Backend:
             self._stream.synchronize()
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
-        pointer, nbytes = _device_pointer(out)
-        check_extents(mapping, extents, nbytes)
+        pointer = _device_pointer(out)
+        check_extents(mapping, extents, _nbytes(out))
         base = self._bases[id(mapping)]
         _consumer_synchronize(out)  # `out` may reuse memory still read there
         for offset, length, done in spans(extents):
@@ -96,6 +121,20 @@ class Backend:
                                           self._stream.ptr)
         self._stream.synchronize()
         return out
+
+    def _contiguous(self, source: Any) -> Any:
+        """`source`, or a row-major copy of it made on the copy stream (so the
+        memcpys that read the copy are ordered after it)."""
+        if _is_contiguous(source):
+            return source
+        if _is_torch(source):
+            import torch
+
+            stream = torch.cuda.ExternalStream(self._stream.ptr, device=source.device)
+            with torch.cuda.stream(stream):
+                return source.contiguous()
+        with self._stream:
+            return cupy.ascontiguousarray(cupy.asarray(source))
 
 
 def _consumer_synchronize(out: Any) -> None:

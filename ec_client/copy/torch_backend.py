@@ -7,9 +7,12 @@ on a side stream, one cudaMemcpyAsync per extent:
 
 - a save first waits for the event recorded when the output was produced
   (`prepare_save`, on the producing stream), and `record_stream` tells the
-  caching allocator the side stream still reads the tensor;
+  caching allocator the side stream still reads the tensor. A non-contiguous
+  output is made contiguous on the side stream after that wait (before it,
+  the copy would read bytes not yet written), so the region holds its bytes
+  in row-major order;
 - a load records its destination on the consumer's current stream and makes
-  that stream wait for the copy's event.
+  that stream wait for the copy's event. The destination must be contiguous.
 
 Both return only after their event completed, so a save or load is reported
 to the daemon only once its bytes have landed.
@@ -67,16 +70,18 @@ class Backend:
     def save(self, source: Any, mapping: RegionMapping, extents: Extents,
              ready: Any = None) -> None:
         host = self._host[id(mapping)]
-        data = source.contiguous().view(-1).view(torch.uint8)
-        check_extents(mapping, extents, data.numel())
+        check_extents(mapping, extents, source.numel() * source.element_size())
         try:
             with torch.cuda.stream(self._stream):
                 if ready is not None:
                     self._stream.wait_event(ready)
+                source.record_stream(self._stream)
+                # Only now, on this stream: its copy kernel reads what the
+                # producer wrote (a temporary allocated here needs no record).
+                data = _flat_bytes(source.contiguous())
                 for offset, length, done in spans(extents):
                     host[offset:offset + length].copy_(data[done:done + length],
                                                        non_blocking=True)
-                data.record_stream(self._stream)
                 landed = torch.cuda.Event()
                 landed.record(self._stream)
         except BaseException:
@@ -88,7 +93,7 @@ class Backend:
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         host = self._host[id(mapping)]
-        flat = out.view(-1).view(torch.uint8)
+        flat = _flat_bytes(out)
         check_extents(mapping, extents, flat.numel())
         consumer = torch.cuda.current_stream(out.device)
         with torch.cuda.stream(self._stream):
@@ -107,3 +112,11 @@ class Backend:
         for pointer, _ in chunks:
             cudart.cudaHostUnregister(pointer)
 
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view; raises TypeError for
+    a non-contiguous one (its storage order is not its row-major order)."""
+    if not tensor.is_contiguous():
+        raise TypeError(f"tensor is not contiguous (shape {tuple(tensor.shape)}, "
+                        f"strides {tensor.stride()})")
+    return tensor.view(-1).view(torch.uint8)

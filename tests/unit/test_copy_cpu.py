@@ -42,8 +42,68 @@ def test_mismatched_sizes_and_out_of_region_extents_are_refused(mapping):
         backend.save(data, mapping, [(0, 50)])
     with pytest.raises(ValueError, match="outside the region"):
         backend.save(data, mapping, [(mapping.size - 50, 100)])
-    with pytest.raises(TypeError):
-        backend.save(np.zeros((10, 10))[:, ::2], mapping, [(0, 400)])
+
+
+def non_contiguous(kind, array):
+    """A view of a (rows, cols) numpy array or torch tensor whose storage
+    order is not its row-major order (or, for `offset`, starts mid-storage)."""
+    if kind == "transposed":
+        return array.T
+    if kind == "strided":
+        return array[:, ::2]
+    if kind == "offset":
+        return array[1:]
+    if isinstance(array, np.ndarray):  # expanded: one row broadcast to all
+        return np.broadcast_to(array[:1], array.shape)
+    return array[:1].expand(array.shape[0], -1)
+
+
+VIEWS = ["transposed", "strided", "offset", "expanded"]
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_a_non_contiguous_numpy_source_is_saved_in_row_major_order(mapping, kind):
+    backend = get_backend("cpu")
+    base = np.random.default_rng(1).standard_normal((6, 10)).astype(np.float32)
+    source = non_contiguous(kind, base)
+    expected = np.ascontiguousarray(source)
+    extents = [(30000, 64), (500, expected.nbytes - 64)]
+    backend.save(source, mapping, extents)
+    stored = bytes(mapping.view[30000:30064]) + bytes(mapping.view[500:500 + expected.nbytes - 64])
+    assert stored == expected.tobytes()
+    out = backend.load(mapping, extents, np.empty(source.shape, source.dtype))
+    assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_a_non_contiguous_torch_source_is_saved_in_row_major_order(mapping, kind):
+    torch = pytest.importorskip("torch")
+    backend = get_backend("cpu")
+    base = torch.randn(6, 10, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    source = non_contiguous(kind, base)
+    assert not source.is_contiguous() or source.storage_offset() > 0
+    expected = source.contiguous()
+    nbytes, shape, dtype = describe(source)
+    backend.save(source, mapping, [(100, nbytes)])
+    assert bytes(mapping.view[100:100 + nbytes]) == expected.view(torch.uint8).numpy().tobytes()
+    out = backend.load(mapping, [(100, nbytes)], empty_host(shape, dtype))
+    assert torch.equal(out, expected)
+
+
+def test_a_strided_bytes_like_source_is_saved_in_row_major_order(mapping):
+    backend = get_backend("cpu")
+    backend.save(memoryview(b"abcdefgh")[::2], mapping, [(7, 4)])
+    assert bytes(mapping.view[7:11]) == b"aceg"
+
+
+def test_a_non_contiguous_load_destination_is_refused(mapping):
+    backend = get_backend("cpu")
+    backend.save(np.arange(10, dtype=np.float32), mapping, [(0, 40)])
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        backend.load(mapping, [(0, 40)], np.empty((2, 5), np.float32).T)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="not contiguous"):
+        backend.load(mapping, [(0, 40)], torch.empty(2, 5).T)
 
 
 def test_unknown_backend_names_are_refused():
