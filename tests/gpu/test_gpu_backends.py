@@ -156,3 +156,92 @@ def test_regions_never_unmap_under_a_running_copy(tmp_path, monkeypatch, name):
     regions.prune()
     assert regions.generations() == []
     regions.close()
+
+
+VIEWS = ["transposed", "strided", "offset", "expanded"]
+# About 0.1 s of a spinning kernel: long enough for a copy that does not wait
+# for the producing stream to read the old bytes.
+PRODUCER_DELAY_CYCLES = 200_000_000
+
+
+def non_contiguous(kind, array):
+    """A view of a (rows, cols) torch tensor or CuPy array whose storage order
+    is not its row-major order (or, for `offset`, starts mid-storage)."""
+    if kind == "transposed":
+        return array.T
+    if kind == "strided":
+        return array[:, ::2]
+    if kind == "offset":
+        return array[1:]
+    if isinstance(array, torch.Tensor):  # expanded: one row broadcast to all
+        return array[:1].expand(array.shape[0], -1)
+    import cupy
+
+    return cupy.broadcast_to(array[:1], array.shape)
+
+
+def row_major_bytes(tensor) -> bytes:
+    return tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def stored_bytes(mapping, extents) -> bytes:
+    return b"".join(bytes(mapping.view[offset:offset + length]) for offset, length in extents)
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_a_non_contiguous_tensor_is_saved_in_row_major_order(backend, mapping, kind):
+    source = non_contiguous(kind, torch.randn(600, 1152, device="cuda").to(torch.float16))
+    expected = source.contiguous()
+    nbytes = expected.numel() * expected.element_size()
+    extents = [(4 << 20, nbytes // 2), (0, nbytes - nbytes // 2)]  # scattered
+    backend.save(source, mapping, extents, backend.prepare_save(source))
+    assert stored_bytes(mapping, extents) == row_major_bytes(expected)
+    out = torch.empty_like(expected)
+    backend.load(mapping, extents, out)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_the_cupy_backend_saves_a_non_contiguous_cupy_array_in_row_major_order(mapping, kind):
+    cupy = pytest.importorskip("cupy")
+    backend = get_backend("cupy")
+    backend.attach(mapping)
+    try:
+        source = non_contiguous(kind, cupy.random.standard_normal((64, 96), dtype=cupy.float32))
+        expected = cupy.ascontiguousarray(source)
+        extents = [(1 << 20, expected.nbytes)]
+        backend.save(source, mapping, extents, backend.prepare_save(source))
+        assert stored_bytes(mapping, extents) == expected.get().tobytes()
+        out = cupy.empty_like(expected)
+        backend.load(mapping, extents, out)
+        assert bool((out == expected).all())
+    finally:
+        backend.detach(mapping)
+
+
+def test_a_non_contiguous_load_destination_is_refused(backend, mapping):
+    out = torch.empty(64, 32, device="cuda").T
+    with pytest.raises(TypeError, match="not contiguous"):
+        backend.load(mapping, [(0, out.numel() * out.element_size())], out)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed"])
+def test_a_save_copies_what_the_producing_stream_wrote(backend, mapping, kind):
+    """The producer writes on its own stream after a delay and the save is
+    asked for at once: the saved bytes must be the final ones (a contiguous
+    copy made before waiting for the producer's event reads the old ones)."""
+    written = torch.zeros(512, 768, device="cuda", dtype=torch.float16)
+    final = torch.randn(512, 768, device="cuda").to(torch.float16)
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(PRODUCER_DELAY_CYCLES)
+        written.copy_(final)
+        source = written.T if kind == "transposed" else written
+        ready = backend.prepare_save(source)
+    extents = [(0, written.numel() * written.element_size())]
+    backend.save(source, mapping, extents, ready)
+    assert stored_bytes(mapping, extents) == row_major_bytes(
+        final.T if kind == "transposed" else final)
+    torch.cuda.synchronize()
