@@ -181,6 +181,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("remote_queue_bytes", _positive_size, lambda: "256MiB",
             "entries waiting to be published, at most this many bytes (more are dropped)",
             "SIZE"),
+    Setting("remote_index_bytes", _positive_size, lambda: "64MiB",
+            "memory of the index of what the other hosts published (about 250 bytes an "
+            "entry; beyond, the oldest entries are forgotten: they are encoded here instead)",
+            "SIZE"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), lambda: "info",
             "debug, info, warning or error", "LEVEL"),
     Setting("log_format", _choice("text", "json"), lambda: "text",
@@ -226,6 +230,7 @@ class DaemonConfig:
     remote_ttl: float
     remote_token_file: str
     remote_queue_bytes: int
+    remote_index_bytes: int
     log_level: str
     log_format: str
 

@@ -14,12 +14,18 @@ Keys (`ecd1:` is the key scheme's version)::
     ecd1:v:{<fp>:<mm_hash>}   a value (values.py), with the TTL; the hash tag
                               spreads values over every slot of a cluster
     ecd1:i:{<k>}              index shard k of INDEX_SHARDS: a stream of
-                              announcements (ns, h, n, e), trimmed to the TTL
+                              announcements (ns, h, n, t, e), trimmed to the TTL
 
 <fp> is the first 16 hex digits of the namespace's sha256. A publisher
 announces on a shard that lives on the same node as the value (in a cluster),
 so the node that holds a value holds its announcement: losing it costs
 exactly its keys.
+
+Time is the server's: an announcement carries its TTL (`t`, ms) and is dated
+by its stream entry ID (the milliseconds of the node's clock at the XADD), and
+each XADD trims its shard by the ID the previous XADD on that shard returned,
+less the TTL; no host's clock is trusted. (`e`, the expiry by the publisher's
+clock, is still written for daemons that predate `t`.)
 
 URLs: ``redis://HOST:PORT`` (one node), ``rediss://`` (TLS),
 ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (seed nodes of a cluster),
@@ -92,12 +98,14 @@ class RemoteAuthError(RemoteError):
 @dataclass(frozen=True)
 class Announcement:
     """Another daemon (or this one) published (namespace, mm_hash) of nbytes
-    payload bytes, available until expires_at (wall clock, time.time())."""
+    payload bytes at stamp_ms (the server's clock: its index entry's ID), for
+    ttl_ms (None: a daemon that predates `t`; the reader assumes its own)."""
 
     namespace: str
     mm_hash: str
     nbytes: int
-    expires_at: float
+    stamp_ms: int
+    ttl_ms: int | None
 
 
 class RemoteStore(Protocol):
@@ -122,6 +130,11 @@ class RemoteStore(Protocol):
         to block_s for one, at most `count` per shard; and the next cursor.
         With `breakers`, shards whose domain's breaker refuses are skipped and
         failures are reported to the breakers instead of raised."""
+
+    def clock_ms(self, breakers: Breakers | None = None) -> int | None:
+        """The store's time in ms (TIME on a node holding index shards; with
+        `breakers`, on the first whose breaker lets a call through, failures
+        reported to it); None when no node answers or none is known yet."""
 
     def domain(self, namespace: str, mm_hash: str) -> str:
         """The failure domain (node address) of a key; never touches the network."""
@@ -286,6 +299,9 @@ class RedisStore:
                           ssl_check_hostname=options.get("check_hostname", "true").lower()
                           in ("true", "1", "yes"))
         self._kwargs = kwargs
+        # Index key -> milliseconds of the ID our last XADD there returned
+        # (the server's clock, by which the next XADD trims).
+        self._added_ms: dict[str, int] = {}
         self._connection_class = _SSLConnection if spec.tls else _Connection
         self._single: redis.Redis | None = None
         if not spec.cluster:
@@ -383,15 +399,22 @@ class RedisStore:
         try:
             client = self._client()
             key = index_key(self._shard_for(value_key(namespace, mm_hash)))
-            now = time.time()
             ttl_ms = max(1, int(ttl_s * 1000))
+            # Trimmed by the server's clock (the ID the shard's previous XADD
+            # returned): a host whose clock runs ahead must not trim the
+            # others' announcements. The first XADD here trims nothing. (A Lua
+            # script could trim by its own XADD's ID, in the same one round
+            # trip, but would need EVAL in every daemon's ACL.)
+            previous = self._added_ms.get(key)
             pipe = client.pipeline(transaction=False)
-            pipe.xadd(key, {"ns": namespace, "h": mm_hash, "n": nbytes,
-                            "e": f"{now + ttl_s:.3f}"},
-                      minid=max(0, int(now * 1000) - ttl_ms), approximate=True)
+            pipe.xadd(key, {"ns": namespace, "h": mm_hash, "n": nbytes, "t": ttl_ms,
+                            "e": f"{time.time() + ttl_s:.3f}"},
+                      minid=None if previous is None else max(0, previous - ttl_ms),
+                      approximate=True)
             # An index nobody writes to any more goes away a minute after its last entry.
             pipe.pexpire(key, ttl_ms + 60_000)
-            pipe.execute()
+            entry_id, _ = pipe.execute()
+            self._added_ms[key] = _stamp_ms(entry_id)
         except _ERRORS as exc:
             raise _failed(f"announce {namespace!r} {mm_hash!r}", exc) from None
 
@@ -448,12 +471,42 @@ class RedisStore:
                     shard = _shard_from_key(stream)
                     for entry_id, fields in entries:
                         positions[shard] = entry_id.decode()
-                        announcement = _announcement(fields)
+                        announcement = _announcement(entry_id, fields)
                         if announcement is not None:
                             found.append(announcement)
         if not found and not waited:
             self._closed.wait(pause)
         return found, _cursor(positions)
+
+    def clock_ms(self, breakers: Breakers | None = None) -> int | None:
+        if self._single is None and self._cluster is None:
+            return None  # not connected yet: read_index connects
+        domains = dict.fromkeys(self._domain_of(index_key(k)) for k in range(INDEX_SHARDS))
+        for domain in domains:
+            breaker = breakers.get(domain) if breakers is not None else None
+            if breaker is not None and not breaker.allow():
+                continue
+            try:
+                if self._single is not None:
+                    seconds, micros = self._single.time()
+                else:
+                    assert self._cluster is not None
+                    node = self._cluster.get_node(node_name=domain)
+                    if node is None:
+                        if breaker is not None:
+                            breaker.success()  # (not asked: a node that left the cluster)
+                        continue
+                    seconds, micros = self._cluster.time(target_nodes=node)
+            except _ERRORS as exc:
+                failure = _failed(f"time on {domain}", exc)
+                if breaker is None:
+                    raise failure from None
+                breaker.failure(failure)
+                continue
+            if breaker is not None:
+                breaker.success()
+            return int(seconds) * 1000 + int(micros) // 1000
+        return None
 
     def _read_shards(self, client: redis.Redis | RedisCluster, shards: list[int],
                      positions: list[str], count: int, block_ms: int | None) -> list[Any]:
@@ -527,17 +580,24 @@ def _shard_from_key(stream: bytes | str) -> int:
     return int(name.rsplit("{", 1)[1].rstrip("}"))
 
 
-def _announcement(fields: dict[bytes, bytes]) -> Announcement | None:
+def _stamp_ms(entry_id: bytes | str) -> int:
+    """The milliseconds part of a stream entry ID (the server's clock)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.partition("-")[0])
+
+
+def _announcement(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Announcement | None:
     """An index entry, or None when it is malformed or out of bounds
     (anyone who can write to the store can write the index)."""
     try:
         namespace, mm_hash = fields[b"ns"], fields[b"h"]
         if len(namespace) > MAX_NAMESPACE_BYTES or not 0 < len(mm_hash) <= MAX_HASH_BYTES:
             return None
-        nbytes, expires_at = int(fields[b"n"]), float(fields[b"e"])
-        if not 0 < nbytes <= MAX_VALUE_BYTES or expires_at != expires_at:  # NaN
+        nbytes = int(fields[b"n"])
+        ttl_ms = int(fields[b"t"]) if b"t" in fields else None
+        if not 0 < nbytes <= MAX_VALUE_BYTES or (ttl_ms is not None and ttl_ms <= 0):
             return None
         return Announcement(namespace=namespace.decode(), mm_hash=mm_hash.decode(),
-                            nbytes=nbytes, expires_at=expires_at)
+                            nbytes=nbytes, stamp_ms=_stamp_ms(entry_id), ttl_ms=ttl_ms)
     except (KeyError, ValueError):
         return None

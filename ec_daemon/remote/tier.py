@@ -2,12 +2,13 @@
 index follower thread, and a blocking `fetch` for the daemon's worker pool.
 
 The event loop only ever calls what cannot block: `publish` enqueues (bounded
-in bytes, dropped when full or while the store is down), `available` reads a
-local dict (the index: what other daemons announced, learnt ahead of any
-lookup), `follow`, `snapshot`. Everything that talks to the store runs on the
-tier's threads or the caller's worker thread, through one circuit breaker per
-failure domain (a node), so a store that is down or slow costs misses and
-dropped publications, never a stuck daemon, and comes back by itself.
+in bytes, dropped when full or while the store is down), `available` reads
+the local index (`index`: what other daemons announced, learnt ahead of any
+lookup, bounded in bytes), `follow`, `snapshot`.
+Everything that talks to the store runs on the tier's threads or the caller's
+worker thread, through one circuit breaker per failure domain (a node), so a
+store that is down or slow costs misses and dropped publications, never a
+stuck daemon, and comes back by itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ec_daemon.remote.breaker import CLOSED, STATE_CODES, Breakers
+from ec_daemon.remote.index import RemoteIndex
 from ec_daemon.remote.store import Announcement, RemoteError, RemoteStore
 from ec_daemon.remote.values import BadValue, Value, decode, encode
 
@@ -46,17 +48,19 @@ COUNTERS = {
     "bad_values": "Values refused by verification (corrupt, truncated, foreign)",
     "errors": "Store calls that failed (fetches, publications, index reads)",
     "index_announcements": "Announcements read from the index (every namespace)",
-    "index_evictions": "Index entries dropped to keep within index_max_entries",
+    "index_evictions": "Index entries dropped to keep within --remote-index-bytes",
 }
 GAUGES = {
     "publish_queue_bytes": "Payload bytes waiting to be published",
     "index_entries": "Entries the local index holds (followed namespaces, not expired)",
+    "index_bytes": "Memory of the local index, as counted against --remote-index-bytes",
     "followed_namespaces": "Namespaces whose announcements are kept",
     "reachable": "1 when no store node's breaker is open",
     "breaker_state": "Worst breaker state: 0 closed, 1 half-open, 2 open",
     "breakers_open": "Store nodes currently refused (breaker open or half-open)",
 }
 BAD_VALUE_LOG_S = 60.0
+UPKEEP_S = 5.0  # the index: expired entries swept, the store's clock read, this often
 RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
 
 
@@ -84,15 +88,14 @@ class RemoteTier:
     called from any thread; only `fetch` blocks (on the network)."""
 
     def __init__(self, store: RemoteStore, *, ttl_s: float, publish_queue_bytes: int,
-                 index_max_entries: int = 1_000_000, block_s: float = 0.5,
+                 index_bytes: int = 64 << 20, block_s: float = 0.5,
                  index_batch: int = 1000, breaker_threshold: int = 3,
                  breaker_base_s: float = 0.5, breaker_max_s: float = 30.0) -> None:
-        if ttl_s <= 0 or publish_queue_bytes <= 0 or index_max_entries <= 0:
-            raise ValueError("ttl_s, publish_queue_bytes and index_max_entries must be positive")
+        if ttl_s <= 0 or publish_queue_bytes <= 0:
+            raise ValueError("ttl_s and publish_queue_bytes must be positive")
         self.store = store
         self.ttl_s = ttl_s
         self.publish_queue_bytes = publish_queue_bytes
-        self.index_max_entries = index_max_entries
         self.block_s = block_s
         self.index_batch = index_batch
         self.breakers = Breakers(threshold=breaker_threshold, base_s=breaker_base_s,
@@ -104,10 +107,9 @@ class RemoteTier:
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._queued_bytes = 0
-        # The index: (namespace, mm_hash) -> (nbytes, expires_at), oldest first.
+        # The index, and whether the follower must read the shards again.
         self._index_lock = threading.Lock()
-        self._index: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
-        self._followed: set[str] = set()
+        self.index = RemoteIndex(max_bytes=index_bytes, ttl_ms=max(1, int(ttl_s * 1000)))
         self._rescan = False
         # Counters and rate-limited logs.
         self._stats_lock = threading.Lock()
@@ -143,18 +145,13 @@ class RemoteTier:
         """Keep index entries of `namespace` (entries announced before are
         read again from the index)."""
         with self._index_lock:
-            if namespace not in self._followed:
-                self._followed.add(namespace)
+            if self.index.follow(namespace):
                 self._rescan = True
 
     def unfollow(self, namespace: str) -> None:
         """No local session uses `namespace` any more: forget its entries."""
         with self._index_lock:
-            if namespace not in self._followed:
-                return
-            self._followed.discard(namespace)
-            for key in [k for k in self._index if k[0] == namespace]:
-                del self._index[key]
+            self.index.unfollow(namespace)
 
     def forget(self, namespace: str, mm_hash: str) -> None:
         """Drop a key from the local index (it could not be promoted)."""
@@ -164,47 +161,38 @@ class RemoteTier:
         """nbytes when the index says the store holds the key and it has not
         expired; never touches the network."""
         with self._index_lock:
-            entry = self._index.get((namespace, mm_hash))
-        if entry is None or entry[1] <= time.time():
-            return None
-        return entry[0]
+            return self.index.get(namespace, mm_hash)
 
     def _forget(self, namespace: str, mm_hash: str) -> None:
         with self._index_lock:
-            self._index.pop((namespace, mm_hash), None)
+            self.index.forget(namespace, mm_hash)
 
     def _absorb(self, found: list[Announcement]) -> None:
-        now = time.time()
-        evicted = 0
         with self._index_lock:
-            for a in found:
-                if a.namespace not in self._followed or a.expires_at <= now:
-                    continue
-                key = (a.namespace, a.mm_hash)
-                old = self._index.get(key)
-                # An announcement never outlives this daemon's TTL, whatever it says.
-                expires = min(a.expires_at, now + self.ttl_s)
-                self._index[key] = (a.nbytes, max(expires, old[1] if old else 0.0))
-                self._index.move_to_end(key)
-                while len(self._index) > self.index_max_entries:
-                    self._index.popitem(last=False)
-                    evicted += 1
+            evicted = self.index.absorb(found)
         self._count(index_announcements=len(found), index_evictions=evicted)
 
     def _sweep(self) -> None:
-        """Drop expired entries from the front (entries arrive roughly in
-        expiry order; what is left behind is refused by `available`)."""
-        now = time.time()
         with self._index_lock:
-            while self._index:
-                key, (_nbytes, expires_at) = next(iter(self._index.items()))
-                if expires_at > now:
-                    break
-                del self._index[key]
+            self.index.sweep()
+
+    def _learn_time(self) -> None:
+        """Read the store's clock: a daemon that starts, or an index nobody
+        announced on for a while, must still see which entries expired.
+        (Store failures go to the breakers; the index keeps its time.)"""
+        try:
+            now_ms = self.store.clock_ms(self.breakers)
+        except Exception:
+            self._count(errors=1)
+            log.exception("reading the store's clock failed")
+            return
+        if now_ms is not None:
+            with self._index_lock:
+                self.index.clock.observe(now_ms)
 
     def _follower(self) -> None:
         cursor: str | None = None
-        next_sweep = time.monotonic()
+        next_upkeep = time.monotonic()
         while not self._stopping.is_set():
             with self._index_lock:
                 if self._rescan:
@@ -226,11 +214,12 @@ class RemoteTier:
                 log.exception("index read failed")
                 self._stopping.wait(self.block_s)
                 continue
+            if time.monotonic() >= next_upkeep:  # (before the absorb: the first read's too)
+                self._learn_time()
+                next_upkeep = time.monotonic() + UPKEEP_S
+                self._sweep()
             if found:
                 self._absorb(found)
-            if time.monotonic() >= next_sweep:
-                self._sweep()
-                next_sweep = time.monotonic() + 5.0
 
     # ------------------------------------------------------------ publish
 
@@ -292,15 +281,15 @@ class RemoteTier:
         if not breaker.allow():
             self._count(publish_drops=1)
             return
-        started = time.time()
+        started = time.monotonic()
         try:
             self.store.put(job.namespace, job.mm_hash, parts, self.ttl_s)
-            self.latency.labels("put").observe(time.time() - started)
-            announced = time.time()
+            self.latency.labels("put").observe(time.monotonic() - started)
+            announced = time.monotonic()
             # The announcement must not outlive the value: its TTL runs from the put.
             self.store.announce(job.namespace, job.mm_hash, job.nbytes,
                                 self.ttl_s - (announced - started))
-            self.latency.labels("announce").observe(time.time() - announced)
+            self.latency.labels("announce").observe(time.monotonic() - announced)
         except RemoteError as exc:
             breaker.failure(exc)
             self._count(publish_errors=1, errors=1)
@@ -394,8 +383,9 @@ class RemoteTier:
         with self._cond:
             data["publish_queue_bytes"] = self._queued_bytes
         with self._index_lock:
-            data["index_entries"] = len(self._index)
-            data["followed_namespaces"] = len(self._followed)
+            data["index_entries"] = self.index.entries
+            data["index_bytes"] = self.index.bytes
+            data["followed_namespaces"] = self.index.namespaces
         states = [b.state for b in self.breakers.recent(RECENT_S)]
         down = [s for s in states if s != CLOSED]
         data["breakers_open"] = len(down)

@@ -144,14 +144,14 @@ def test_ttl_expiry(node: redis_servers.RedisServer) -> None:
 def test_the_index(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
     node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
-    before = time.time()
+    before_ms = int(node.client().time()[0]) * 1000
     for i in range(30):
         store.announce(NAMESPACE, f"idx-{i}", 1000 + i, 60.0)
     found, cursor = store.read_index(None, 0.1, 1000)
     assert sorted(a.mm_hash for a in found) == sorted(f"idx-{i}" for i in range(30))
     a = next(a for a in found if a.mm_hash == "idx-7")
-    assert a.namespace == NAMESPACE and a.nbytes == 1007
-    assert before + 59 < a.expires_at < time.time() + 61
+    assert a.namespace == NAMESPACE and a.nbytes == 1007 and a.ttl_ms == 60_000
+    assert before_ms <= a.stamp_ms <= before_ms + 60_000  # the server's clock, in ms
     # Sharded: the announcements spread over several streams.
     assert sum(1 for k in range(INDEX_SHARDS) if node.client().exists(index_key(k))) > 5
     # The cursor moves on; a blocking read returns what comes next.
@@ -164,6 +164,9 @@ def test_the_index(node: redis_servers.RedisServer) -> None:
     # count bounds each shard's batch.
     found, _ = store.read_index(None, 0.1, 1)
     assert len(found) <= INDEX_SHARDS
+    # The store's clock (what a follower dates entries by).
+    clock_ms = store.clock_ms()
+    assert clock_ms is not None and abs(clock_ms - time.time() * 1000) < 5000
     store.close()
 
 
@@ -300,6 +303,8 @@ def test_cluster_announcements_live_beside_their_values(cluster: redis_servers.C
         assert after == before + 1
     found, _ = store.read_index(None, 0.1, 10_000)
     assert {f"beside-{i}" for i in range(20)} <= {a.mm_hash for a in found}
+    clock_ms = store.clock_ms()
+    assert clock_ms is not None and abs(clock_ms - time.time() * 1000) < 5000
     store.close()
 
 
@@ -338,10 +343,17 @@ def test_a_password_in_a_bad_url_is_never_echoed() -> None:
 
 
 def test_index_entries_out_of_bounds_are_ignored() -> None:
-    from ec_daemon.remote.store import _announcement
+    from ec_daemon.remote.store import Announcement, _announcement
 
-    good = {b"ns": b"m|f16|image=8|", b"h": b"abc", b"n": b"4096", b"e": b"1e15"}
-    assert _announcement(good) is not None
+    good = {b"ns": b"m|f16|image=8|", b"h": b"abc", b"n": b"4096", b"t": b"60000",
+            b"e": b"1e15"}
+    announcement = _announcement(b"1700000000123-4", good)
+    assert announcement is not None
+    assert announcement.stamp_ms == 1_700_000_000_123 and announcement.ttl_ms == 60_000
     for field, value in ((b"h", b"x" * 20_000), (b"ns", b"n" * 10_000), (b"n", b"0"),
-                         (b"n", str(1 << 50).encode()), (b"e", b"nan"), (b"h", b"")):
-        assert _announcement({**good, field: value}) is None, field
+                         (b"n", str(1 << 50).encode()), (b"t", b"0"), (b"t", b"nan"),
+                         (b"h", b"")):
+        assert _announcement(b"1-0", {**good, field: value}) is None, field
+    # A daemon that predates `t`: its entry counts, with the reader's own TTL.
+    older = {k: v for k, v in good.items() if k != b"t"}
+    assert _announcement(b"1-0", older) == Announcement("m|f16|image=8|", "abc", 4096, 1, None)

@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from ec_daemon.remote.index import entry_bytes
 from ec_daemon.remote.store import INDEX_SHARDS, index_key, open_store, value_key
 from ec_daemon.remote.tier import RemoteTier
 from ec_daemon.remote.values import encode
@@ -107,10 +108,11 @@ def test_entries_age_out_with_the_ttl(node: redis_servers.RedisServer,
     assert late.available(NAMESPACE, "brief") is None
 
 
-def test_the_index_is_bounded(node: redis_servers.RedisServer, tiers: list[RemoteTier]) -> None:
+def test_the_index_is_bounded_in_bytes(node: redis_servers.RedisServer,
+                                       tiers: list[RemoteTier]) -> None:
     flush_index(node)
     host1 = tier_for(tiers, node.url)
-    host2 = tier_for(tiers, node.url, index_max_entries=5)
+    host2 = tier_for(tiers, node.url, index_bytes=5 * entry_bytes("bounded-10"))
     host2.follow(NAMESPACE)
     for i in range(12):
         mm_hash = f"bounded-{i}"
@@ -118,6 +120,7 @@ def test_the_index_is_bounded(node: redis_servers.RedisServer, tiers: list[Remot
         assert wait_for(partial(host2.available, NAMESPACE, mm_hash), 3.0)
     snap = host2.snapshot()
     assert snap["index_entries"] == 5 and snap["index_evictions"] >= 7
+    assert snap["index_bytes"] == sum(entry_bytes(f"bounded-{i}") for i in range(7, 12))
     assert [host2.available(NAMESPACE, f"bounded-{i}") for i in range(12)] == \
         [None] * 7 + [10] * 5
 
@@ -332,16 +335,3 @@ def test_a_tier_started_while_the_store_is_down_connects_later(
         value = tier.fetch(NAMESPACE, "later")
         assert value is not None and bytes(value.payload) == b"l" * 10
         assert any("reachable again" in r.getMessage() for r in caplog.records)
-
-
-def test_an_announcement_never_outlives_this_daemons_ttl() -> None:
-    from ec_daemon.remote.store import Announcement
-    from ec_daemon.remote.tier import RemoteTier
-
-    tier = RemoteTier(object(), ttl_s=10, publish_queue_bytes=1)  # type: ignore[arg-type]
-    tier.follow("ns")
-    tier._absorb([Announcement("ns", "h", 10, time.time() + 1e9)])
-    assert tier.available("ns", "h") == 10
-    assert tier._index[("ns", "h")][1] <= time.time() + 10
-    tier.unfollow("ns")
-    assert tier.available("ns", "h") is None
