@@ -185,6 +185,10 @@ SETTINGS: tuple[Setting, ...] = (
             "memory of the index of what the other hosts published (about 250 bytes an "
             "entry; beyond, the oldest entries are forgotten: they are encoded here instead)",
             "SIZE"),
+    Setting("remote_promotion_bytes", _positive_size, lambda: "256MiB",
+            "bytes of fetched entries held at once between their fetch and their write into "
+            "the region; a promotion beyond, or of a larger entry, does not start (the engine "
+            "encodes)", "SIZE"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), lambda: "info",
             "debug, info, warning or error", "LEVEL"),
     Setting("log_format", _choice("text", "json"), lambda: "text",
@@ -231,6 +235,7 @@ class DaemonConfig:
     remote_token_file: str
     remote_queue_bytes: int
     remote_index_bytes: int
+    remote_promotion_bytes: int
     log_level: str
     log_format: str
 

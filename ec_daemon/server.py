@@ -196,7 +196,8 @@ def _start_tier(config: DaemonConfig) -> Any:
         raise StartupError(f"--remote: {exc}") from None
     tier = RemoteTier(store, ttl_s=config.remote_ttl,
                       publish_queue_bytes=config.remote_queue_bytes,
-                      index_bytes=config.remote_index_bytes)
+                      index_bytes=config.remote_index_bytes,
+                      promotion_bytes=config.remote_promotion_bytes)
     tier.start()
     log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
              "published", _redacted(config.remote), config.remote_ttl)

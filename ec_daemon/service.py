@@ -478,13 +478,19 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     async def _promote(self, key: Key) -> None:
         """Fetch `key` from the second tier (verified), allocate, write, commit.
-        Any failure hands the item to a waiting engine to encode."""
+        Any failure hands the item to a waiting engine to encode, and so does
+        a spent promotion budget: the value's bytes are reserved before the
+        fetch and released after the write, whatever happens (`remote.budget`)."""
         namespace, mm_hash = key
         loop = asyncio.get_running_loop()
         promoted = False
         started = time.perf_counter()
+        reservation = self.tier.reserve(namespace, mm_hash)
         try:
-            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash)
+            if reservation is None:
+                return  # the budget is spent, or the key's announcement is gone
+            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
+                                               reservation.nbytes)
             fetched = time.perf_counter()
             if value is None:
                 return  # (the tier counted and logged why, and forgot the key)
@@ -519,6 +525,10 @@ class ECDaemonService(rpc.ECDaemonServicer):
             self.tier.forget(namespace, mm_hash)
             log.exception("promotion of %s failed", mm_hash)
         finally:
+            if reservation is not None:
+                # (Cancelled, at shutdown only, a write may still run: its
+                # bytes go with the daemon.)
+                reservation.release()
             if not promoted:
                 self.convergence.promotion_failed(key)
             self.verify()

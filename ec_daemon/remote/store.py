@@ -95,6 +95,12 @@ class RemoteAuthError(RemoteError):
     operator's mistake, worth failing start-up for."""
 
 
+class UnexpectedSize(Exception):
+    """The stored value's size is outside what the caller allows (not the
+    announced value: rewritten or forged); nothing past the allowed size was
+    read. The store answered: this is not a store failure."""
+
+
 @dataclass(frozen=True)
 class Announcement:
     """Another daemon (or this one) published (namespace, mm_hash) of nbytes
@@ -116,10 +122,13 @@ class RemoteStore(Protocol):
             ttl_s: float) -> None:
         """Store the concatenation of `parts` under the key, atomically, for ttl_s."""
 
-    def get(self, namespace: str, mm_hash: str) -> list[bytes] | None:
+    def get(self, namespace: str, mm_hash: str,
+            size: tuple[int, int] | None = None) -> list[bytes] | None:
         """The value's bytes, in one or more consecutive parts; None when
-        absent or expired. (Parts of one read may come from two writers when
-        a key is rewritten meanwhile: values.decode refuses such a mix.)"""
+        absent or expired. With `size` (least, most): raises UnexpectedSize
+        when the stored value is not within it, having read no more than
+        one byte past `most` (never the rest). (Parts of one read may come from two writers
+        when a key is rewritten meanwhile: values.decode refuses such a mix.)"""
 
     def announce(self, namespace: str, mm_hash: str, nbytes: int, ttl_s: float) -> None:
         """Tell every follower of the index that the key is in the store."""
@@ -364,20 +373,30 @@ class RedisStore:
         except _ERRORS as exc:
             raise _failed(f"put {key}", exc) from None
 
-    def get(self, namespace: str, mm_hash: str) -> list[bytes] | None:
+    def get(self, namespace: str, mm_hash: str,
+            size: tuple[int, int] | None = None) -> list[bytes] | None:
         key = value_key(namespace, mm_hash)
+        least, most = size if size is not None else (0, MAX_VALUE_BYTES)
         try:
             client = self._client()
             # Most values fit in the first read: one command, one round trip.
-            first = cast(bytes, client.getrange(key, 0, FIRST_READ_BYTES - 1))
+            # One byte past `most` says the value is longer than allowed.
+            first_end = min(FIRST_READ_BYTES, most + 1)
+            first = cast(bytes, client.getrange(key, 0, first_end - 1))
             if not first:
                 return None
+            stored = len(first)
+            if stored == first_end:  # more to read: how much, before reading it
+                stored = int(client.strlen(key))
+                if not stored:
+                    return None  # expired meanwhile
+            if not least <= stored <= most:
+                raise UnexpectedSize(f"{key} holds {stored} bytes, expected {least}..{most}")
             parts = [first]
-            if len(first) == FIRST_READ_BYTES:
-                size = int(client.strlen(key))
+            if len(first) < stored:
                 pipe = client.pipeline(transaction=False)
-                for start in range(len(first), size, CHUNK_BYTES):
-                    pipe.getrange(key, start, min(start + CHUNK_BYTES, size) - 1)
+                for start in range(len(first), stored, CHUNK_BYTES):
+                    pipe.getrange(key, start, min(start + CHUNK_BYTES, stored) - 1)
                 parts += pipe.execute()
             return parts
         except _ERRORS as exc:

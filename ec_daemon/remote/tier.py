@@ -4,7 +4,8 @@ index follower thread, and a blocking `fetch` for the daemon's worker pool.
 The event loop only ever calls what cannot block: `publish` enqueues (bounded
 in bytes, dropped when full or while the store is down), `available` reads
 the local index (`index`: what other daemons announced, learnt ahead of any
-lookup, bounded in bytes), `follow`, `snapshot`.
+lookup, bounded in bytes), `reserve` takes from the promotion budget
+(`budget`: the bytes fetched values may hold), `follow`, `snapshot`.
 Everything that talks to the store runs on the tier's threads or the caller's
 worker thread, through one circuit breaker per failure domain (a node), so a
 store that is down or slow costs misses and dropped publications, never a
@@ -27,9 +28,10 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ec_daemon.remote.breaker import CLOSED, STATE_CODES, Breakers
+from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.index import RemoteIndex
-from ec_daemon.remote.store import Announcement, RemoteError, RemoteStore
-from ec_daemon.remote.values import BadValue, Value, decode, encode
+from ec_daemon.remote.store import Announcement, RemoteError, RemoteStore, UnexpectedSize
+from ec_daemon.remote.values import BadValue, Value, decode, encode, size_bounds
 
 log = logging.getLogger("ec_daemon.remote")
 
@@ -45,15 +47,19 @@ COUNTERS = {
     "remote_misses": "Fetches that found nothing (absent or expired)",
     "fetch_bytes": "Payload bytes fetched and verified",
     "fetch_refused": "Fetches not attempted: the key's store node is down (breaker open)",
-    "bad_values": "Values refused by verification (corrupt, truncated, foreign)",
+    "bad_values": "Values refused: corrupt, truncated, foreign, or not the size announced",
     "errors": "Store calls that failed (fetches, publications, index reads)",
     "index_announcements": "Announcements read from the index (every namespace)",
     "index_evictions": "Index entries dropped to keep within --remote-index-bytes",
+    "promotions_refused": "Promotions not started: --remote-promotion-bytes was spent "
+                          "(the engine encodes)",
 }
 GAUGES = {
     "publish_queue_bytes": "Payload bytes waiting to be published",
     "index_entries": "Entries the local index holds (followed namespaces, not expired)",
     "index_bytes": "Memory of the local index, as counted against --remote-index-bytes",
+    "promotion_bytes": "Bytes reserved by promotions between their fetch and their write",
+    "promotion_bytes_peak": "The most promotion_bytes has been since start",
     "followed_namespaces": "Namespaces whose announcements are kept",
     "reachable": "1 when no store node's breaker is open",
     "breaker_state": "Worst breaker state: 0 closed, 1 half-open, 2 open",
@@ -88,8 +94,8 @@ class RemoteTier:
     called from any thread; only `fetch` blocks (on the network)."""
 
     def __init__(self, store: RemoteStore, *, ttl_s: float, publish_queue_bytes: int,
-                 index_bytes: int = 64 << 20, block_s: float = 0.5,
-                 index_batch: int = 1000, breaker_threshold: int = 3,
+                 index_bytes: int = 64 << 20, promotion_bytes: int = 256 << 20,
+                 block_s: float = 0.5, index_batch: int = 1000, breaker_threshold: int = 3,
                  breaker_base_s: float = 0.5, breaker_max_s: float = 30.0) -> None:
         if ttl_s <= 0 or publish_queue_bytes <= 0:
             raise ValueError("ttl_s and publish_queue_bytes must be positive")
@@ -111,6 +117,7 @@ class RemoteTier:
         self._index_lock = threading.Lock()
         self.index = RemoteIndex(max_bytes=index_bytes, ttl_ms=max(1, int(ttl_s * 1000)))
         self._rescan = False
+        self.budget = PromotionBudget(promotion_bytes)
         # Counters and rate-limited logs.
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -313,11 +320,35 @@ class RemoteTier:
 
     # ------------------------------------------------------------ fetch
 
-    def fetch(self, namespace: str, mm_hash: str) -> Value | None:
+    def reserve(self, namespace: str, mm_hash: str) -> Reservation | None:
+        """Take the promotion budget for the key's announced value (call
+        before `fetch`; never blocks). None when the index no longer holds
+        the key, or when the budget is spent (counted: promotions_refused);
+        a value that could never fit the budget is forgotten. The caller
+        must `release()` the reservation once the value is written or
+        dropped (a `finally`: releasing twice is harmless)."""
+        nbytes = self.available(namespace, mm_hash)
+        if nbytes is None:
+            return None
+        most = size_bounds(namespace, mm_hash, nbytes)[1]
+        reservation = self.budget.reserve(nbytes, most)
+        if reservation is None:
+            self._count(promotions_refused=1)
+            if most > self.budget.limit:
+                self._forget(namespace, mm_hash)
+        return reservation
+
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int | None = None) -> Value | None:
         """The verified value of (namespace, mm_hash), blocking on the store
-        (call it from a worker thread). None when absent or expired, when the
-        value fails verification (counted, logged at most once per key a
-        minute), or when the key's node is down. Never raises."""
+        (call it from a worker thread). With `nbytes` (the announced payload;
+        by default the index's, if it holds the key), a stored value of
+        another size is refused having read no more than such a value takes.
+        None when absent or expired, when the value is refused (counted,
+        logged at most once per key a minute), or when the key's node is
+        down. Never raises."""
+        if nbytes is None:
+            nbytes = self.available(namespace, mm_hash)
+        size = size_bounds(namespace, mm_hash, nbytes) if nbytes is not None else None
         breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
         for attempt in (1, 2):
             if not breaker.allow():
@@ -325,7 +356,11 @@ class RemoteTier:
                 return None
             started = time.perf_counter()
             try:
-                parts = self.store.get(namespace, mm_hash)
+                parts = self.store.get(namespace, mm_hash, size)
+            except UnexpectedSize as exc:  # the store answered: not its failure
+                breaker.success()
+                self._bad_value(namespace, mm_hash, BadValue(f"not the announced value: {exc}"))
+                return None
             except RemoteError as exc:
                 breaker.failure(exc)
                 self._count(errors=1)
@@ -344,6 +379,9 @@ class RemoteTier:
                 return None
             try:
                 value = decode(parts, namespace=namespace, mm_hash=mm_hash)
+                if nbytes is not None and value.nbytes != nbytes:
+                    raise BadValue(f"not the announced value: {value.nbytes} payload bytes, "
+                                   f"{nbytes} announced")
             except BadValue as exc:
                 if attempt == 1:
                     continue  # a rewrite or an expiry may have raced the read: once more
@@ -386,6 +424,8 @@ class RemoteTier:
             data["index_entries"] = self.index.entries
             data["index_bytes"] = self.index.bytes
             data["followed_namespaces"] = self.index.namespaces
+        data["promotion_bytes"] = self.budget.held
+        data["promotion_bytes_peak"] = self.budget.peak
         states = [b.state for b in self.breakers.recent(RECENT_S)]
         down = [s for s in states if s != CLOSED]
         data["breakers_open"] = len(down)

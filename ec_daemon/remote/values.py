@@ -138,6 +138,15 @@ def encode(namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
     return [head + _CHECKSUM.pack(digest.intdigest()), body]
 
 
+def size_bounds(namespace: str, mm_hash: str, nbytes: int) -> tuple[int, int]:
+    """The fewest and the most bytes a value of (namespace, mm_hash) with an
+    nbytes payload can take: its header grows with the shape's dims and the
+    dtype's name, which an announcement does not carry. A stored value outside
+    these bounds is not the announced one, whatever it holds."""
+    known = FIXED_BYTES + len(namespace.encode()) + len(mm_hash.encode()) + _CHECKSUM.size
+    return nbytes + known + 1, nbytes + known + 8 * MAX_DIMS + MAX_DTYPE_BYTES
+
+
 def _shown(raw: bytes) -> str:
     text = raw.decode(errors="replace")
     return repr(text if len(text) <= 120 else text[:117] + "...")

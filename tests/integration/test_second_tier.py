@@ -242,3 +242,27 @@ def test_metrics_show_the_tier_and_the_promotions(hosts):
             assert line in text, line
         assert 'ec_daemon_remote_op_duration_seconds_count{op="get"} 1.0' in text
         assert 'ec_daemon_remote_op_duration_seconds_count{op="put"} 1.0' not in text  # host 1's
+
+
+def test_promotions_at_once_hold_no_more_than_the_promotion_budget(hosts):
+    """Eight 1 MiB entries wanted at once, with room for two: the rest are
+    encoded at once, and fetched values never held more than the budget."""
+    with redis_servers.single_node() as store:
+        one = hosts(store.url, "host-1")
+        two = hosts(store.url, "host-2", extra=("--remote-promotion-bytes", "3MiB"))
+        arrays = {f"img-{i}": data(10 + i) for i in range(8)}
+        for mm_hash, array in arrays.items():
+            one.save(mm_hash, array)
+        published(one, 8)
+        indexed(two, 8)
+        ok, _ = ensure_within(two.scheduler, list(arrays), WAIT)
+        assert ok
+        wait_until(lambda: two.tier()["promotion_bytes"] == 0, "a reservation was never released")
+        tier, convergence = two.tier(), two.daemon.stats()["convergence"]
+        assert 2 << 20 < tier["promotion_bytes_peak"] <= 3 << 20
+        assert tier["promotions_refused"] >= 1
+        assert convergence["promotions"] + tier["promotions_refused"] == 8
+        promoted = [h for h in arrays if two.scheduler.has_item(h)]
+        assert len(promoted) == convergence["promotions"]
+        for mm_hash in promoted:
+            assert two.load(mm_hash).tobytes() == arrays[mm_hash].tobytes()
