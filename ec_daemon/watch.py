@@ -7,10 +7,16 @@ hidden by eviction (evicted), in the order the cache made those changes
 
 Why a bounded buffer that drops its watcher, and no back pressure: a
 router's view is advisory (a stale one costs a miss, never a wrong byte), so
-the cache must never wait for one. Publishing is therefore one append per
-watcher, and a watcher whose buffer is full is ended at once with the reason
-(RESOURCE_EXHAUSTED), freeing what it held; it watches again for a fresh
-snapshot.
+the cache must never wait for one. Why one shared feed per namespace filter
+with a cursor per watcher: publishing runs inside eviction and commit on the
+daemon's event loop, so it must not cost O(watchers); it appends once to at
+most two feeds, and the watchers read from their cursors. A watcher more than
+`limit` events behind is dropped at the next check (one every `limit`/8
+events) with the reason (RESOURCE_EXHAUSTED), and the feed is trimmed to the
+slowest remaining one. Watchers are capped in number, in all and per peer
+(a TCP address; every local client of the Unix socket is one peer), and a
+dropped watcher whose client stopped reading keeps its place until its call
+ends: its last message may still be held in the transport.
 
 Not thread-safe: the daemon's event loop is the only caller.
 """
@@ -35,6 +41,9 @@ BUFFER_EVENTS = 1 << 16
 MAX_EVENTS_PER_MESSAGE = 1024
 # Well under gRPC's default 4 MiB receive limit, whatever the events hold.
 MAX_MESSAGE_BYTES = 1 << 20
+# Watch calls at once, in all and from one peer (`peer_of`).
+MAX_WATCHERS = 64
+MAX_WATCHERS_PER_PEER = 16
 # Longer than any namespace a layout can make (wire.namespace_of).
 MAX_NAMESPACE_CHARS = 8192
 ALL = ""  # the namespace filter of a watcher of every namespace
@@ -71,46 +80,77 @@ def validate_namespace(namespace: str) -> str:
     return namespace
 
 
+class Feed:
+    """The live events of one namespace filter, shared by its watchers: each
+    reads from its own cursor (a sequence number); the oldest kept event is
+    the slowest watcher's next one."""
+
+    def __init__(self, limit: int) -> None:
+        self.events: list[Event] = []
+        self.first = 0  # the sequence number of events[0]
+        self.watchers: set[Watcher] = set()
+        self.changed = asyncio.Event()  # set on every append; cleared by a reader at the end
+        self._check_at = limit + 1  # the next length at which laggards are looked for
+
+    @property
+    def end(self) -> int:
+        """The sequence number the next event will get."""
+        return self.first + len(self.events)
+
+    def append(self, event: Event, limit: int) -> list[Watcher]:
+        """Add `event`; returns the watchers now more than `limit` behind, if
+        it was time to look (they are no longer readers of this feed)."""
+        self.events.append(event)
+        self.changed.set()  # O(1) unless a reader waits: then it wakes once
+        if len(self.events) < self._check_at:
+            return []
+        end = self.end
+        behind = [w for w in self.watchers if end - w.cursor > limit]
+        self.watchers.difference_update(behind)
+        oldest = min((w.cursor for w in self.watchers), default=end)
+        del self.events[:oldest - self.first]
+        self.first = oldest
+        self._check_at = len(self.events) + max(1, limit // 8)
+        return behind
+
+
 class Watcher:
     """One watch: its snapshot, then its live events, until it ends."""
 
     def __init__(self, index: int, namespace: str, snapshot: Iterable[Entry], now_ns: int,
-                 limit: int = BUFFER_EVENTS) -> None:
+                 feed: Feed, limit: int = BUFFER_EVENTS, peer: str = "") -> None:
         self.index = index
         self.namespace = namespace
+        self.peer = peer
         self.snapshot: deque[Entry] = deque(snapshot)
         self.snapshot_entries = len(self.snapshot)
         self.snapshot_ns = now_ns
         self.snapshot_sent = False  # the marker was taken
-        self.live: deque[Event] = deque()
+        self.feed = feed
+        self.cursor = feed.end  # live events from here on
         self.limit = limit
         # Why it ended (its status), or None while it runs.
         self.error: CacheError | None = None
-        self._wake = asyncio.Event()
 
-    def push(self, event: Event) -> bool:
-        """Queue a live event; False when the buffer is full (drop it)."""
-        if self.error is not None:
-            return True
-        if len(self.live) >= self.limit:
-            return False
-        self.live.append(event)
-        self._wake.set()
-        return True
+    def waiting(self) -> int:
+        """Live events published and not yet taken (0 once it ended)."""
+        return 0 if self.error is not None else self.feed.end - self.cursor
 
     def end(self, error: CacheError) -> None:
         """End the watch with `error`; what was waiting is discarded."""
         if self.error is None:
             self.error = error
             self.snapshot.clear()
-            self.live.clear()
-            self._wake.set()
+            self.feed.watchers.discard(self)
+            self.feed.changed.set()  # its reader, if waiting, looks again
 
     def take(self, max_events: int = MAX_EVENTS_PER_MESSAGE,
              max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[list[Event], bool]:
         """The next message's events, and whether it completes the snapshot
         (such a message carries snapshot events only, maybe none)."""
         events: list[Event] = []
+        if self.error is not None:
+            return events, False
         size = 0
         if not self.snapshot_sent:
             snapshot = self.snapshot
@@ -119,10 +159,14 @@ class Watcher:
                 size += event_size(events[-1])
             self.snapshot_sent = not snapshot
             return events, self.snapshot_sent
-        live = self.live
-        while live and len(events) < max_events and size < max_bytes:
-            events.append(live.popleft())
-            size += event_size(events[-1])
+        feed = self.feed
+        at = self.cursor - feed.first
+        kept = feed.events
+        while at < len(kept) and len(events) < max_events and size < max_bytes:
+            events.append(kept[at])
+            size += event_size(kept[at])
+            at += 1
+        self.cursor = feed.first + at
         return events, False
 
     async def batches(self) -> AsyncIterator[tuple[list[Event], bool]]:
@@ -132,84 +176,141 @@ class Watcher:
             if events or snapshot_done:
                 yield events, snapshot_done
             else:
-                self._wake.clear()
-                await self._wake.wait()
+                # Nothing between this check and the wait: another reader's
+                # clear cannot hide an event this one has not taken.
+                self.feed.changed.clear()
+                await self.feed.changed.wait()
 
 
 class Watchers:
     """Every open watch, by namespace filter; `publish` is the cache's hook."""
 
-    def __init__(self, *, limit: int | None = None,
+    def __init__(self, *, limit: int | None = None, max_watchers: int = MAX_WATCHERS,
+                 max_per_peer: int = MAX_WATCHERS_PER_PEER,
                  clock: Callable[[], int] = time.time_ns) -> None:
-        """`limit`: live events a watcher may have waiting (BUFFER_EVENTS)."""
+        """`limit`: live events a watcher may have waiting (BUFFER_EVENTS);
+        `max_watchers`, `max_per_peer`: watch calls at once."""
         self.limit = BUFFER_EVENTS if limit is None else limit
+        self.max_watchers = max_watchers
+        self.max_per_peer = max_per_peer
         self.clock = clock
-        self._by_namespace: dict[str, set[Watcher]] = {}
-        self.count = 0  # open watchers
+        self._feeds: dict[str, Feed] = {}
+        self._calls: dict[Watcher, str] = {}  # every call not yet ended -> its peer
+        self._per_peer: dict[str, int] = {}
+        self.count = 0  # open watchers, not dropped
         self.dropped = 0  # watchers dropped for reading too slowly, ever
         self._opened = 0
         self._closing = False
 
-    def open(self, namespace: str, entries: Iterable[Entry]) -> Watcher:
+    def open(self, namespace: str, entries: Iterable[Entry], peer: str = "") -> Watcher:
         """A watcher of `namespace` (ALL: every one) whose snapshot is the
-        ready entries among `entries` (the cache's, in any state)."""
+        ready entries among `entries` (the cache's, in any state), for a
+        client at `peer` (`peer_of`). Raises InvalidArgument, Unavailable
+        (shutting down) or ResourceExhausted (too many watchers)."""
         validate_namespace(namespace)
         if self._closing:
             raise Unavailable("the daemon is shutting down")
+        if len(self._calls) >= self.max_watchers:
+            raise ResourceExhausted(
+                f"too many watchers: {len(self._calls)} watch calls are open (at most "
+                f"{self.max_watchers}, --max-watchers); close one, or share one watch "
+                "between routers")
+        if self._per_peer.get(peer, 0) >= self.max_per_peer:
+            raise ResourceExhausted(
+                f"too many watchers from {peer or 'this peer'}: {self._per_peer[peer]} "
+                f"watch calls are open (at most {self.max_per_peer} per peer, "
+                "--max-watchers-per-peer)")
         snapshot = [e for e in entries if e.state is State.READY
                     and (namespace == ALL or e.key[0] == namespace)]
+        feed = self._feeds.get(namespace)
+        if feed is None:
+            feed = self._feeds[namespace] = Feed(self.limit)
         self._opened += 1
-        watcher = Watcher(self._opened, namespace, snapshot, self.clock(), self.limit)
-        self._by_namespace.setdefault(namespace, set()).add(watcher)
+        watcher = Watcher(self._opened, namespace, snapshot, self.clock(), feed, self.limit,
+                          peer)
+        feed.watchers.add(watcher)
+        self._calls[watcher] = peer
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.count += 1
-        log.info("watcher %d opened (%s): a snapshot of %d ready entries", watcher.index,
-                 _describe(namespace), len(snapshot))
+        log.info("watcher %d opened (%s, %s): a snapshot of %d ready entries", watcher.index,
+                 _describe(namespace), peer or "local", len(snapshot))
         return watcher
 
     def close(self, watcher: Watcher) -> None:
-        """Forget `watcher` (its call ended). Idempotent."""
-        watchers = self._by_namespace.get(watcher.namespace)
-        if watchers is None or watcher not in watchers:
+        """`watcher`'s call ended (any way). Idempotent."""
+        peer = self._calls.pop(watcher, None)
+        if peer is None:
             return
-        watchers.discard(watcher)
-        if not watchers:
-            del self._by_namespace[watcher.namespace]
-        self.count -= 1
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+        if watcher.error is None:
+            self.count -= 1
+            watcher.end(Unavailable("the watch ended"))
+        self._forget_feed(watcher.feed)
 
     def close_all(self) -> None:
         """Shutdown: end every watch (UNAVAILABLE) and refuse new ones."""
         self._closing = True
-        for watchers in list(self._by_namespace.values()):
-            for watcher in list(watchers):
-                self.close(watcher)
+        for watcher in list(self._calls):
+            if watcher.error is None:
+                self.count -= 1
                 watcher.end(Unavailable("the daemon is shutting down"))
 
     def publish(self, entry: Entry) -> None:
-        """`entry` just became READY (stored) or HIDDEN (evicted)."""
-        if not self.count:
+        """`entry` just became READY (stored) or HIDDEN (evicted): one append
+        to its namespace's feed and to the feed of every namespace."""
+        if not self._feeds:
             return
-        targets = (self._by_namespace.get(entry.key[0]), self._by_namespace.get(ALL))
         event: Event | None = None
-        full: list[Watcher] = []
-        for watchers in targets:
-            if not watchers:
+        for key in (entry.key[0], ALL):
+            feed = self._feeds.get(key)
+            if feed is None:
                 continue
             if event is None:
                 kind = Kind.STORED if entry.state is State.READY else Kind.EVICTED
                 event = Event(kind, entry, self.clock())
-            full.extend(w for w in watchers if not w.push(event))
-        for watcher in full:
-            self.drop(watcher)
+            for watcher in feed.append(event, self.limit):
+                self.drop(watcher)
 
     def drop(self, watcher: Watcher) -> None:
-        """A watcher that reads too slowly: ended at once, what it held freed."""
-        self.close(watcher)
+        """A watcher that reads too slowly: ended at once, what it held freed.
+        Its call keeps its place in the caps until it ends."""
+        if watcher.error is not None:
+            return
+        waiting = watcher.waiting()
+        self.count -= 1
         self.dropped += 1
-        log.warning("watcher %d (%s) dropped: it read events too slowly (%d waiting)",
-                    watcher.index, _describe(watcher.namespace), len(watcher.live))
         watcher.end(ResourceExhausted(
             f"watch dropped: more than {watcher.limit} events were waiting (this watcher "
             "read too slowly); watch again for a fresh snapshot"))
+        log.warning("watcher %d (%s, %s) dropped: it read events too slowly (%d waiting)",
+                    watcher.index, _describe(watcher.namespace), watcher.peer or "local",
+                    waiting)
+        self._forget_feed(watcher.feed)
+
+    def buffered(self) -> int:
+        """Live events held for the watchers (each stored once per feed)."""
+        return sum(len(feed.events) for feed in self._feeds.values())
+
+    def _forget_feed(self, feed: Feed) -> None:
+        """A feed nobody reads any more is dropped (its events with it)."""
+        if not feed.watchers:
+            for namespace, kept in list(self._feeds.items()):
+                if kept is feed:
+                    del self._feeds[namespace]
+
+
+def peer_of(context_peer: str) -> str:
+    """The peer a watcher counts against: a TCP client's address without its
+    port (`ipv4:10.0.0.5:41234` -> `ipv4:10.0.0.5`); every client of the Unix
+    socket is one peer, `unix`."""
+    kind, _, address = context_peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return f"{kind}:{address.rpartition(':')[0]}"
+    return "unix" if kind == "unix" else context_peer
 
 
 def _describe(namespace: str) -> str:

@@ -15,9 +15,11 @@ from ec_daemon.watch import (
     ALL,
     BUFFER_EVENTS,
     Event,
+    Feed,
     Kind,
     Watcher,
     Watchers,
+    peer_of,
     validate_namespace,
 )
 from ec_protocol.protocol import pb
@@ -73,17 +75,19 @@ def test_snapshot_then_marker_then_live_events_in_order():
 
 
 def test_an_empty_snapshot_still_sends_its_marker_and_messages_are_capped():
-    watcher = Watcher(1, ALL, [], 7)
+    watcher = Watcher(1, ALL, [], 7, Feed(BUFFER_EVENTS))
     assert watcher.take() == ([], True)
     assert watcher.take() == ([], False)
-    big = Watcher(2, ALL, [entry(f"k{i}", entry_id=i + 1) for i in range(5)], 7)
+    big = Watcher(2, ALL, [entry(f"k{i}", entry_id=i + 1) for i in range(5)], 7,
+                  Feed(BUFFER_EVENTS))
     first, done = big.take(max_events=2)
     assert len(first) == 2 and not done
     assert all(e.kind is Kind.STORED and e.time_ns == 7 for e in first)
     assert big.take(max_events=2)[1] is False
     last, done = big.take(max_events=2)
     assert len(last) == 1 and done  # the marker rides on the snapshot's last message
-    capped = Watcher(3, ALL, [entry("x" * 400, entry_id=i + 1) for i in range(10)], 7)
+    capped = Watcher(3, ALL, [entry("x" * 400, entry_id=i + 1) for i in range(10)], 7,
+                     Feed(BUFFER_EVENTS))
     events, _ = capped.take(max_bytes=5000)
     assert 1 < len(events) < 10
 
@@ -94,7 +98,7 @@ def test_the_bound_counts_live_events_past_the_snapshot_only():
     watcher = watchers.open(ALL, snapshot)
     for i in range(3):
         watchers.publish(entry(f"live{i}", entry_id=100 + i))
-    assert watcher.error is None and len(watcher.live) == 3
+    assert watcher.error is None and watcher.waiting() == 3
     seen, marker = drain(watcher)  # reading makes room again
     assert marker == 10 and len(seen) == 13
     for i in range(3):
@@ -113,13 +117,75 @@ def test_a_watcher_that_does_not_read_is_dropped_with_its_reason_and_others_carr
     assert isinstance(stalled.error, ResourceExhausted)
     assert stalled.error.code == "RESOURCE_EXHAUSTED"
     assert "read too slowly" in str(stalled.error) and "more than 4 events" in str(stalled.error)
-    assert not stalled.live and not stalled.snapshot  # what it held is freed at once
+    assert stalled.waiting() == 0 and not stalled.snapshot  # what it held is freed at once
     assert watchers.count == 1 and watchers.dropped == 1
     watchers.publish(entry("after", entry_id=99))  # a dropped watcher gets nothing more
-    assert not stalled.live
+    assert stalled.waiting() == 0 and stalled.take() == ([], False)
     assert reading.error is None and drain(reading)[0] == [("stored", "after")]
     watchers.close(stalled)  # its call ends later: nothing to undo
     assert watchers.count == 1 and watchers.dropped == 1
+
+
+def test_publishing_stores_each_event_once_however_many_watch():
+    """Publishing runs inside eviction on the daemon's loop: 200 watchers and
+    a 16,384-entry eviction round cost one append per event and filter, not
+    one per watcher (each reads the shared feed from its own cursor)."""
+    watchers = Watchers(max_watchers=300, max_per_peer=300)
+    every = [watchers.open(ALL, []) for _ in range(100)]
+    of_a = [watchers.open(NS_A, []) for _ in range(100)]
+    evicted = [entry(f"k{i}", entry_id=i + 1, state=State.HIDDEN) for i in range(16384)]
+    for e in evicted:
+        watchers.publish(e)
+    assert watchers.buffered() == 2 * 16384  # one feed of all namespaces, one of NS_A
+    assert all(w.waiting() == 16384 for w in every + of_a)
+    assert every[0].take() == ([], True) == of_a[-1].take()  # their (empty) snapshots
+    first, _ = every[0].take()
+    other, _ = of_a[-1].take()
+    assert first[0] is other[0]  # the same event, stored once
+
+
+def test_a_feed_holds_at_most_a_bound_and_a_ninth_of_it_behind_its_readers():
+    watchers = Watchers(limit=64)
+    reader, idle = watchers.open(ALL, []), watchers.open(ALL, [])
+    most = 0
+    for i in range(1000):
+        watchers.publish(entry(f"k{i}", entry_id=i + 1))
+        drain(reader)
+        most = max(most, watchers.buffered())
+    assert isinstance(idle.error, ResourceExhausted)  # dropped once 64 behind
+    assert most <= 64 + 64 // 8 and reader.error is None
+
+
+def test_watchers_are_capped_in_all_and_per_peer_and_a_stuck_dropped_one_keeps_its_place():
+    watchers = Watchers(limit=2, max_watchers=3, max_per_peer=2)
+    a1 = watchers.open(ALL, [], "ipv4:10.0.0.1")
+    watchers.open(ALL, [], "ipv4:10.0.0.1")
+    per_peer = r"from ipv4:10.0.0.1: 2 watch calls are open \(at most 2 per peer, --max-watch"
+    with pytest.raises(ResourceExhausted, match=per_peer):
+        watchers.open(ALL, [], "ipv4:10.0.0.1")
+    b = watchers.open(ALL, [], "unix")
+    in_all = r"3 watch calls are open \(at most 3, --max-watchers"
+    with pytest.raises(ResourceExhausted, match=in_all):
+        watchers.open(NS_A, [], "ipv4:10.0.0.2")
+    for i in range(3):  # a1 reads nothing: dropped
+        watchers.publish(entry(f"k{i}", entry_id=i + 1))
+        drain(b)
+    assert isinstance(a1.error, ResourceExhausted) and watchers.dropped >= 1
+    # Its call has not ended (its last write may be stuck): it still counts.
+    with pytest.raises(ResourceExhausted):
+        watchers.open(ALL, [], "ipv4:10.0.0.2")
+    watchers.close(a1)  # the call ended
+    assert watchers.open(ALL, [], "ipv4:10.0.0.2").error is None
+
+
+@pytest.mark.parametrize(("peer", "key"), [
+    ("ipv4:10.0.0.5:41234", "ipv4:10.0.0.5"),
+    ("ipv6:[::1]:5000", "ipv6:[::1]"),
+    ("unix:/run/ec-daemon/ec.sock", "unix"),
+    ("unix:", "unix"),
+])
+def test_a_peer_is_an_address_without_its_port_and_local_clients_are_one(peer, key):
+    assert peer_of(peer) == key
 
 
 def test_the_default_bound_is_65536_events():
