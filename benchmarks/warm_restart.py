@@ -216,6 +216,7 @@ def engines_back(entries: int) -> dict[str, Any]:
     """Seconds from a real daemon's start on a crashed region of `entries`
     entries to the first hit of a scheduler that waited for it."""
     from ec_client.scheduler import SchedulerDelegate
+    from ec_client.worker import WorkerDelegate
     from ec_daemon.wire import namespace_of
     from ec_protocol.protocol import Layout
     from tests.integration.daemon import Daemon, short_tmpdir
@@ -229,6 +230,7 @@ def engines_back(entries: int) -> dict[str, Any]:
     _crashed_region(shm, f"unix://{os.path.abspath(daemon.socket_path)}", entries, pages,
                     namespace=namespace_of(layout.to_pb()))
     scheduler = SchedulerDelegate(daemon.socket, engine_id="bench", layout=layout)
+    worker = WorkerDelegate(daemon.socket, engine_id="bench", layout=layout)  # hits need it
     time.sleep(3)  # the engine tries the dead socket, backing off as it does
     last = f"{entries - 1:064x}"
     marks: dict[str, float] = {}
@@ -256,6 +258,7 @@ def engines_back(entries: int) -> dict[str, Any]:
                 "serving_s": serving_s, **marks}
     finally:
         scheduler.close()
+        worker.close()
         daemon.cleanup()
         shutil.rmtree(shm, ignore_errors=True)
 

@@ -19,6 +19,11 @@ ends with a ready event (then `has_item` hits). Every deferral is bounded
 only where they help: another engine shares the namespace, or a second tier
 is on (the daemon says which).
 
+Hits are answered only once every worker rank of the engine has mapped the
+daemon's region (the daemon counts their open session streams and says so on
+this stream): a rank that cannot map it (another container's /dev/shm,
+another node) would fail the load, so the engine misses instead.
+
 While detached (daemon down or restarting) every lookup misses and the view
 is empty; the link re-attaches in the background and the view refills from
 the new session's snapshot. A load dispatched before a restart still reads
@@ -37,7 +42,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -113,6 +118,7 @@ class _Want:
     deadline: float  # defer no longer than this
     verdict: int = 0  # pb.Verdict; 0 until answered (written by the link thread)
     gave_up: bool = False
+    computing: bool = False  # vLLM allocated its encoder output: this engine encodes it
 
 
 @dataclass(slots=True)
@@ -136,7 +142,12 @@ class SchedulerDelegate:
         self.role = role
         self.max_defer_seconds = max_defer_seconds
         self._wants: dict[str, _Want] = {}
+        # Items this engine was told to encode whose request `ensure` let
+        # through this step: mm_hash -> request id (`build_step_metadata`).
+        self._going: dict[str, str] = {}
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
+        # Every worker rank mapped the session's region (EngineRanks, link thread).
+        self._ranks_mapped = False
         self.can_load = role in ("consumer", "both")
         self.ranks = ranks
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
@@ -176,7 +187,8 @@ class SchedulerDelegate:
         # the claim returns: a miss, since entry ids restart with the daemon
         # and the old region may carry the same stamp on other bytes.
         current = self._current
-        if current is None or not self.can_load or not self.link.fresh():
+        if current is None or not self._ranks_mapped or not self.can_load \
+                or not self.link.fresh():
             return False
         entry = self.view.claim(mm_hash)
         if entry is None or self.view.epoch != current.epoch:
@@ -184,15 +196,31 @@ class SchedulerDelegate:
         self._hits_this_step[mm_hash] = (entry, current)
         return True
 
-    def ensure(self, mm_hashes: Iterable[str]) -> bool:
-        """May a request needing these items be scheduled now? False defers
-        it (vLLM asks again next step): an item is wanted and unanswered, or
-        another engine or a promotion is making it. Never waits."""
-        if not self._wanting or not self.can_load or not self.link.fresh():
+    @property
+    def wanting(self) -> bool:
+        """Are wants sent (`ensure`)? Another engine shares the namespace, or
+        a second tier may hold what this host misses (the daemon says)."""
+        return self._wanting
+
+    def serving(self) -> bool:
+        """Would a lookup of a ready item hit now? Attached and fresh, the
+        snapshot in, and every worker rank mapped the region."""
+        return self._current is not None and self._ranks_mapped and self.view.synced \
+            and self.link.fresh()
+
+    def ensure(self, mm_hashes: Iterable[str], request_id: str = "") -> bool:
+        """May request `request_id`, needing these items, be scheduled now?
+        False defers it (vLLM asks again next step): an item is wanted and
+        unanswered, or another engine or a promotion is making it. Never
+        waits. Items this engine was told to encode are given back at the
+        step's end if the request did not run (`build_step_metadata`)."""
+        if not self._wanting or not self._ranks_mapped or not self.can_load \
+                or not self.link.fresh():
             return True
         wants = self._wants
         now = 0.0
         fresh: list[str] = []
+        claimed: list[str] = []
         ready = True
         for mm_hash in mm_hashes:
             if self.view.get(mm_hash) is not None:
@@ -207,6 +235,8 @@ class SchedulerDelegate:
                 ready = False
                 continue
             if want.verdict and want.verdict not in _WAITS:
+                if want.verdict == pb.VERDICT_ENCODE and not want.computing:
+                    claimed.append(mm_hash)
                 continue  # encode it (or it was ready and is gone again)
             now = now or time.monotonic()
             if now >= want.deadline:
@@ -222,7 +252,29 @@ class SchedulerDelegate:
             self._deferred += len(fresh)
             for start in range(0, len(fresh), MAX_BATCH):
                 self.link.send(pb.ClientMessage(wants=fresh[start:start + MAX_BATCH]))
+        if ready and claimed:
+            for mm_hash in claimed:
+                self._going[mm_hash] = request_id
         return ready
+
+    def request_finished(self, mm_hashes: Iterable[str]) -> None:
+        """A request needing these items finished or was aborted: those this
+        engine was to encode and did not start, or waits for, are released
+        (a waiting engine encodes them at once instead of after its bound)."""
+        if not self._wants:
+            return
+        released = []
+        for mm_hash in mm_hashes:
+            want = self._wants.get(mm_hash)
+            if want is not None and not want.computing and want.verdict != pb.VERDICT_READY:
+                del self._wants[mm_hash]
+                self._going.pop(mm_hash, None)
+                released.append(mm_hash)
+        self._release(released)
+
+    def _release(self, mm_hashes: list[str]) -> None:
+        for start in range(0, len(mm_hashes), MAX_BATCH):
+            self.link.send(pb.ClientMessage(releases=mm_hashes[start:start + MAX_BATCH]))
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
         """vLLM allocated encoder space for this item; plan its load if it
@@ -232,17 +284,27 @@ class SchedulerDelegate:
             planned[1].append(request_id)
             return True
         hit = self._hits_this_step.get(mm_hash)
-        if hit is None:
-            return False  # computed by the engine (and saved by its worker)
+        if hit is None:  # computed by the engine (and saved by its worker)
+            want = self._wants.get(mm_hash)
+            if want is not None:
+                want.computing = True
+                self._going.pop(mm_hash, None)
+            return False
         entry, current = hit
         spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
                         entry.nbytes, entry.shape, entry.dtype, entry.extents)
         self._planned[mm_hash] = (spec, [request_id], current)
         return True
 
-    def build_step_metadata(self) -> StepMetadata:
+    def build_step_metadata(self, scheduled: Container[str] | None = None) -> StepMetadata:
         """The step's loads; marks them in flight in the view (which then
-        withholds their evictions' acknowledgements)."""
+        withholds their evictions' acknowledgements). Items this engine was
+        told to encode whose request did not run this step (not among the
+        `scheduled` request ids: no KV room, budget; with None, any not
+        being encoded) are released to an engine that waits for them, and
+        wanted again when the request comes back."""
+        if self._going:
+            self._give_back(scheduled)
         planned, self._planned = self._planned, {}
         if self._hits_this_step:
             self._hits_this_step = {}
@@ -312,6 +374,14 @@ class SchedulerDelegate:
         self.transport.close()
 
     # ------------------------------------------------------------ helpers
+
+    def _give_back(self, scheduled: Container[str] | None) -> None:
+        going, self._going = self._going, {}
+        released = [h for h, request_id in going.items()
+                    if scheduled is None or request_id not in scheduled]
+        for mm_hash in released:
+            self._wants.pop(mm_hash, None)
+        self._release(released)
 
     def _reported(self, transfer_id: int, finished: list[_Transfer]) -> None:
         transfer = self._dispatched.get(transfer_id)
@@ -408,6 +478,7 @@ class SchedulerDelegate:
         # /dev/shm) or not the daemon's raises, and the link tries again later.
         os.close(open_region(attachment.region.path, owner))
         self._wanting = False  # until the new session's NamespaceInfo
+        self._ranks_mapped = False  # until the new session's EngineRanks
         self._wants = {}  # answers of the old daemon mean nothing to the new one
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
@@ -421,6 +492,7 @@ class SchedulerDelegate:
     def _on_detached(self) -> None:
         self._current = None
         self._wanting = False
+        self._ranks_mapped = False
         # Loads in flight stay counted until the next attachment says whether
         # its region is the same one.
         self.view.clear(keep_loads=True)
@@ -438,6 +510,23 @@ class SchedulerDelegate:
         if message.HasField("namespace_info"):
             info = message.namespace_info
             self._wanting = info.engines > 1 or info.remote_tier
+        if message.HasField("ranks"):
+            self._ranks_changed(message.ranks.mapped, message.ranks.world_size)
+
+    def _ranks_changed(self, mapped: int, world_size: int) -> None:
+        """The daemon counted `mapped` of the engine's worker ranks (of a world
+        of `world_size`, as they attached) with the region mapped."""
+        needed = max(world_size, self.ranks, 1)
+        ready = mapped >= needed
+        if ready != self._ranks_mapped:
+            if ready:
+                log.info("ec-daemon: all %d worker ranks mapped the region; hits are answered",
+                         mapped)
+            else:
+                log.warning("ec-daemon: %d of %d worker ranks mapped the region; every lookup "
+                            "misses until all have (a rank in another /dev/shm, container or "
+                            "node cannot load from this daemon)", mapped, needed)
+        self._ranks_mapped = ready
 
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)

@@ -16,11 +16,14 @@ the daemon may have dropped (a frozen process, a stalled stream) never
 dispatches. Both clocks are the host's monotonic clock.
 
 Callbacks run on the link's thread, in order: opening (what the stream's
-first message carries besides the session id), on_attached,
-on_message..., on_detached. A callback that raises is logged once, and the
-link detaches (telling the daemon) and attaches again (a link thread that
-died would stop acknowledging evictions, and reclamation would stall for
-every engine on the host).
+first message carries besides the session id), on_attached (before the
+stream opens: the daemon counts a worker whose stream is open as having
+mapped the region, and tells a view nothing before), on_message...,
+on_detached. A callback that raises is logged once, and the link detaches
+(telling the daemon) and attaches again (a link thread that died would stop
+acknowledging evictions, and reclamation would stall for every engine on the
+host). An attachment whose on_attached raised never opens its stream, so
+the daemon holds nothing for it, not even a ghost.
 """
 
 from __future__ import annotations
@@ -223,16 +226,17 @@ class SessionLink:
             if extra is not None:
                 first.MergeFrom(extra)
         outbox.put(first)
-        self._beats.clear()
-        responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
-        self._responses = responses
+        # Before the stream opens: the daemon counts a worker whose stream is
+        # open as having mapped the region, and tells a view nothing before.
         try:
             self._on_attached(attachment)
         except Exception as exc:  # e.g. the region vanished: attach again
             self._note_error(f"attach could not complete: {exc}", retryable=True)
-            responses.cancel()
             self._give_up(attachment)
             return False
+        self._beats.clear()
+        responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
+        self._responses = responses
         self.fresh_until = asked + lease * FRESH_FRACTION  # the lease began after `asked`
         with self._attached:
             self._outbox = outbox

@@ -355,7 +355,7 @@ class ECDaemonConnector(ECConnectorBase):
         needed = [f.identifier for f in request.mm_features
                   if f.mm_position.offset + f.mm_position.length > num_computed_tokens
                   and not self._private(f.identifier)]
-        return not needed or self._scheduler.ensure(needed)
+        return not needed or self._scheduler.ensure(needed, request.request_id)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
@@ -363,7 +363,7 @@ class ECDaemonConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
-        step = self._scheduler.build_step_metadata()
+        step = self._scheduler.build_step_metadata(scheduler_output.num_scheduled_tokens)
         return ECDaemonConnectorMetadata(step.loads, step.regions, step.keep, step.namespace)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
@@ -381,6 +381,10 @@ class ECDaemonConnector(ECConnectorBase):
         return self._scheduler.take_unavailable_requests()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Items the request was to have encoded here, or waited for, are
+        released (an aborted request must not keep other engines waiting)."""
+        if self._scheduler is not None and request.mm_features:
+            self._scheduler.request_finished(f.identifier for f in request.mm_features)
         return False, None
 
     # ------------------------------------------------------------ metrics

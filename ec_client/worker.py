@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 # How often the idle saver thread unmaps retired regions.
 PRUNE_SECONDS = 1.0
+# On the save queue: report the saves skipped so far (the queue was too full).
+_REPORT_SKIPS: Any = object()
 
 
 @dataclass
@@ -110,6 +112,8 @@ class WorkerDelegate:
                 self.stats["saves_skipped_busy"] += 1
                 if len(self._skipped) < MAX_BATCH:
                     self._skipped.append(mm_hash)
+                    if len(self._skipped) == 1:  # reported by the saver at once, not
+                        self._saves.put(_REPORT_SKIPS)  # after some later save
                 return False
             self._queued_bytes += nbytes
             self._unfinished += 1
@@ -151,6 +155,13 @@ class WorkerDelegate:
                 continue
             if item is None:
                 return
+            if item is _REPORT_SKIPS:
+                with self._idle:
+                    skipped, self._skipped = self._skipped, []
+                attachment = self.link.attachment
+                if skipped and attachment is not None:
+                    self._report(attachment, aborted=skipped)
+                continue
             mm_hash, output, ready, nbytes = item
             try:
                 self._save_one(mm_hash, output, ready)

@@ -41,6 +41,7 @@ from ec_daemon.events import (
     AllocResult,
     EvictedEvent,
     Extent,
+    RanksEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
@@ -120,19 +121,32 @@ class Cache:
     # ----------------------------------------------------------- sessions
 
     def attach(self, **fields: Any) -> Session:
-        """Create a session; a scheduler session is sent a snapshot of the
-        namespace's ready entries, then a SnapshotDoneEvent, then live events."""
+        """Create a session; it takes part once its stream opens (`open`)."""
         session = self.sessions.create(**fields)
         self.namespace_counters.setdefault(session.namespace,
                                            {"hits": 0, "misses": 0, "loads": 0})
-        if session.is_scheduler:
-            self.index.view_on(session.engine_id, session.namespace)  # before it sees anything
-            for entry in self._namespaces.get(session.namespace, {}).values():
-                if entry.state is State.READY:
-                    session.outbox.append(self._ready_event(entry))
-            session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
-            session.send(SnapshotDoneEvent())
         return session
+
+    def open(self, session: Session) -> None:
+        """`session`'s stream opened. A scheduler session is sent a snapshot of
+        the namespace's ready entries, a SnapshotDoneEvent and its engine's
+        mapped ranks, then live events; evictions await it from now on. A
+        worker session (its client mapped the region before opening) counts
+        as one of its engine's mapped ranks."""
+        self.sessions.open(session)
+        if not session.is_scheduler:
+            self._tell_ranks(session)
+            return
+        self.index.view_on(session.engine_id, session.namespace)  # before it sees anything
+        for entry in self._namespaces.get(session.namespace, {}).values():
+            if entry.state is State.READY:
+                session.outbox.append(self._ready_event(entry))
+                session.seen_upto = max(session.seen_upto, entry.entry_id)
+        session.outbox.append(SnapshotDoneEvent())
+        session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_id,
+                                                                     session.namespace)))
+        session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
+        session.wake()
 
     def end_session(self, session: Session, *, detached: bool = False) -> None:
         """Release everything `session` holds. Idempotent.
@@ -143,15 +157,18 @@ class Cache:
         """
         if not session.alive:
             return
-        ghost = session.is_scheduler and not detached
+        # A view whose stream never opened was told nothing: no ghost.
+        ghost = session.is_scheduler and session.streaming and not detached
         self.sessions.remove(session, ghost=ghost)
         for key in list(session.pending):
             self._discard_pending(self._namespaces[key[0]][key[1]], quarantine=True)
         if not ghost:
             for entry in list(session.awaiting):
                 self._acknowledge(entry, session)
-            if session.is_scheduler:
+            if session.is_scheduler and session.streaming:
                 self.index.view_off(session.engine_id, session.namespace)
+        if not session.is_scheduler and session.streaming:
+            self._tell_ranks(session)
         session.outbox.clear()
         session.wake()
         self._prune_namespace(session.namespace)
@@ -361,21 +378,22 @@ class Cache:
 
     def restore(self, records: Iterable[Record], free: list[Run], quarantined: list[Run],
                 next_entry_id: int, views: Iterable[tuple[str, str]],
-                ghost: Callable[[str, str], Session]) -> None:
+                ghost: Callable[[str, str, int], Session]) -> None:
         """Rebuild an empty cache from an adopted region (`adoption`): the
         verified `records` (least recently used first) become ready or hidden
         entries, `quarantined` runs (stamped, owned by no adopted entry: a
         writer of the previous daemon may still be copying) stay out of use
         for the quarantine, and ids continue from `next_entry_id`. Each engine
         whose view was attached (`views`: engine, namespace) may still be
-        loading: a ghost of it, `ghost(namespace, engine)`, is awaited by the
-        hidden entries of its namespace and by every eviction there, until the
-        engine re-attaches (`reattached`) or a lease passes."""
+        loading: a ghost of it, `ghost(namespace, engine, seen_upto)`, is
+        awaited by the hidden entries of its namespace and by every eviction
+        there of an adopted entry, until the engine re-attaches (`reattached`)
+        or a lease passes."""
         assert self._next_entry_id == 1 and not self._namespaces, "restore into an empty cache"
         self.allocator = ExtentAllocator(self.allocator.total_pages, free)
         self._next_entry_id = next_entry_id
         for engine, namespace in views:
-            self._previous[(engine, namespace)] = ghost(namespace, engine)
+            self._previous[(engine, namespace)] = ghost(namespace, engine, next_entry_id - 1)
         awaited: dict[str, set[Session]] = {}
         for g in self._previous.values():
             awaited.setdefault(g.namespace, set()).add(g)
@@ -459,6 +477,7 @@ class Cache:
         event = self._ready_event(entry)
         for view in self.sessions.subscribers(entry.key[0]):
             view.send(event)
+            view.seen_upto = max(view.seen_upto, entry.entry_id)
         return ReportStatus.ACCEPTED
 
     def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
@@ -486,7 +505,7 @@ class Cache:
         self.hidden_entries += 1
         self.counters["evictions"] += 1
         self.on_entry_change(entry)
-        entry.awaiting = set(self.sessions.awaited(entry.key[0]))
+        entry.awaiting = self.sessions.awaited(entry.key[0], entry.entry_id)
         event = EvictedEvent(entry.mm_hash, entry.entry_id)
         for view in entry.awaiting:
             view.awaiting.add(entry)
@@ -531,6 +550,13 @@ class Cache:
         usage = self.namespace_usage.get(namespace)
         if usage is not None and usage == [0, 0]:
             del self.namespace_usage[namespace]
+
+    def _tell_ranks(self, worker: Session) -> None:
+        """The views of `worker`'s engine: how many of its ranks mapped the region."""
+        event = RanksEvent(*self.sessions.mapped_ranks(worker.engine_id, worker.namespace))
+        for view in self.sessions.subscribers(worker.namespace):
+            if view.engine_id == worker.engine_id:
+                view.send(event)
 
     def _ready_event(self, entry: Entry) -> ReadyEvent:
         return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,

@@ -203,7 +203,8 @@ def format_stats(data: dict[str, Any]) -> str:
     if conv.get("wants"):
         lines.append(
             f"wanted     {conv['wants']} items: {conv.get('claims', 0)} claimed to encode, "
-            f"{conv.get('waits', 0)} waits, {conv.get('handovers', 0)} handed over, "
+            f"{conv.get('waits', 0)} waits, {conv.get('releases', 0)} released, "
+            f"{conv.get('handovers', 0)} handed over, "
             f"{conv.get('promotions', 0)} promoted ({size(conv.get('promoted_bytes', 0))}), "
             f"{conv.get('promotion_failures', 0)} promotions failed")
     tier = data.get("remote_tier") or {}

@@ -65,6 +65,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"invalid number {text!r}: use a whole number") from None
+    if value <= 0:
+        raise ValueError(f"invalid number {text!r}: must be greater than zero")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value < 65536:
@@ -156,6 +166,11 @@ SETTINGS: tuple[Setting, ...] = (
             "that wakes up must not overwrite a newer entry)", "S"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
+    Setting("max_watchers", _positive_int, lambda: "64",
+            "Watch calls (routers) open at once; more are refused", "N"),
+    Setting("max_watchers_per_peer", _positive_int, lambda: "16",
+            "Watch calls open at once from one peer (a TCP address; every client of the "
+            "Unix socket counts as one)", "N"),
     Setting("warm_restart", _bool, lambda: "true",
             "keep an index of the cache beside the region, so the next daemon on this socket "
             "adopts it (false: every start is empty, and the region goes at exit)", "BOOL"),
@@ -225,6 +240,8 @@ class DaemonConfig:
     alloc_wait_seconds: float
     quarantine_seconds: float
     check_invariants: bool
+    max_watchers: int
+    max_watchers_per_peer: int
     warm_restart: bool
     fresh_start: bool
     on_exit: str

@@ -39,8 +39,8 @@ CLAIM_SECONDS = 30.0
 PROMOTE_SECONDS = 10.0
 # Items being made at once; beyond, wants are answered ENCODE unrecorded.
 MAX_ITEMS = 1 << 16
-COUNTERS = ("wants", "claims", "waits", "handovers", "promotions", "promotion_failures",
-            "promoted_bytes")
+COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
+            "promotion_failures", "promoted_bytes")
 
 
 @dataclass(eq=False, slots=True)
@@ -85,8 +85,30 @@ class Convergence:
             session.send(AnswerEvent(mm_hash, verdict))
 
     def ready(self, key: Key) -> None:
-        """`key` became ready (saved or promoted): its waiters see the ready event."""
-        self.making.pop(key, None)
+        """`key` became ready (saved or promoted): its waiters saw the ready
+        event, and are answered READY too (should the entry be evicted before
+        they ask again, they encode it rather than wait for nothing)."""
+        making = self.making.pop(key, None)
+        if making is None:
+            return
+        for waiter in making.waiters:
+            if waiter.alive:
+                waiter.send(AnswerEvent(key[1], Verdict.READY))
+
+    def release(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine no longer makes nor waits for these items: a
+        claim it holds passes on at once, and it waits for nothing."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None:
+                continue
+            if making.holder is session:
+                self.counters["releases"] += 1
+                self._hand_over(key, making)
+            elif session in making.waiters:
+                making.waiters.remove(session)
 
     def promoted(self, key: Key, nbytes: int) -> None:
         self.counters["promotions"] += 1

@@ -64,6 +64,15 @@ class NamespaceInfoEvent:
     remote_tier: bool
 
 
+@dataclass(frozen=True)
+class RanksEvent:
+    """To an engine's view: how many of its worker ranks mapped the region
+    (hits are answered only once every loading rank has)."""
+
+    mapped: int
+    world_size: int  # the largest its worker sessions attached with; 0 with none
+
+
 class AllocOutcome(enum.Enum):
     ALLOCATED = "allocated"
     ALREADY_PENDING = "already_pending"

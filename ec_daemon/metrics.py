@@ -42,6 +42,7 @@ CONVERGENCE = {
     "claims": "Items an engine was told to encode while others may wait for it",
     "waits": "Answers telling an engine to wait for another's encode or a promotion",
     "handovers": "Claims passed to a waiting engine (the claimant ended or was too slow)",
+    "releases": "Claims given back by their engine (its request was not scheduled or ended)",
     "promotions": "Entries fetched from the second tier into this host's region",
     "promotion_failures": "Promotions that failed (the waiting engines encoded)",
     "promoted_bytes": "Payload bytes promoted from the second tier",

@@ -80,7 +80,12 @@ class Session:
     created: float
     lease_deadline: float
     alive: bool = True
+    # Its stream opened (`Cache.open`): a view is subscribed from then on, a
+    # worker has mapped the region (it opens its stream only after that).
     streaming: bool = False
+    # Scheduler sessions: the highest entry id announced ready to it. As a
+    # ghost it awaits only evictions of entries up to this one.
+    seen_upto: int = 0
     # A scheduler session that ended without detaching: until this time
     # evictions still await it (its engine may still be loading).
     ghost_until: float | None = None

@@ -256,6 +256,8 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
                               alloc_wait_seconds=config.alloc_wait_seconds,
                               check_invariants=config.check_invariants,
+                              max_watchers=config.max_watchers,
+                              max_watchers_per_peer=config.max_watchers_per_peer,
                               region_file=region, tier=tier)
     try:
         service.verify()  # with --check-invariants: an adopted region is checked whole

@@ -139,7 +139,9 @@ def _settle(future: asyncio.Future[bool], value: bool) -> None:
 class ECDaemonService(rpc.ECDaemonServicer):
     def __init__(self, cache: Cache, region: Any, *, lease_seconds: float,
                  alloc_wait_seconds: float, check_invariants: bool = False,
-                 region_file: Any = None, tier: Any = None) -> None:
+                 region_file: Any = None, tier: Any = None,
+                 max_watchers: int = watch.MAX_WATCHERS,
+                 max_watchers_per_peer: int = watch.MAX_WATCHERS_PER_PEER) -> None:
         """`region` is the pb.Region clients are told; `region_file` (a
         `region.Region`) and `tier` (a `remote.tier.RemoteTier`) only with a
         second tier."""
@@ -153,7 +155,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         self.rpc_seconds = rpc_histogram()
         self.wakeups = Wakeups()
         cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
-        self.watchers = watch.Watchers()
+        self.watchers = watch.Watchers(max_watchers=max_watchers,
+                                       max_per_peer=max_watchers_per_peer)
         cache.on_entry_change = self.watchers.publish
         self.region_file = region_file
         self.tier = tier
@@ -224,8 +227,6 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if self.closing:
             raise FailedPrecondition("the daemon is shutting down")
         session = self.cache.attach(**wire.attach_fields(request))
-        if session.is_scheduler:
-            self._tell_namespace(session.namespace)
         if self.tier is not None:
             self.tier.follow(session.namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
@@ -381,14 +382,16 @@ class ECDaemonService(rpc.ECDaemonServicer):
             session = self.cache.sessions.get(first.open_session_id)
             if session.streaming:
                 raise FailedPrecondition("this session already has a stream")
+            self.cache.open(session)
             try:
-                self._apply(session, first)
+                self._apply(session, first)  # checks everything before it applies anything
             except CacheError:
-                self.end_session(session)  # a session without its stream is dead
+                # A session without its stream is dead; it was told nothing yet.
+                self.end_session(session, detached=True)
                 raise
-            session.streaming = True
             if session.is_scheduler:  # its loads in flight were declared just now
                 self.cache.reattached(session)
+                self._tell_namespace(session.namespace)
         except Exception as exc:
             await _abort(context, exc)
         return session
@@ -415,14 +418,15 @@ class ECDaemonService(rpc.ECDaemonServicer):
         holds = wire.refs(message.holds, "holds")
         touches = wire.touches(message.touches)
         wants = wire.batch(message.wants, "wants")
+        releases = wire.batch(message.releases, "releases")
         if (acks or holds or touches or (beat is not None and beat.lookups)) \
                 and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
                                      "lookups")
-        if wants and not (session.is_scheduler and session.can_load):
+        if (wants or releases) and not (session.is_scheduler and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
-                                     "want items")
-        for mm_hash in wants:
+                                     "want or release items")
+        for mm_hash in (*wants, *releases):
             validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
         if acks:
@@ -431,6 +435,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
             self.cache.hold(session, holds)
         if touches:
             self.cache.touch(session, touches)
+        if releases:
+            self.convergence.release(session, releases)
         if wants:
             self.convergence.want(session, wants)
         if beat is not None:
@@ -540,7 +546,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         ready entries, its end, then live events. A watcher that reads too
         slowly is dropped (RESOURCE_EXHAUSTED), never waited for."""
         try:
-            watcher = self.watchers.open(request.namespace, self.cache.entries())
+            watcher = self.watchers.open(request.namespace, self.cache.entries(),
+                                         watch.peer_of(context.peer()))
         except Exception as exc:
             await _abort(context, exc)
         try:

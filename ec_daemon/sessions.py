@@ -11,8 +11,15 @@ its stream broke, it could not keep up) may belong to an engine that is
 still loading from its old view. Its view answers hits only while its
 heartbeats are echoed within a fraction of the lease, so one lease after
 the end it dispatches nothing more and its loads have landed. Until then it
-stays a ghost: evictions in its namespace still await it, and the clock
-acknowledges for it (`expired_ghosts`).
+stays a ghost: evictions in its namespace of entries it could have seen (ids
+up to the last one announced to it) still await it, and the clock
+acknowledges for it (`expired_ghosts`). A session whose stream never opened
+was told nothing, so it leaves no ghost: a client that cannot use its
+attachment (say, a region it cannot map) costs the other engines nothing.
+
+A scheduler session is a view (subscribed to its namespace's events) and a
+worker session counts as a rank that mapped the region only from the moment
+its stream opens (`open`): clients open it once the region is mapped.
 
 Session ids are secret bearer tokens; session indexes are small numbers for
 logs and stats, starting at a random value per daemon.
@@ -24,6 +31,7 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from ec_daemon.errors import NotFound
 from ec_daemon.records import Session
@@ -41,6 +49,8 @@ class SessionTable:
         self._by_index: dict[int, Session] = {}
         self._views: dict[str, set[Session]] = defaultdict(set)
         self._ghosts: dict[str, set[Session]] = defaultdict(set)
+        # (engine, namespace) -> its worker sessions whose stream is open
+        self._ranks: dict[tuple[str, str], set[Session]] = defaultdict(set)
         self._next_index = secrets.randbits(31) + 1
 
     def create(self, *, engine_id: str, role: str, rank: int | None, world_size: int,
@@ -53,9 +63,16 @@ class SessionTable:
         )
         self._by_id[session.session_id] = session
         self._by_index[session.index] = session
-        if session.is_scheduler:
-            self._views[namespace].add(session)
         return session
+
+    def open(self, session: Session) -> None:
+        """`session`'s stream opened: a view from now on, or a rank that mapped
+        the region."""
+        session.streaming = True
+        if session.is_scheduler:
+            self._views[session.namespace].add(session)
+        else:
+            self._ranks[(session.engine_id, session.namespace)].add(session)
 
     def get(self, session_id: str) -> Session:
         """The live session; raises NotFound (the client must re-attach)."""
@@ -70,27 +87,30 @@ class SessionTable:
         return self._by_id.get(session_id)
 
     def remove(self, session: Session, *, ghost: bool = False) -> None:
-        """End `session`; a scheduler session becomes a ghost for one lease
-        when `ghost` (it did not detach)."""
+        """End `session`; a scheduler session whose stream opened becomes a
+        ghost for one lease when `ghost` (it did not detach)."""
         session.alive = False
         self._by_id.pop(session.session_id, None)
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
+            _discard(self._ranks, (session.engine_id, session.namespace), session)
             return
         _discard(self._views, session.namespace, session)
-        if ghost:
+        if ghost and session.streaming:
             session.ghost_until = self.clock() + self.lease_seconds
             self._ghosts[session.namespace].add(session)
 
-    def previous_daemon(self, namespace: str, engine_id: str) -> Session:
+    def previous_daemon(self, namespace: str, engine_id: str, seen_upto: int) -> Session:
         """A ghost for one lease standing for `engine_id`'s view of the daemon
         whose region was adopted: it may still be loading from it (the
-        engine re-attaches within a lease and re-declares its loads)."""
+        engine re-attaches within a lease and re-declares its loads). It may
+        have seen every entry up to `seen_upto`."""
         now = self.clock()
         ghost = Session(session_id="", index=0, engine_id=engine_id, role="consumer",
                         rank=None, world_size=1, namespace=namespace,
                         client_name="a view of the previous daemon", created=now,
-                        lease_deadline=now, alive=False, ghost_until=now + self.lease_seconds)
+                        lease_deadline=now, alive=False, streaming=True, seen_upto=seen_upto,
+                        ghost_until=now + self.lease_seconds)
         self._ghosts[namespace].add(ghost)
         return ghost
 
@@ -111,9 +131,22 @@ class SessionTable:
         """Live scheduler sessions of `namespace` (they hold a view of it)."""
         return self._views.get(namespace, set())
 
-    def awaited(self, namespace: str) -> set[Session]:
-        """Whom an eviction in `namespace` awaits: its live views and ghosts."""
-        return self.subscribers(namespace) | self._ghosts.get(namespace, set())
+    def awaited(self, namespace: str, entry_id: int) -> set[Session]:
+        """Whom the eviction of entry `entry_id` in `namespace` awaits: the
+        namespace's live views, and its ghosts that could have seen it."""
+        awaited = set(self.subscribers(namespace))
+        awaited.update(g for g in self._ghosts.get(namespace, ()) if g.seen_upto >= entry_id)
+        return awaited
+
+    def mapped_ranks(self, engine_id: str, namespace: str) -> tuple[int, int]:
+        """Distinct worker ranks of `engine_id` whose stream is open (they
+        mapped the region), and the largest world size any of its worker
+        sessions attached with (0 with none)."""
+        mapped = {s.rank for s in self._ranks.get((engine_id, namespace), ())}
+        world = max((s.world_size for s in self._by_id.values()
+                     if s.engine_id == engine_id and s.namespace == namespace
+                     and not s.is_scheduler), default=0)
+        return len(mapped), world
 
     def ghosts(self) -> Iterator[Session]:
         return (g for gs in list(self._ghosts.values()) for g in gs)
@@ -144,7 +177,7 @@ class SessionTable:
                 return index
 
 
-def _discard(table: dict[str, set[Session]], namespace: str, session: Session) -> None:
+def _discard(table: dict[Any, set[Session]], namespace: Any, session: Session) -> None:
     members = table.get(namespace)
     if members is None:
         return

@@ -18,6 +18,7 @@ from ec_daemon.events import (
     EvictedEvent,
     HeartbeatEcho,
     NamespaceInfoEvent,
+    RanksEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
@@ -159,6 +160,9 @@ def daemon_message(events: list[Any]) -> Any:
         elif isinstance(event, NamespaceInfoEvent):  # the latest wins
             message.namespace_info.engines = event.engines
             message.namespace_info.remote_tier = event.remote_tier
+        elif isinstance(event, RanksEvent):  # the latest wins
+            message.ranks.mapped = event.mapped
+            message.ranks.world_size = event.world_size
     return message
 
 

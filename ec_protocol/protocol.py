@@ -21,7 +21,7 @@ except ImportError as exc:  # a source checkout that was never built
         "ec_client's protocol stubs are missing: run `make proto` (or reinstall the package)"
     ) from exc
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # The most items of one kind a request or stream message may carry.
 MAX_BATCH = 4096
 SOCKET_ENV = "EC_DAEMON_SOCKET"

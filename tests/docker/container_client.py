@@ -73,7 +73,7 @@ def attached(*delegates: Any, timeout: float = ATTACH_TIMEOUT) -> None:
 
 def wait_synced(scheduler: SchedulerDelegate, timeout: float = ATTACH_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
-    while not (scheduler.view.synced and scheduler.link.fresh()):
+    while not scheduler.serving():  # synced, fresh, and its worker rank mapped the region
         if time.monotonic() > deadline:
             raise RuntimeError(f"the view never synced: {scheduler.link.last_error}")
         time.sleep(0.01)
@@ -196,7 +196,7 @@ class Engine:
             ids = {session(self.scheduler), session(self.worker)}
             if len(gens) == 1 and None not in gens and old not in gens \
                     and None not in ids and not ids & left \
-                    and self.scheduler.view.synced and self.scheduler.link.fresh():
+                    and self.scheduler.serving():
                 break
             time.sleep(0.05)
         return self.state()

@@ -157,6 +157,7 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
     """An engine's scheduler side. Commands: step (hashes, plan) -> (hits,
     StepMetadata); report (done, failed) -> (loads in flight, requests made
     unavailable); wait_hit hash -> True once it hits (no load planned);
+    wait_serving -> True once hits are answered and wants sent;
     ensure (hashes, seconds) -> `ensure_within`;
     watch (hashes, seconds) -> see `_watch`; state -> dict; close."""
     scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT, ranks=ranks)
@@ -170,6 +171,10 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
         elif command == "report":
             scheduler.apply_worker_output(*payload)
             conn.send((scheduler.view.inflight(), scheduler.take_unavailable_requests()))
+        elif command == "wait_serving":  # hits answered, wants sent
+            wait_until(lambda: scheduler.serving() and scheduler.wanting,
+                       "the scheduler never served with wants")
+            conn.send(True)
         elif command == "wait_hit":
             deadline = time.monotonic() + ATTACH_TIMEOUT
             while not _step(scheduler, [payload], False)[0][0] and time.monotonic() < deadline:

@@ -35,15 +35,20 @@ def daemon() -> Iterator[Daemon]:
 
 
 def scheduler(daemon: Daemon, engine: str, max_defer: float = 30.0) -> SchedulerDelegate:
+    """An engine's scheduler side, with a worker rank (it hits only once its
+    ranks mapped the region); closing it closes both."""
     s = SchedulerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT,
                           max_defer_seconds=max_defer)
-    assert s.link.wait_attached(WAIT)
+    rank = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
+    close = s.close
+    s.close = lambda: (rank.close(), close())  # type: ignore[method-assign]
+    assert s.link.wait_attached(WAIT) and rank.link.wait_attached(WAIT)
     return s
 
 
 def wanting(*schedulers: SchedulerDelegate) -> None:
     """Until every view knows another engine shares the namespace."""
-    wait_until(lambda: all(s._wanting and s.view.synced and s.link.fresh() for s in schedulers),
+    wait_until(lambda: all(s.wanting and s.serving() for s in schedulers),
                "the views never learnt that another engine shares the namespace")
 
 
@@ -92,10 +97,12 @@ def test_engines_that_miss_one_item_at_once_encode_it_once(daemon):
 
 def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
     a = Proc(engines.scheduler_main, daemon.socket, "A", 1)
+    a_rank = Proc(engines.worker_main, daemon.socket, "A", 0, 1, True)
     b = scheduler(daemon, "B")
     try:
-        assert a.recv() == "ready"
+        assert a.recv() == "ready" and a_rank.recv() == "ready"
         wanting(b)
+        assert a.call("wait_serving")
         ok, _ = a.call("ensure", (["img"], WAIT))
         assert ok  # A asked first and holds the claim
         assert not b.ensure(["img"])
@@ -108,6 +115,7 @@ def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
         assert daemon.stats()["convergence"]["handovers"] == 1
     finally:
         a.kill()
+        a_rank.kill()
         b.close()
 
 
@@ -149,7 +157,7 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
     try:
         assert writer.link.wait_attached(WAIT)
         wanting(a, b)
-        for mm_hash in ("aborted", "skipped"):
+        for mm_hash in ("aborted", "skipped", "too-large"):
             ok, _ = ensure_within(a, [mm_hash], WAIT)
             assert ok  # A holds the claim
             assert not b.ensure([mm_hash])
@@ -163,15 +171,17 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
                 assert reply.status == pb.ALLOCATED
                 writer.transport.call("Report", pb.ReportRequest(session_id=session_id,
                                                                  aborted=[mm_hash]))
-            else:  # the queue holds one save: the second is skipped
+            elif mm_hash == "skipped":  # the queue holds one save: the second is skipped
                 assert writer.save("filler", DATA)
                 assert not writer.save(mm_hash, DATA)
                 assert writer.flush(WAIT)
+            else:  # larger than the whole queue, with nothing queued: reported at once
+                assert not writer.save(mm_hash, np.concatenate([DATA, DATA]))
             ok, _ = ensure_within(b, [mm_hash], WAIT)
             assert ok and not b.has_item(mm_hash)  # B encodes, told to at once
             b.build_step_metadata()
         assert b.take_stats().get("defer_timeouts", 0) == 0
-        assert daemon.stats()["convergence"]["handovers"] == 2
+        assert daemon.stats()["convergence"]["handovers"] == 3
     finally:
         writer.close()
         a.close()

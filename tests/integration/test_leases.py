@@ -142,9 +142,11 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
 
 
 def owe_an_acknowledgement(world: World) -> Proc:
-    """A scheduler of engine "S" with a load of KEY in flight while KEY is
-    evicted: KEY stays hidden, awaiting that view."""
+    """A scheduler of engine "S" (and its worker rank, so it hits) with a
+    load of KEY in flight while KEY is evicted: KEY stays hidden, awaiting
+    that view."""
     scheduler = world.start(engines.scheduler_main, world.daemon.socket, "S", 1)
+    world.start(engines.worker_main, world.daemon.socket, "S", 0, 1, True)
     world.dispatch(scheduler)  # never reported: in flight
     assert not world.filler.evict_all(world.daemon.stats())
     hidden = world.state()
@@ -161,7 +163,7 @@ def test_a_killed_scheduler_is_awaited_as_a_ghost_for_one_lease(world):
     scheduler = owe_an_acknowledgement(world)
     killed = time.monotonic()
     scheduler.kill()
-    daemon.wait_for(lambda: daemon.components("S") == [],
+    daemon.wait_for(lambda: daemon.components("S") == ["worker 0/1"],
                     what="the killed scheduler's session to end")
     stats = daemon.stats()
     if time.monotonic() - killed < LEASE:  # (on a machine that did not stall meanwhile)
@@ -180,7 +182,8 @@ def test_a_scheduler_that_closes_cleanly_releases_at_once(world):
     daemon = world.daemon
     scheduler = owe_an_acknowledgement(world)
     assert scheduler.call("close") == "closed"
-    daemon.wait_for(lambda: daemon.components("S") == [], what="the scheduler's session to end")
+    daemon.wait_for(lambda: daemon.components("S") == ["worker 0/1"],
+                    what="the scheduler's session to end")
     # Released by the session's end itself: no lease to wait out.
     stats = daemon.stats()
     assert stats["ghost_sessions"] == 0 and stats["hidden_bytes"] == 0

@@ -12,6 +12,7 @@ load and the hidden pages untouched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,15 +123,34 @@ def test_pages_stay_hidden_until_both_ranks_reported(engine, order):
     assert engine.filler.take(engine.daemon.stats()["capacity_bytes"], keep=False)
 
 
+# Protects: hits are answered only once every rank of the engine mapped the
+# region: a rank that cannot (another node, another container's /dev/shm)
+# would turn the first hit into a failed load; the engine misses instead.
+@pytest.mark.parametrize("engine", [(0,)], indirect=True)
+def test_hits_are_answered_only_once_every_rank_mapped_the_region(engine):
+    for _ in range(20):
+        hits, metadata = engine.scheduler.call("step", ([KEY], True))
+        assert hits == [False] and metadata.loads == []
+        time.sleep(0.05)
+    engine.ranks[1] = engine.start_rank(1)
+    engine.dispatch()  # hits now
+    engine.ranks[1].kill()  # a rank died: misses again
+    engine.daemon.wait_for(lambda: engine.daemon.components(ENGINE) == ["scheduler", "worker 0/2"],
+                           what="the dead rank's session to end")
+    engine.daemon.wait_for(lambda: engine.scheduler.call("step", ([KEY], False))[0] == [False],
+                           what="the engine to miss again")
+
+
 # Protects: a load carries its region (path, generation, stamp table offset),
 # so a rank needs no session of its own to read it, whenever it starts.
-@pytest.mark.parametrize("engine", [(0,)], indirect=True)
-def test_a_rank_that_attaches_late_loads_from_the_region_in_the_metadata(engine):
+@pytest.mark.parametrize("engine", [(0, 1)], indirect=True)
+def test_a_rank_restarted_after_the_dispatch_loads_from_the_region_in_the_metadata(engine):
     metadata = engine.dispatch()
     engine.evict()
     done = engine.load(0, metadata)
     assert engine.scheduler.call("report", (done, [])) == (1, set())
-    late = engine.start_rank(1, attached=False)  # started after the dispatch, not attached
+    engine.ranks[1].kill()  # it dies; its successor starts, not attached yet
+    late = engine.start_rank(1, attached=False)
     engine.ranks[1] = late
     assert late.call("generations") == []
     done = engine.load(1, metadata)

@@ -74,7 +74,7 @@ class Host:
         """Wait until each delegate is attached to the current daemon (a view synced)."""
         for d in delegates:
             self.daemon.wait_for(lambda d=d: d.link.attachment is not None and d.link.fresh()
-                                 and (not hasattr(d, "view") or d.view.synced), timeout=20,
+                                 and (not hasattr(d, "serving") or d.serving()), timeout=20,
                                  what="the engine to attach again")
 
     def close(self) -> None:
@@ -122,8 +122,8 @@ def test_a_restarted_daemon_serves_what_the_previous_one_held(host, how):
         result = worker.load(metadata.loads, metadata.regions)
         scheduler.apply_worker_output(result.done)
         assert np.array_equal(result.loaded[f"k{i}"], data(i))
-    other = host.scheduler("new")
-    host.reattached(other)
+    other, its_worker = host.scheduler("new"), host.worker("new")
+    host.reattached(other, its_worker)
     assert all(other.has_item(f"k{i}") for i in range(3))
     other.build_step_metadata()
     stats = second.stats()
@@ -292,14 +292,15 @@ def test_saves_into_a_full_cache_go_on_right_after_a_warm_restart(shm_folder):
     try:
         host.start()
         scheduler, other, worker = host.scheduler(), host.scheduler("F"), host.worker()
-        host.reattached(scheduler, other, worker)
+        others_worker = host.worker("F")
+        host.reattached(scheduler, other, worker, others_worker)
         for i in range(85):  # 85 entries of 3 pages (160 KiB) of the 256: full
             assert worker.save(f"old-{i}", data(i))
         assert worker.flush(30)
         host.daemon.kill()
         second = host.start()
         assert "85 entries" in second.log()
-        host.reattached(scheduler, other, worker)
+        host.reattached(scheduler, other, worker, others_worker)
         before = dict(worker.stats)
         for i in range(20):
             assert worker.save(f"new-{i}", data(100 + i))

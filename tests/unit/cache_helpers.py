@@ -18,7 +18,7 @@ from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
 # Every public Cache method that may change state.
-_MUTATORS = ("attach", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
+_MUTATORS = ("attach", "open", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
              "allocate", "refuse_waited_save", "commit", "abort", "release_quarantine",
              "acknowledge", "hold", "touch", "restore", "compact_index")
 
@@ -67,15 +67,24 @@ def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = N
                         stamps=stamps, quarantine_seconds=quarantine)
 
 
-def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns") -> Session:
-    return cache.attach(engine_id=engine, role=role, rank=None, world_size=1, namespace=ns,
-                        client_name="test")
+def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns", *,
+              stream: bool = True) -> Session:
+    """A scheduler session; with `stream` its stream opened too (a view)."""
+    session = cache.attach(engine_id=engine, role=role, rank=None, world_size=1, namespace=ns,
+                           client_name="test")
+    if stream:
+        cache.open(session)
+    return session
 
 
 def worker(cache: Cache, engine: str = "E", rank: int = 0, world: int = 1,
-           role: str = "both", ns: str = "ns") -> Session:
-    return cache.attach(engine_id=engine, role=role, rank=rank, world_size=world,
-                        namespace=ns, client_name="test")
+           role: str = "both", ns: str = "ns", *, stream: bool = True) -> Session:
+    """A worker session; with `stream` its stream opened too (it mapped the region)."""
+    session = cache.attach(engine_id=engine, role=role, rank=rank, world_size=world,
+                           namespace=ns, client_name="test")
+    if stream:
+        cache.open(session)
+    return session
 
 
 def allocate(cache: Cache, session: Session, mm_hash: str, pages: int = 1, *,

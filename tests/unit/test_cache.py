@@ -4,6 +4,8 @@ Every cache here checks `ec_daemon.invariants` after each call
 (`cache_helpers.make_cache`), so each step is also a bookkeeping check.
 """
 
+from collections import deque
+
 import pytest
 
 from ec_daemon import cache as cache_module
@@ -11,6 +13,7 @@ from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhaus
 from ec_daemon.events import (
     AllocOutcome,
     EvictedEvent,
+    RanksEvent,
     ReadyEvent,
     ReportStatus,
     SnapshotDoneEvent,
@@ -52,7 +55,8 @@ def test_pending_is_invisible_until_committed(cache):
     assert result.outcome is AllocOutcome.ALLOCATED and result.entry_id > 0
     assert states(cache, "h") == [None]  # tools do not see it
     assert drain(view) == []  # no ready event before the copy landed
-    assert [type(e) for e in drain(scheduler(cache, engine="late"))] == [SnapshotDoneEvent]
+    assert [type(e) for e in drain(scheduler(cache, engine="late"))] == [SnapshotDoneEvent,
+                                                                        RanksEvent]
     assert cache.pending_pages == 2 and cache.allocator.free_pages == 6
 
 
@@ -81,8 +85,9 @@ def test_a_snapshot_holds_the_ready_entries_then_done(cache):
     assert allocate(cache, w, "more", pages=2).outcome is AllocOutcome.WAIT
     assert states(cache, "hidden") == [HIDDEN]
     events = drain(scheduler(cache))
-    assert [type(e) for e in events] == [ReadyEvent, SnapshotDoneEvent]
+    assert [type(e) for e in events] == [ReadyEvent, SnapshotDoneEvent, RanksEvent]
     assert (events[0].mm_hash, events[0].entry_id) == ("ready", ready.entry_id)
+    assert events[2] == RanksEvent(1, 1)  # its engine's one worker rank mapped the region
 
 
 def test_a_second_writer_is_told_the_key_is_pending_ready_or_hidden(cache):
@@ -367,8 +372,57 @@ def test_a_view_that_ends_without_detaching_is_awaited_as_a_ghost_for_one_lease(
     clock.now += 0.1
     assert cache.release_ghosts() == [view]
     assert states(cache, "a", "b") == [None, None] and not view.awaiting
-    assert cache.sessions.awaited("ns") == set()
+    assert cache.sessions.awaited("ns", 1) == set()
     assert allocate(cache, w, "more", pages=4).outcome is AllocOutcome.ALLOCATED
+
+
+def test_a_ghost_awaits_only_evictions_of_entries_announced_to_it():
+    clock = FakeClock()
+    cache = make_cache(pages=8, lease=10, clock=clock)
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "seen", pages=2)
+    cache.end_session(view)  # a ghost: it may be loading "seen"
+    for h in "abc":  # saved after it ended: it never heard of them
+        save(cache, w, h, pages=2)
+    assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.WAIT  # hides seen, a
+    assert states(cache, "seen", "a") == [HIDDEN, None]  # "a" came back at once
+    clock.now += 9
+    cache.release_ghosts()
+    assert states(cache, "seen") == [HIDDEN]  # until its lease is over
+    clock.now += 1
+    cache.release_ghosts()
+    assert states(cache, "seen") == [None]
+    assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.ALLOCATED
+
+
+def test_a_view_whose_stream_never_opened_is_not_awaited_and_leaves_no_ghost():
+    cache = make_cache(pages=8)
+    w = worker(cache)
+    save(cache, w, "a", pages=8)
+    never = scheduler(cache, engine="broken", stream=False)  # it could not map the region
+    assert never.outbox == deque()  # told nothing before its stream opens
+    # "a" is reclaimed as it is hidden: nobody could be loading it.
+    assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.ALLOCATED
+    assert states(cache, "a") == [None]
+    cache.end_session(never)  # its lease ran out, without Detach
+    assert not never.is_ghost and list(cache.sessions.ghosts()) == []
+
+
+def test_an_engines_views_hear_how_many_of_its_ranks_mapped_the_region():
+    cache = make_cache()
+    view, other = scheduler(cache), scheduler(cache, engine="F")
+    assert drain(view)[-1] == RanksEvent(0, 0)  # no worker yet
+    drain(other)
+    r0 = worker(cache, rank=0, world=2)
+    r1 = worker(cache, rank=1, world=2, stream=False)  # attached, not mapped yet
+    assert drain(view) == [RanksEvent(1, 2)] and drain(other) == []
+    cache.open(r1)
+    assert drain(view) == [RanksEvent(2, 2)]
+    late = scheduler(cache)  # a re-attached view learns it with its snapshot
+    assert drain(late)[-1] == RanksEvent(2, 2)
+    cache.end_session(r0)  # a rank died
+    assert drain(view) == [RanksEvent(1, 2)] == drain(late)
+    assert drain(other) == []
 
 
 def test_a_hidden_entry_awaiting_a_live_view_and_a_ghost_needs_both():
@@ -551,19 +605,22 @@ def test_a_view_whose_outbox_passes_its_limit_is_marked_overflowed(cache, monkey
     w = worker(cache)
     for h in "abc":
         save(cache, w, h)
-    view = scheduler(cache)  # a snapshot of 3 + done: the limit counts the snapshot
+    view = scheduler(cache)  # a snapshot of 3 + done + ranks: the limit counts them
     wakes = []
     view.wake = lambda: wakes.append(1)
-    assert not view.overflowed and len(view.outbox) == 4
-    save(cache, w, "d")
     assert not view.overflowed and len(view.outbox) == 5
-    save(cache, w, "e")  # past snapshot + 2
-    assert view.overflowed and wakes == [1, 1]  # the stream writer is told to look
-    save(cache, w, "f")
+    save(cache, w, "d")
+    assert not view.overflowed and len(view.outbox) == 6
+    save(cache, w, "e")
+    assert not view.overflowed and len(view.outbox) == 7
+    save(cache, w, "f")  # past the snapshot's 5 + 2
+    assert view.overflowed and wakes == [1, 1, 1]  # the stream writer is told to look
+    save(cache, w, "g")
     events = drain(view)
-    assert [getattr(e, "mm_hash", None) for e in events] == ["a", "b", "c", None, "d"]
+    assert [getattr(e, "mm_hash", None) for e in events] == ["a", "b", "c", None, None, "d",
+                                                             "e"]
     # Still awaited: it missed events, so it is ended as a ghost, never trusted to ack.
-    assert view in cache.sessions.awaited("ns")
+    assert view in cache.sessions.awaited("ns", 1)
 
 
 def test_an_ended_session_is_sent_nothing(cache):

@@ -145,9 +145,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(ns=st.sampled_from(NAMESPACES))
     def attach_writer(self, ns: str) -> None:
-        self.writers.append(self.cache.attach(
-            engine_id=f"W{len(self.writers)}", role="producer", rank=0, world_size=1,
-            namespace=ns, client_name="writer"))
+        writer = self.cache.attach(engine_id=f"W{len(self.writers)}", role="producer", rank=0,
+                                   world_size=1, namespace=ns, client_name="writer")
+        self.cache.open(writer)
+        self.writers.append(writer)
 
     @precondition(lambda self: any(w.alive for w in self.writers))
     @rule(data=st.data(), mm_hash=st.sampled_from(HASHES), pages=st.integers(1, 2))
@@ -228,6 +229,7 @@ class CacheMachine(RuleBasedStateMachine):
     def attach_view(self, ns: str, slow: bool) -> None:
         session = self.cache.attach(engine_id=f"S{len(self.views)}", role="both", rank=None,
                                     world_size=1, namespace=ns, client_name="view")
+        self.cache.open(session)
         if slow:  # a reader that falls behind after a few events
             session.outbox_limit = len(session.outbox) + 2
         self.views.append(View(session, self.clock.now))

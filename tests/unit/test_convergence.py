@@ -138,3 +138,49 @@ def test_wants_are_per_namespace_and_info_counts_engines():
     assert conv.info("m1").engines == 1 and not conv.info("m1").remote_tier
     scheduler(cache, "C", ns="m1")
     assert conv.info("m1").engines == 2
+
+
+def test_a_released_claim_passes_to_a_waiter_at_once_and_the_releaser_waits_for_nothing():
+    """The claimant's request did not run (no KV room) or was aborted: the
+    waiter encodes now, not after its bound."""
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    drain(a), drain(b)
+    conv.release(a, ["img", "never-wanted"])
+    assert answers(b) == {"img": Verdict.ENCODE} and answers(a) == {}
+    assert conv.making[("ns", "img")].holder is b
+    assert conv.counters["releases"] == 1
+    conv.release(a, ["img"])  # not its claim any more: nothing changes
+    assert conv.making[("ns", "img")].holder is b and answers(b) == {}
+    conv.want(a, ["img"])  # its request came back: it waits for B's encode
+    assert answers(a) == {"img": Verdict.ENCODING}
+    conv.release(a, ["img"])  # and a waiter that releases is no longer handed the claim
+    cache.end_session(b)
+    conv.session_ended(b)
+    assert answers(a) == {} and ("ns", "img") not in conv.making
+
+
+def test_a_lone_claim_released_is_forgotten():
+    _, cache, conv, _ = setup()
+    a = scheduler(cache, "A")
+    conv.want(a, ["img"])
+    conv.release(a, ["img"])
+    assert conv.making == {}
+    conv.want(a, ["img"])
+    assert answers(a) == {"img": Verdict.ENCODE} and conv.counters["claims"] == 2
+
+
+def test_waiters_are_answered_ready_when_the_item_lands():
+    """A waiter whose item became ready and was evicted before it asked
+    again must encode it, not wait out its bound for an answer."""
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    drain(a), drain(b)
+    save(cache, worker(cache, "A"), "img")
+    conv.ready(("ns", "img"))
+    assert answers(b) == {"img": Verdict.READY}
+    assert answers(a) == {}  # the claimant saved it: it was no waiter

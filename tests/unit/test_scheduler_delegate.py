@@ -37,11 +37,16 @@ def attachment(region: RegionInfo = REGION, index: int = 7) -> Attachment:
                       lease_ms=10000, heartbeat_ms=2000)
 
 
-def ready(mm_hash: str, entry_id: int, nbytes: int = 4096) -> pb.DaemonMessage:
+# What a daemon says with its snapshot when both ranks of an engine mapped the region.
+ALL_MAPPED = pb.EngineRanks(mapped=2, world_size=2)
+
+
+def ready(mm_hash: str, entry_id: int, nbytes: int = 4096,
+          ranks: pb.EngineRanks = ALL_MAPPED) -> pb.DaemonMessage:
     return pb.DaemonMessage(ready=[pb.EntryInfo(
         mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
         dtype="float32", extents=[pb.Extent(offset=4096 + entry_id * 4096, length=nbytes)])],
-        snapshot_done=True)
+        snapshot_done=True, ranks=ranks)
 
 
 def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
@@ -330,6 +335,43 @@ def test_heartbeat_counts_stay_consistent_under_concurrent_lookups(delegate):
     assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000
 
 
+def test_hits_wait_until_every_worker_rank_mapped_the_region(two_ranks):
+    """A rank that cannot map the region (another container's /dev/shm,
+    another node) would fail the load: until the daemon counts every rank's
+    stream, lookups miss and nothing is deferred for other engines."""
+    d = two_ranks
+    d._on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+    d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    assert not d.has_item("a")
+    sent = []
+    d.link.send = lambda message: sent.append(message) or True
+    assert d.ensure(["b"]) and sent == []  # nothing wanted: it would miss anyway
+    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    assert d.has_item("a")
+    d.build_step_metadata()
+    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    assert not d.has_item("a")
+
+
+def test_a_rank_the_executor_does_not_count_must_map_the_region_too(delegate):
+    """Under an executor that reports one rank's output (`ranks` 1), the
+    workers' world size still says how many ranks load."""
+    delegate._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    assert not delegate.has_item("a")
+    delegate._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    assert delegate.has_item("a")
+
+
+def test_a_reattach_forgets_which_ranks_had_mapped_the_old_region(delegate):
+    delegate._on_message(ready("a", 1))
+    assert delegate.has_item("a")
+    delegate.build_step_metadata()
+    delegate._on_detached()
+    delegate._on_attached(attachment(NEW_REGION, index=8))
+    delegate._on_message(ready("a", 1, ranks=pb.EngineRanks()))  # no rank has attached yet
+    assert not delegate.has_item("a")
+
+
 def test_a_region_this_host_cannot_open_is_never_answered_for(delegate):
     """A scheduler left with a restarted container's old /dev/shm sees a new
     region it cannot open: it refuses the attachment (the link tries again
@@ -341,3 +383,58 @@ def test_a_region_this_host_cannot_open_is_never_answered_for(delegate):
         delegate._on_attached(attachment(missing, index=9))
     delegate._on_message(ready("img", 1))
     assert not delegate.has_item("img")
+
+
+def wanting(d: SchedulerDelegate) -> list[pb.ClientMessage]:
+    """`d` shares its namespace (wants help); returns what it sends from now on."""
+    d._on_message(ready("other", 9))
+    d._on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+    sent: list[pb.ClientMessage] = []
+    d.link.send = lambda message: sent.append(message) or True
+    return sent
+
+
+def answer(d: SchedulerDelegate, mm_hash: str, verdict: int) -> None:
+    d._on_message(pb.DaemonMessage(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
+
+
+def released(sent: list[pb.ClientMessage]) -> list[str]:
+    return [h for m in sent for h in m.releases]
+
+
+def test_a_claim_whose_request_did_not_run_is_released_and_wanted_again(delegate):
+    sent = wanting(delegate)
+    assert not delegate.ensure(["img"], "r1")  # wanted: deferred until answered
+    answer(delegate, "img", pb.VERDICT_ENCODE)
+    assert delegate.ensure(["img"], "r1")  # this engine encodes it...
+    delegate.build_step_metadata(scheduled={"r0"})  # ...but r1 found no KV room
+    assert released(sent) == ["img"]
+    assert not delegate.ensure(["img"], "r1")  # asked again when it comes back
+    assert [list(m.wants) for m in sent if m.wants] == [["img"], ["img"]]
+
+
+def test_a_claim_whose_request_runs_is_kept(delegate):
+    sent = wanting(delegate)
+    delegate.ensure(["img", "later"], "r1")
+    answer(delegate, "img", pb.VERDICT_ENCODE)
+    answer(delegate, "later", pb.VERDICT_ENCODE)
+    assert delegate.ensure(["img", "later"], "r1")
+    assert not delegate.after_alloc("r1", "img")  # a miss: encoded this step
+    delegate.build_step_metadata(scheduled={"r1"})  # "later" is in a later chunk
+    assert released(sent) == []
+    assert delegate.ensure(["img", "later"], "r1")
+    delegate.build_step_metadata()  # without the scheduled ids: what is not encoded goes
+    assert released(sent) == ["later"]
+
+
+def test_a_finished_request_releases_what_it_claimed_or_waited_for_only(delegate):
+    sent = wanting(delegate)
+    delegate.ensure(["mine", "theirs", "done", "landed"], "r1")
+    answer(delegate, "mine", pb.VERDICT_ENCODE)
+    answer(delegate, "theirs", pb.VERDICT_ENCODING)
+    answer(delegate, "done", pb.VERDICT_ENCODE)
+    answer(delegate, "landed", pb.VERDICT_READY)
+    delegate.ensure(["mine", "theirs", "done", "landed"], "r1")
+    delegate.after_alloc("r1", "done")  # being encoded: its save ends the claim
+    delegate.request_finished(["mine", "theirs", "done", "landed", "unknown"])  # aborted
+    assert sorted(released(sent)) == ["mine", "theirs"]

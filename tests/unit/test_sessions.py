@@ -19,14 +19,22 @@ def table(clock):
     return SessionTable(LEASE, clock=clock)
 
 
-def view(table, ns="ns", engine="E"):
-    return table.create(engine_id=engine, role="both", rank=None, world_size=1, namespace=ns,
-                        client_name="test")
+def view(table, ns="ns", engine="E", *, stream=True):
+    """A scheduler session; with `stream` its stream opened (a view)."""
+    session = table.create(engine_id=engine, role="both", rank=None, world_size=1,
+                           namespace=ns, client_name="test")
+    if stream:
+        table.open(session)
+    return session
 
 
-def rank(table, ns="ns", engine="E", r=0):
-    return table.create(engine_id=engine, role="both", rank=r, world_size=2, namespace=ns,
-                        client_name="test")
+def rank(table, ns="ns", engine="E", r=0, *, stream=True):
+    """A worker session; with `stream` its stream opened (it mapped the region)."""
+    session = table.create(engine_id=engine, role="both", rank=r, world_size=2, namespace=ns,
+                           client_name="test")
+    if stream:
+        table.open(session)
+    return session
 
 
 def test_create_and_get(table, clock):
@@ -61,24 +69,52 @@ def test_indexes_wrap_and_skip_those_in_use(table):
 def test_only_scheduler_sessions_subscribe_to_their_namespace(table):
     a, b, other = view(table), view(table, engine="F"), view(table, ns="other")
     rank(table)
+    view(table, stream=False)  # attached, its stream not open: told nothing yet
     assert table.subscribers("ns") == {a, b} and table.subscribers("other") == {other}
-    assert table.awaited("ns") == {a, b}
-    assert table.subscribers("none") == set() == table.awaited("none")
+    assert table.awaited("ns", 1) == {a, b}
+    assert table.subscribers("none") == set() == table.awaited("none", 1)
 
 
 def test_a_view_removed_as_a_ghost_is_awaited_for_one_lease_but_sent_nothing(table, clock):
     a, b = view(table), view(table, engine="F")
+    a.seen_upto = 7  # entries 1..7 were announced to it
     table.remove(a, ghost=True)
     assert a.is_ghost and not a.alive and a.ghost_until == clock.now + LEASE
     assert table.subscribers("ns") == {b}  # no events go to it
-    assert table.awaited("ns") == {a, b}  # evictions still wait for it
+    assert table.awaited("ns", 7) == {a, b}  # evictions of what it saw still wait for it
+    assert table.awaited("ns", 8) == {b}  # not of entries it never heard of
     assert list(table.ghosts()) == [a]
     clock.now += LEASE - 0.5
     assert table.expired_ghosts() == []
     clock.now += 0.5
     assert table.expired_ghosts() == [a]
-    assert table.awaited("ns") == {b} and list(table.ghosts()) == []
+    assert table.awaited("ns", 1) == {b} and list(table.ghosts()) == []
     assert table.expired_ghosts() == []  # handed out once
+
+
+def test_a_view_whose_stream_never_opened_leaves_no_ghost(table):
+    a = view(table, stream=False)
+    table.remove(a, ghost=True)
+    assert not a.is_ghost and not a.alive
+    assert table.awaited("ns", 1) == set() and list(table.ghosts()) == []
+    assert not table.in_use("ns")
+
+
+def test_mapped_ranks_count_distinct_streaming_ranks_of_one_engine(table):
+    assert table.mapped_ranks("E", "ns") == (0, 0)
+    r0 = rank(table, r=0)
+    rank(table, r=1, stream=False)  # attached, not yet mapped
+    rank(table, engine="F", r=1)  # another engine's
+    rank(table, ns="other", r=1)  # another namespace's
+    assert table.mapped_ranks("E", "ns") == (1, 2)  # of a world of 2
+    r1 = rank(table, r=1)
+    again = rank(table, r=1)  # a second session of rank 1 (a re-attach) counts once
+    assert table.mapped_ranks("E", "ns") == (2, 2)
+    table.remove(r1)
+    assert table.mapped_ranks("E", "ns") == (2, 2)
+    table.remove(again)
+    table.remove(r0)
+    assert table.mapped_ranks("E", "ns") == (0, 2)  # rank 1's first session, not mapped
 
 
 def test_a_detached_view_and_a_worker_never_become_ghosts(table):
@@ -86,7 +122,7 @@ def test_a_detached_view_and_a_worker_never_become_ghosts(table):
     table.remove(a)
     table.remove(w, ghost=True)  # workers hold no view
     assert not a.is_ghost and not w.is_ghost
-    assert table.awaited("ns") == set() and list(table.ghosts()) == []
+    assert table.awaited("ns", 1) == set() and list(table.ghosts()) == []
 
 
 def test_expired_lists_sessions_past_their_lease_and_renew_extends_it(table, clock):
