@@ -208,3 +208,41 @@ def memory(entries: int = 1_000_000) -> dict[str, Any]:
             "build_s": time.perf_counter() - started}
 
 
+
+
+def watcher_fanout(entries: int = 16384, watchers: tuple[int, ...] = (1, 200),
+                   repeat: int = 5) -> list[dict[str, Any]]:
+    """One eviction round of `entries` published on the daemon's loop with
+    1 (the baseline) and many watchers of every namespace that read nothing
+    meanwhile: the loop's stall (best of `repeat`), and after the round, the
+    time for every watcher to take its events (their stream writers' share)."""
+    from ec_daemon.records import Entry, State
+    from ec_daemon.watch import ALL, Watchers
+
+    evicted = []
+    for i in range(entries):
+        entry = Entry(("bench|float16|image=64|", f"{i:064x}"), i + 1, 4096, (64, 32), "float16",
+                      [(i, 1)], None)
+        entry.state = State.HIDDEN
+        evicted.append(entry)
+    rows = []
+    for count in watchers:
+        best_publish = best_take = float("inf")
+        for _ in range(repeat):
+            hub = Watchers(max_watchers=count, max_per_peer=count)
+            open_ = [hub.open(ALL, []) for _ in range(count)]
+            started = time.perf_counter()
+            for entry in evicted:
+                hub.publish(entry)
+            best_publish = min(best_publish, time.perf_counter() - started)
+            started = time.perf_counter()
+            for w in open_:
+                w.take()  # the (empty) snapshot and its marker
+                while w.take()[0]:
+                    pass
+            best_take = min(best_take, time.perf_counter() - started)
+        rows.append({"watchers": count, "entries": entries, "publish_ms": best_publish * 1e3,
+                     "take_all_ms": best_take * 1e3})
+    for row in rows:
+        row["publish_ratio"] = row["publish_ms"] / rows[0]["publish_ms"]
+    return rows

@@ -8,7 +8,8 @@ process tree, printed as tables and written to results/bench-<time>.json.
 2. cpu copy backend vs numpy copies; 3. the stamp check vs the copy it
    follows; 4. allocator extents under churn; 5. start-up vs a MAP_POPULATE
    mmap; 6. eight engines at 100 steps/s; 7. daemon bookkeeping memory with
-   1M entries; 8. the second tier: a verified fetch and a promotion vs a raw
+   1M entries, and one eviction round published to 1 vs 200 watchers;
+   8. the second tier: a verified fetch and a promotion vs a raw
    redis GET of the same bytes, promotion end to end through two daemons,
    and saves and hits with the tier on vs off (benchmarks/remote.py, tier.py);
 9. warm restart: adoption time by entries and region size vs reading the
@@ -51,6 +52,7 @@ class Sizes:
         self.startup = {"size": 256 * MiB, "repeat": 1} if quick else {}
         self.concurrency_seconds = 1.5 if quick else 10.0
         self.memory_entries = 50_000 if quick else 1_000_000
+        self.watcher_repeat = 1 if quick else 5
 
 
 def table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -154,6 +156,8 @@ TARGETS: list[tuple[str, str, float, Check]] = [
      lambda r: [row[k] for row in r["concurrency"]
                 for k in ("blocking_rpcs_per_step", "worker_rpcs_per_step")]),
     ("failed loads, 8 engines", "max", 0, _mix("loads_failed")),
+    ("one eviction round published to 200 watchers / to 1 (the loop's stall)", "max", 2.0,
+     lambda r: [row["publish_ratio"] for row in r.get("watchers", [])]),
     ("promotion (verified fetch + copy) / raw GET, 1-32 MiB", "min", 0.8,
      lambda r: [row["promote_ratio"] for row in r.get("remote", [])
                 if row["parser"] == "hiredis"]),
@@ -211,8 +215,9 @@ def main() -> None:
     print(f">> 6/9 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
           "each)", flush=True)
     results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
-    print(">> 7/9 memory", flush=True)
+    print(">> 7/9 memory, and one eviction round published to 1 vs 200 watchers", flush=True)
     results["memory"] = micro.memory(sizes.memory_entries)
+    results["watchers"] = micro.watcher_fanout(repeat=sizes.watcher_repeat)
     print(">> 8/9 second tier (a local redis-server)", flush=True)
     results["remote"] = remote.measure(quick=args.quick)
     results["tier"] = tier.measure(args.quick)
@@ -285,6 +290,11 @@ def main() -> None:
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
         print(table(f"{number}. {name}", [results[name]], list(results[name])))
         print()
+    print(table("7b. one eviction round of 16,384 entries published to watchers that read "
+                "nothing meanwhile (ms, on the daemon's loop; ratio = vs 1 watcher), and the "
+                "time for all of them to take their events afterwards", results["watchers"],
+                ["watchers", "entries", "publish_ms", "publish_ratio", "take_all_ms"]))
+    print()
     print(table("targets", results["targets"], ["target", "limit", "measured", "met"]))
     print()
     out = ROOT / "results" / (f"bench-{'quick-' if args.quick else ''}"

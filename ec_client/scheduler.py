@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 # (a backstop: vLLM returns every step's worker output, and a load takes
 # milliseconds). Its eviction is then acknowledged, logged.
 INFLIGHT_TTL_SECONDS = 120.0
+# Ranks still not all mapped this long after an attach is worth a warning
+# (engines start their scheduler before their workers).
+UNMAPPED_WARNING_SECONDS = 30.0
 # A want unanswered this long (a daemon that dropped it) is encoded.
 ANSWER_SECONDS = 1.0
 # How long a request is deferred at most for another engine's encode or a
@@ -148,6 +151,8 @@ class SchedulerDelegate:
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
         # Every worker rank mapped the session's region (EngineRanks, link thread).
         self._ranks_mapped = False
+        self._ranks_seen = (0, 1)  # (mapped, needed), as last told
+        self._unmapped_since: float | None = None  # warned about on a heartbeat past a bound
         self.can_load = role in ("consumer", "both")
         self.ranks = ranks
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
@@ -479,6 +484,7 @@ class SchedulerDelegate:
         os.close(open_region(attachment.region.path, owner))
         self._wanting = False  # until the new session's NamespaceInfo
         self._ranks_mapped = False  # until the new session's EngineRanks
+        self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
         self._wants = {}  # answers of the old daemon mean nothing to the new one
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
@@ -518,20 +524,30 @@ class SchedulerDelegate:
         of `world_size`, as they attached) with the region mapped."""
         needed = max(world_size, self.ranks, 1)
         ready = mapped >= needed
-        if ready != self._ranks_mapped:
-            if ready:
-                log.info("ec-daemon: all %d worker ranks mapped the region; hits are answered",
-                         mapped)
-            else:
-                log.warning("ec-daemon: %d of %d worker ranks mapped the region; every lookup "
-                            "misses until all have (a rank in another /dev/shm, container or "
-                            "node cannot load from this daemon)", mapped, needed)
+        self._ranks_seen = (mapped, needed)
+        if ready and not self._ranks_mapped:
+            log.info("ec-daemon: all %d worker ranks mapped the region; hits are answered", mapped)
+            self._unmapped_since = None
+        elif not ready and self._ranks_mapped:  # a rank went away
+            self._unmapped_since = time.monotonic()
+            self._unmapped_warning()
         self._ranks_mapped = ready
+
+    def _unmapped_warning(self) -> None:
+        mapped, needed = self._ranks_seen
+        log.warning("ec-daemon: %d of %d worker ranks mapped the region; every lookup misses "
+                    "until all have (a rank in another /dev/shm, container or node cannot load "
+                    "from this daemon)", mapped, needed)
 
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)
 
     def _heartbeat(self) -> Any:
+        since = self._unmapped_since
+        if since is not None and not self._ranks_mapped \
+                and time.monotonic() - since > UNMAPPED_WARNING_SECONDS:
+            self._unmapped_since = None  # once per attachment (or per rank lost)
+            self._unmapped_warning()
         lookups, hits = self._counts_since("heartbeat")
         touches = self.view.take_touches()
         return pb.ClientMessage(

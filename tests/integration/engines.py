@@ -11,6 +11,7 @@ test, by pid: see `Proc`).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -190,6 +191,24 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
             scheduler.close()
             conn.send("closed")
             return
+
+
+def unmappable_scheduler_main(socket: str, engine_id: str, conn: Any) -> None:
+    """A scheduler side that cannot map the daemon's region (an engine left
+    with a restarted container's old /dev/shm): its attach check fails every
+    time, and its link tries again every couple of seconds. Runs until told
+    to stop (or killed); then sends its link's last error."""
+    import ec_client.scheduler as scheduler_module
+
+    def missing(path: str, owner: Any) -> int:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+    scheduler_module.open_region = missing  # type: ignore[assignment]
+    scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT)
+    conn.send("ready")
+    conn.recv()
+    conn.send(scheduler.link.last_error)
+    scheduler.close()
 
 
 def wait_until(predicate: Any, what: str, seconds: float = ATTACH_TIMEOUT) -> None:

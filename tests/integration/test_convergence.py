@@ -119,6 +119,33 @@ def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
         b.close()
 
 
+# Protects: an engine told to encode an item whose request then does not run
+# (no KV room this step, or aborted) gives the claim back at once: the engine
+# waiting for it encodes now, not after ec_daemon_max_defer_s (30 s here).
+def test_a_claim_whose_request_does_not_run_passes_on_at_once(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B")
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok  # A holds the claim
+        assert not b.ensure(["img"])
+        time.sleep(0.3)
+        assert not b.ensure(["img"]), "B did not wait for A"
+        a.build_step_metadata(scheduled=set())  # A's request found no room this step
+        ok, _ = ensure_within(b, ["img"], WAIT)
+        assert ok and not b.has_item("img")  # B encodes, told to at once
+        assert not b.after_alloc("req-b", "img")  # (vLLM: its encoder output is allocated)
+        b.build_step_metadata()
+        assert daemon.stats()["convergence"]["releases"] == 1
+        ok, _ = ensure_within(a, ["img"], 1.0)
+        assert not ok  # A's request, back, waits for B's encode
+        assert b.take_stats().get("defer_timeouts", 0) == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_claimant_that_never_saves_is_waited_for_only_up_to_the_bound(daemon):
     a = scheduler(daemon, "A")
     b = scheduler(daemon, "B", max_defer=1.0)

@@ -22,7 +22,7 @@ from ec_client.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc
-from tests.integration.raw import Filler, MiB
+from tests.integration.raw import Filler, MiB, attach
 
 pytestmark = pytest.mark.integration
 LEASE = 2.0
@@ -139,6 +139,31 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
     done, failed, loaded = worker.call("load", ([forced], old.regions))
     assert done == [] and loaded == {}
     assert "stamp mismatch" in failed[forced.transfer_id]
+
+
+# Protects: an engine that cannot use its attachment (a region it cannot map)
+# and tries again forever costs the other engines' saves nothing: it never
+# opens its stream, so the daemon neither awaits its view nor keeps a ghost of
+# it, and evictions complete at once (they waited up to --alloc-wait-seconds
+# for its ghosts, and saves were refused). Sessions attached by hand and
+# abandoned without a stream, one every 50 ms, cost nothing either.
+def test_an_engine_that_cannot_map_the_region_never_holds_back_evictions(world):
+    daemon = world.daemon
+    broken = world.start(engines.unmappable_scheduler_main, daemon.socket, "broken")
+    try:
+        deadline = time.monotonic() + 3 * LEASE
+        rounds = 0
+        while time.monotonic() < deadline:
+            attach(daemon.stub, LAYOUT, engine="abandoned", rank=None)  # never streams
+            world.save(f"k{rounds}", DATA)
+            assert world.filler.evict_all(daemon.stats()), f"round {rounds}: eviction held back"
+            assert daemon.stats()["ghost_sessions"] == 0
+            rounds += 1
+            time.sleep(0.05)
+        assert rounds >= 5
+        assert "attach could not complete" in broken.call("stop")
+    finally:
+        broken.kill()
 
 
 def owe_an_acknowledgement(world: World) -> Proc:

@@ -297,6 +297,37 @@ def test_a_bad_namespace_gets_invalid_argument(daemon, namespace, message):
     assert daemon.stats()["watchers"] == 0
 
 
+# Protects: watchers are capped in number, in all and per peer (every client
+# of the Unix socket is one peer): one more is refused with its reason and
+# changes nothing, and closing one makes room again.
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--max-watchers", "2", "--max-watchers-per-peer", "10"),
+     "too many watchers: 2 watch calls are open (at most 2, --max-watchers); close one, or "
+     "share one watch between routers"),
+    (("--max-watchers", "10", "--max-watchers-per-peer", "2"),
+     "too many watchers from unix: 2 watch calls are open (at most 2 per peer, "
+     "--max-watchers-per-peer)"),
+])
+def test_watchers_are_capped_in_all_and_per_peer(flags, message):
+    with Daemon(extra=flags) as daemon:
+        first, second = Watch(daemon.stub), Watch(daemon.stub)
+        first.snapshot()
+        second.snapshot()
+        refused = Watch(daemon.stub, read=False)
+        refused.drain()
+        assert refused.error is not None
+        assert refused.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.error.details() == message
+        assert daemon.stats()["watchers"] == 2
+        first.close()
+        daemon.wait_for(lambda: daemon.stats()["watchers"] == 1, what="the closed watch to end")
+        third = Watch(daemon.stub)
+        third.snapshot()
+        assert daemon.stats()["watchers"] == 2
+        second.close()
+        third.close()
+
+
 # ---------------------------------------------------------------- the CLI
 
 

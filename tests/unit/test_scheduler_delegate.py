@@ -4,6 +4,7 @@ are handed to the delegate as the link thread would."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -438,3 +439,20 @@ def test_a_finished_request_releases_what_it_claimed_or_waited_for_only(delegate
     delegate.after_alloc("r1", "done")  # being encoded: its save ends the claim
     delegate.request_finished(["mine", "theirs", "done", "landed", "unknown"])  # aborted
     assert sorted(released(sent)) == ["mine", "theirs"]
+
+
+def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, monkeypatch,
+                                                                   caplog):
+    caplog.set_level(logging.INFO, logger="ec_client.scheduler")
+    d = two_ranks
+    d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    d._heartbeat()
+    assert "worker ranks mapped" not in caplog.text  # engines start workers after schedulers
+    monkeypatch.setattr(scheduler, "UNMAPPED_WARNING_SECONDS", 0.0)
+    d._heartbeat()
+    d._heartbeat()
+    assert caplog.text.count("1 of 2 worker ranks mapped the region; every lookup misses") == 1
+    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    assert "all 2 worker ranks mapped the region" in caplog.text
+    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2  # said at once
