@@ -218,7 +218,11 @@ def format_stats(data: dict[str, Any]) -> str:
             f"({size(int(tier.get('fetch_bytes', 0)))}), "
             f"{int(tier.get('remote_misses', 0))} missing, "
             f"{int(tier.get('bad_values', 0))} bad values, "
-            f"{int(tier.get('index_entries', 0))} entries indexed")
+            f"{int(tier.get('index_entries', 0))} entries indexed "
+            f"({size(int(tier.get('index_bytes', 0)))}), promotions holding "
+            f"{size(int(tier.get('promotion_bytes', 0)))} (peak "
+            f"{size(int(tier.get('promotion_bytes_peak', 0)))}, "
+            f"{int(tier.get('promotions_refused', 0))} refused for room)")
     for s in data["session_list"]:
         lines.append(f"  #{s['session_index']:<10} {s['engine_id']:<24} {s['component']:<14} "
                      f"{s['role']:<8} awaiting {s['awaiting']:<5} pending {s['pending']}")
