@@ -297,7 +297,7 @@ class DaemonEngine:
         scheduler = connector(config, ECConnectorRole.SCHEDULER)
         if scheduler._scheduler.link.wait_attached(20) is None:
             raise RuntimeError(f"not attached: {scheduler._scheduler.link.last_error}")
-        wait_until(lambda: scheduler._scheduler.view.synced)
+        wait_until(lambda: scheduler._scheduler.serving())  # the workers mapped the region
         return cls(daemon, scheduler, workers, engine_id, layout,
                    StreamCount(scheduler._scheduler.link))
 

@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 # (a backstop: vLLM returns every step's worker output, and a load takes
 # milliseconds). Its eviction is then acknowledged, logged.
 INFLIGHT_TTL_SECONDS = 120.0
-# Ranks still not all mapped this long after an attach is worth a warning
-# (engines start their scheduler before their workers).
+# Ranks still not all mapped this long after an attach or a rank's loss is
+# worth a warning (engines start their scheduler before their workers, and
+# stop their workers first).
 UNMAPPED_WARNING_SECONDS = 30.0
 # A want unanswered this long (a daemon that dropped it) is encoded.
 ANSWER_SECONDS = 1.0
@@ -122,6 +123,7 @@ class _Want:
     verdict: int = 0  # pb.Verdict; 0 until answered (written by the link thread)
     gave_up: bool = False
     computing: bool = False  # vLLM allocated its encoder output: this engine encodes it
+    requests: set[str] = field(default_factory=set)  # of this engine that need it
 
 
 @dataclass(slots=True)
@@ -145,9 +147,9 @@ class SchedulerDelegate:
         self.role = role
         self.max_defer_seconds = max_defer_seconds
         self._wants: dict[str, _Want] = {}
-        # Items this engine was told to encode whose request `ensure` let
-        # through this step: mm_hash -> request id (`build_step_metadata`).
-        self._going: dict[str, str] = {}
+        # Items this engine was told to encode that `ensure` saw this step:
+        # mm_hash -> the requests that needed them (`build_step_metadata`).
+        self._claimed: dict[str, set[str]] = {}
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
         # Every worker rank mapped the session's region (EngineRanks, link thread).
         self._ranks_mapped = False
@@ -192,11 +194,10 @@ class SchedulerDelegate:
         # the claim returns: a miss, since entry ids restart with the daemon
         # and the old region may carry the same stamp on other bytes.
         current = self._current
-        if current is None or not self._ranks_mapped or not self.can_load \
-                or not self.link.fresh():
+        if current is None or not self.can_load or not self.link.fresh():
             return False
-        entry = self.view.claim(mm_hash)
-        if entry is None or self.view.epoch != current.epoch:
+        entry = self.view.claim(mm_hash)  # a lookup (counted) while the ranks map, a miss
+        if entry is None or not self._ranks_mapped or self.view.epoch != current.epoch:
             return False
         self._hits_this_step[mm_hash] = (entry, current)
         return True
@@ -217,15 +218,15 @@ class SchedulerDelegate:
         """May request `request_id`, needing these items, be scheduled now?
         False defers it (vLLM asks again next step): an item is wanted and
         unanswered, or another engine or a promotion is making it. Never
-        waits. Items this engine was told to encode are given back at the
-        step's end if the request did not run (`build_step_metadata`)."""
+        waits. Items this engine was told to encode are offered to waiting
+        engines at the step's end if no request needing them ran
+        (`build_step_metadata`); `request_finished` releases them."""
         if not self._wanting or not self._ranks_mapped or not self.can_load \
                 or not self.link.fresh():
             return True
         wants = self._wants
         now = 0.0
         fresh: list[str] = []
-        claimed: list[str] = []
         ready = True
         for mm_hash in mm_hashes:
             if self.view.get(mm_hash) is not None:
@@ -235,13 +236,14 @@ class SchedulerDelegate:
                 if len(wants) >= MAX_WANTS:
                     continue
                 now = now or time.monotonic()
-                wants[mm_hash] = _Want(now, now + ANSWER_SECONDS)
+                wants[mm_hash] = _Want(now, now + ANSWER_SECONDS, requests={request_id})
                 fresh.append(mm_hash)
                 ready = False
                 continue
+            want.requests.add(request_id)
             if want.verdict and want.verdict not in _WAITS:
                 if want.verdict == pb.VERDICT_ENCODE and not want.computing:
-                    claimed.append(mm_hash)
+                    self._claimed.setdefault(mm_hash, set()).add(request_id)
                 continue  # encode it (or it was ready and is gone again)
             now = now or time.monotonic()
             if now >= want.deadline:
@@ -257,13 +259,11 @@ class SchedulerDelegate:
             self._deferred += len(fresh)
             for start in range(0, len(fresh), MAX_BATCH):
                 self.link.send(pb.ClientMessage(wants=fresh[start:start + MAX_BATCH]))
-        if ready and claimed:
-            for mm_hash in claimed:
-                self._going[mm_hash] = request_id
         return ready
 
-    def request_finished(self, mm_hashes: Iterable[str]) -> None:
-        """A request needing these items finished or was aborted: those this
+    def request_finished(self, request_id: str, mm_hashes: Iterable[str]) -> None:
+        """Request `request_id`, which needed these items, finished or was
+        aborted: those no other request of this engine needs, that this
         engine was to encode and did not start, or waits for, are released
         (a waiting engine encodes them at once instead of after its bound)."""
         if not self._wants:
@@ -271,15 +271,23 @@ class SchedulerDelegate:
         released = []
         for mm_hash in mm_hashes:
             want = self._wants.get(mm_hash)
-            if want is not None and not want.computing and want.verdict != pb.VERDICT_READY:
-                del self._wants[mm_hash]
-                self._going.pop(mm_hash, None)
+            if want is None:
+                continue
+            want.requests.discard(request_id)
+            if want.requests:
+                continue  # another request of this engine still needs it
+            del self._wants[mm_hash]
+            self._claimed.pop(mm_hash, None)
+            if not want.computing and want.verdict != pb.VERDICT_READY:
                 released.append(mm_hash)
-        self._release(released)
+        self._send_items("releases", released)
 
-    def _release(self, mm_hashes: list[str]) -> None:
+    def _send_items(self, field_name: str, mm_hashes: list[str]) -> None:
+        """`mm_hashes` as the repeated `field_name` of stream messages."""
         for start in range(0, len(mm_hashes), MAX_BATCH):
-            self.link.send(pb.ClientMessage(releases=mm_hashes[start:start + MAX_BATCH]))
+            message = pb.ClientMessage()
+            getattr(message, field_name).extend(mm_hashes[start:start + MAX_BATCH])
+            self.link.send(message)
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
         """vLLM allocated encoder space for this item; plan its load if it
@@ -293,7 +301,7 @@ class SchedulerDelegate:
             want = self._wants.get(mm_hash)
             if want is not None:
                 want.computing = True
-                self._going.pop(mm_hash, None)
+                self._claimed.pop(mm_hash, None)
             return False
         entry, current = hit
         spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
@@ -304,12 +312,12 @@ class SchedulerDelegate:
     def build_step_metadata(self, scheduled: Container[str] | None = None) -> StepMetadata:
         """The step's loads; marks them in flight in the view (which then
         withholds their evictions' acknowledgements). Items this engine was
-        told to encode whose request did not run this step (not among the
-        `scheduled` request ids: no KV room, budget; with None, any not
-        being encoded) are released to an engine that waits for them, and
-        wanted again when the request comes back."""
-        if self._going:
-            self._give_back(scheduled)
+        told to encode for requests none of which ran this step (none among
+        the `scheduled` request ids: no KV room, no budget, waiting for
+        another item; with None, any not being encoded) are offered to an
+        engine that waits for them (`yields`): it encodes, this one waits."""
+        if self._claimed:
+            self._step_aside(scheduled)
         planned, self._planned = self._planned, {}
         if self._hits_this_step:
             self._hits_this_step = {}
@@ -380,13 +388,11 @@ class SchedulerDelegate:
 
     # ------------------------------------------------------------ helpers
 
-    def _give_back(self, scheduled: Container[str] | None) -> None:
-        going, self._going = self._going, {}
-        released = [h for h, request_id in going.items()
-                    if scheduled is None or request_id not in scheduled]
-        for mm_hash in released:
-            self._wants.pop(mm_hash, None)
-        self._release(released)
+    def _step_aside(self, scheduled: Container[str] | None) -> None:
+        claimed, self._claimed = self._claimed, {}
+        idle = [h for h, requests in claimed.items()
+                if scheduled is None or not any(r in scheduled for r in requests)]
+        self._send_items("yields", idle)
 
     def _reported(self, transfer_id: int, finished: list[_Transfer]) -> None:
         transfer = self._dispatched.get(transfer_id)
@@ -520,17 +526,17 @@ class SchedulerDelegate:
             self._ranks_changed(message.ranks.mapped, message.ranks.world_size)
 
     def _ranks_changed(self, mapped: int, world_size: int) -> None:
-        """The daemon counted `mapped` of the engine's worker ranks (of a world
-        of `world_size`, as they attached) with the region mapped."""
-        needed = max(world_size, self.ranks, 1)
+        """The daemon counted `mapped` distinct worker ranks of this engine (of
+        a world of `world_size`, as they attached: the tensor-parallel ranks)
+        with the region mapped."""
+        needed = max(world_size, 1)
         ready = mapped >= needed
         self._ranks_seen = (mapped, needed)
         if ready and not self._ranks_mapped:
             log.info("ec-daemon: all %d worker ranks mapped the region; hits are answered", mapped)
             self._unmapped_since = None
-        elif not ready and self._ranks_mapped:  # a rank went away
-            self._unmapped_since = time.monotonic()
-            self._unmapped_warning()
+        elif not ready and self._ranks_mapped:  # a rank went away (or the engine stops)
+            self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
         self._ranks_mapped = ready
 
     def _unmapped_warning(self) -> None:

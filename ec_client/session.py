@@ -234,6 +234,9 @@ class SessionLink:
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             self._give_up(attachment)
             return False
+        if self._stopping.is_set():  # stopped meanwhile (mapping a large region takes time)
+            self._give_up(attachment)
+            return True
         self._beats.clear()
         responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
         self._responses = responses

@@ -384,7 +384,8 @@ class ECDaemonConnector(ECConnectorBase):
         """Items the request was to have encoded here, or waited for, are
         released (an aborted request must not keep other engines waiting)."""
         if self._scheduler is not None and request.mm_features:
-            self._scheduler.request_finished(f.identifier for f in request.mm_features)
+            self._scheduler.request_finished(request.request_id,
+                                             (f.identifier for f in request.mm_features))
         return False, None
 
     # ------------------------------------------------------------ metrics

@@ -143,8 +143,7 @@ class Cache:
                 session.outbox.append(self._ready_event(entry))
                 session.seen_upto = max(session.seen_upto, entry.entry_id)
         session.outbox.append(SnapshotDoneEvent())
-        session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_id,
-                                                                     session.namespace)))
+        session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_id)))
         session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
         session.wake()
 
@@ -553,10 +552,9 @@ class Cache:
 
     def _tell_ranks(self, worker: Session) -> None:
         """The views of `worker`'s engine: how many of its ranks mapped the region."""
-        event = RanksEvent(*self.sessions.mapped_ranks(worker.engine_id, worker.namespace))
-        for view in self.sessions.subscribers(worker.namespace):
-            if view.engine_id == worker.engine_id:
-                view.send(event)
+        event = RanksEvent(*self.sessions.mapped_ranks(worker.engine_id))
+        for view in self.sessions.views_of(worker.engine_id):
+            view.send(event)
 
     def _ready_event(self, entry: Entry) -> ReadyEvent:
         return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,

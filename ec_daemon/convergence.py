@@ -106,21 +106,42 @@ class Convergence:
                 continue
             if making.holder is session:
                 self.counters["releases"] += 1
-                self._hand_over(key, making)
+                self._hand_over(key, making, "its engine no longer needs it")
             elif session in making.waiters:
                 making.waiters.remove(session)
+
+    def step_aside(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine did not run the requests it claimed these items
+        for this step: a claim that another engine waits for passes to it,
+        and `session` waits in its place; one nobody waits for stays."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None or making.holder is not session \
+                    or not any(w.alive and w.can_save for w in making.waiters):
+                continue
+            self.counters["releases"] += 1
+            self._hand_over(key, making, "its claimant's request did not run this step",
+                            quiet=True)  # (an engine under KV pressure: every step)
+            after = self.making.get(key)
+            if after is not None:
+                after.waiters.append(session)
+                session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
 
     def promoted(self, key: Key, nbytes: int) -> None:
         self.counters["promotions"] += 1
         self.counters["promoted_bytes"] += nbytes
         self.ready(key)
 
-    def save_given_up(self, key: Key) -> None:
-        """A save of `key` was aborted, refused or skipped: whoever was
-        making it will not; a waiting engine encodes it now."""
+    def save_given_up(self, key: Key, engine_id: str) -> None:
+        """A save of `key` by `engine_id` was aborted, refused or skipped: if
+        that engine was making it (or it was the save being waited for), a
+        waiting engine encodes it now."""
         making = self.making.get(key)
-        if making is not None and making.kind is Verdict.ENCODING:
-            self._hand_over(key, making)
+        if making is not None and making.kind is Verdict.ENCODING and (
+                making.holder is None or making.holder.engine_id == engine_id):
+            self._hand_over(key, making, "its save was given up")
 
     def await_save(self, key: Key) -> None:
         """A promotion found a worker saving `key`: its waiters wait for that."""
@@ -133,7 +154,7 @@ class Convergence:
         self.counters["promotion_failures"] += 1
         making = self.making.get(key)
         if making is not None and making.kind is Verdict.PROMOTING:
-            self._hand_over(key, making)
+            self._hand_over(key, making, "its promotion failed")
 
     def session_ended(self, session: Session) -> None:
         """A view ended: its claims pass on, it waits for nothing."""
@@ -141,7 +162,7 @@ class Convergence:
             return
         for key, making in list(self.making.items()):
             if making.holder is session:
-                self._hand_over(key, making)
+                self._hand_over(key, making, "its engine's session ended")
             elif session in making.waiters:
                 making.waiters.remove(session)
 
@@ -151,10 +172,10 @@ class Convergence:
         now = self.clock()
         for key, making in list(self.making.items()):
             if making.deadline <= now:
-                self._hand_over(key, making)
+                self._hand_over(key, making, "it was not made in time")
             elif making.holder is None and making.kind is Verdict.ENCODING \
                     and self.cache.state_of(*key) is None:
-                self._hand_over(key, making)  # the save it waited for was aborted
+                self._hand_over(key, making, "the save it waited for was aborted")
 
     # ------------------------------------------------------------ helpers
 
@@ -188,7 +209,7 @@ class Convergence:
             self.counters["claims"] += 1
         return Verdict.ENCODE
 
-    def _hand_over(self, key: Key, making: Making) -> None:
+    def _hand_over(self, key: Key, making: Making, why: str, *, quiet: bool = False) -> None:
         """The claim goes to the first live waiter that can save; with none,
         every waiter encodes."""
         waiters = [w for w in making.waiters if w.alive]
@@ -202,6 +223,6 @@ class Convergence:
         self.making[key] = Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
                                   waiters)
         self.counters["handovers"] += 1
-        log.info("session %d encodes %s now (its claimant ended, or was too slow)", heir.index,
-                 key[1])
+        (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
+                                            key[1], why)
         heir.send(AnswerEvent(key[1], Verdict.ENCODE))

@@ -256,7 +256,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
             # No room: an engine waiting for this save encodes it instead.
             session = self.cache.sessions.find(request.session_id)
             if session is not None:
-                self.convergence.save_given_up((session.namespace, request.mm_hash))
+                self.convergence.save_given_up((session.namespace, request.mm_hash),
+                                               session.engine_id)
             raise
         return wire.alloc_reply(result)
 
@@ -297,7 +298,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
                 self._saved((session.namespace, mm_hash))
         aborts = self.cache.abort(session, aborted)
         for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
-            self.convergence.save_given_up((session.namespace, mm_hash))
+            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
         return pb.ReportReply(saved=[wire.REPORT_STATUS[s] for s in statuses],
                               aborted=[wire.REPORT_STATUS[s] for s in aborts])
 
@@ -419,14 +420,15 @@ class ECDaemonService(rpc.ECDaemonServicer):
         touches = wire.touches(message.touches)
         wants = wire.batch(message.wants, "wants")
         releases = wire.batch(message.releases, "releases")
+        yields = wire.batch(message.yields, "yields")
         if (acks or holds or touches or (beat is not None and beat.lookups)) \
                 and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
                                      "lookups")
-        if (wants or releases) and not (session.is_scheduler and session.can_load):
+        if (wants or releases or yields) and not (session.is_scheduler and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
-                                     "want or release items")
-        for mm_hash in (*wants, *releases):
+                                     "want, release or yield items")
+        for mm_hash in (*wants, *releases, *yields):
             validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
         if acks:
@@ -437,6 +439,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
             self.cache.touch(session, touches)
         if releases:
             self.convergence.release(session, releases)
+        if yields:
+            self.convergence.step_aside(session, yields)
         if wants:
             self.convergence.want(session, wants)
         if beat is not None:

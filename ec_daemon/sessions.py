@@ -18,8 +18,11 @@ was told nothing, so it leaves no ghost: a client that cannot use its
 attachment (say, a region it cannot map) costs the other engines nothing.
 
 A scheduler session is a view (subscribed to its namespace's events) and a
-worker session counts as a rank that mapped the region only from the moment
-its stream opens (`open`): clients open it once the region is mapped.
+worker session counts as a rank of its engine that mapped the region only
+from the moment its stream opens (`open`): clients open it once the region
+is mapped (and, on a GPU, registered: seconds for a large region), so a
+session's stream may open up to OPEN_GRACE_SECONDS after Attach whatever the
+lease; the lease applies from then on.
 
 Session ids are secret bearer tokens; session indexes are small numbers for
 logs and stats, starting at a random value per daemon.
@@ -37,6 +40,8 @@ from ec_daemon.errors import NotFound
 from ec_daemon.records import Session
 
 ROLES = ("producer", "consumer", "both")
+# How long after Attach a session's stream may open, at least.
+OPEN_GRACE_SECONDS = 60.0
 
 
 class SessionTable:
@@ -49,8 +54,9 @@ class SessionTable:
         self._by_index: dict[int, Session] = {}
         self._views: dict[str, set[Session]] = defaultdict(set)
         self._ghosts: dict[str, set[Session]] = defaultdict(set)
-        # (engine, namespace) -> its worker sessions whose stream is open
-        self._ranks: dict[tuple[str, str], set[Session]] = defaultdict(set)
+        # engine -> its worker sessions whose stream is open (in any namespace:
+        # a load names the region, not the namespace)
+        self._ranks: dict[str, set[Session]] = defaultdict(set)
         self._next_index = secrets.randbits(31) + 1
 
     def create(self, *, engine_id: str, role: str, rank: int | None, world_size: int,
@@ -59,7 +65,8 @@ class SessionTable:
         session = Session(
             session_id=secrets.token_hex(16), index=self._take_index(), engine_id=engine_id,
             role=role, rank=rank, world_size=world_size, namespace=namespace,
-            client_name=client_name, created=now, lease_deadline=now + self.lease_seconds,
+            client_name=client_name, created=now,
+            lease_deadline=now + max(self.lease_seconds, OPEN_GRACE_SECONDS),
         )
         self._by_id[session.session_id] = session
         self._by_index[session.index] = session
@@ -69,10 +76,11 @@ class SessionTable:
         """`session`'s stream opened: a view from now on, or a rank that mapped
         the region."""
         session.streaming = True
+        self.renew(session)
         if session.is_scheduler:
             self._views[session.namespace].add(session)
         else:
-            self._ranks[(session.engine_id, session.namespace)].add(session)
+            self._ranks[session.engine_id].add(session)
 
     def get(self, session_id: str) -> Session:
         """The live session; raises NotFound (the client must re-attach)."""
@@ -93,7 +101,7 @@ class SessionTable:
         self._by_id.pop(session.session_id, None)
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
-            _discard(self._ranks, (session.engine_id, session.namespace), session)
+            _discard(self._ranks, session.engine_id, session)
             return
         _discard(self._views, session.namespace, session)
         if ghost and session.streaming:
@@ -138,15 +146,16 @@ class SessionTable:
         awaited.update(g for g in self._ghosts.get(namespace, ()) if g.seen_upto >= entry_id)
         return awaited
 
-    def mapped_ranks(self, engine_id: str, namespace: str) -> tuple[int, int]:
+    def mapped_ranks(self, engine_id: str) -> tuple[int, int]:
         """Distinct worker ranks of `engine_id` whose stream is open (they
-        mapped the region), and the largest world size any of its worker
-        sessions attached with (0 with none)."""
-        mapped = {s.rank for s in self._ranks.get((engine_id, namespace), ())}
-        world = max((s.world_size for s in self._by_id.values()
-                     if s.engine_id == engine_id and s.namespace == namespace
-                     and not s.is_scheduler), default=0)
-        return len(mapped), world
+        mapped the region), and the largest world size they attached with
+        (0 with none)."""
+        ranks = self._ranks.get(engine_id, ())
+        return len({s.rank for s in ranks}), max((s.world_size for s in ranks), default=0)
+
+    def views_of(self, engine_id: str) -> list[Session]:
+        """`engine_id`'s live scheduler sessions whose stream is open."""
+        return [s for views in self._views.values() for s in views if s.engine_id == engine_id]
 
     def ghosts(self) -> Iterator[Session]:
         return (g for gs in list(self._ghosts.values()) for g in gs)

@@ -16,7 +16,9 @@ events) with the reason (RESOURCE_EXHAUSTED), and the feed is trimmed to the
 slowest remaining one. Watchers are capped in number, in all and per peer
 (a TCP address; every local client of the Unix socket is one peer), and a
 dropped watcher whose client stopped reading keeps its place until its call
-ends: its last message may still be held in the transport.
+ends (its last message may still be held in the transport, and gRPC cannot
+end a call whose writes are blocked): the per-peer cap keeps one client's
+stuck watches from locking the others out.
 
 Not thread-safe: the daemon's event loop is the only caller.
 """
@@ -213,8 +215,9 @@ class Watchers:
         if len(self._calls) >= self.max_watchers:
             raise ResourceExhausted(
                 f"too many watchers: {len(self._calls)} watch calls are open (at most "
-                f"{self.max_watchers}, --max-watchers); close one, or share one watch "
-                "between routers")
+                f"{self.max_watchers}, --max-watchers; dropped watchers whose clients stopped "
+                "reading count until they disconnect); close one, or share one watch between "
+                "routers")
         if self._per_peer.get(peer, 0) >= self.max_per_peer:
             raise ResourceExhausted(
                 f"too many watchers from {peer or 'this peer'}: {self._per_peer[peer]} "
@@ -309,8 +312,11 @@ def peer_of(context_peer: str) -> str:
     socket is one peer, `unix`."""
     kind, _, address = context_peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        return f"{kind}:{address.rpartition(':')[0]}"
-    return "unix" if kind == "unix" else context_peer
+        host = address.rpartition(":")[0]
+        if host.lower().startswith("[::ffff:") and "." in host:  # an IPv4 client, mapped
+            return f"ipv4:{host[8:-1]}"
+        return f"{kind}:{host}"
+    return "unix" if kind.startswith("unix") else context_peer
 
 
 def _describe(namespace: str) -> str:

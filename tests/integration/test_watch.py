@@ -302,7 +302,8 @@ def test_a_bad_namespace_gets_invalid_argument(daemon, namespace, message):
 # changes nothing, and closing one makes room again.
 @pytest.mark.parametrize(("flags", "message"), [
     (("--max-watchers", "2", "--max-watchers-per-peer", "10"),
-     "too many watchers: 2 watch calls are open (at most 2, --max-watchers); close one, or "
+     "too many watchers: 2 watch calls are open (at most 2, --max-watchers; dropped "
+     "watchers whose clients stopped reading count until they disconnect); close one, or "
      "share one watch between routers"),
     (("--max-watchers", "10", "--max-watchers-per-peer", "2"),
      "too many watchers from unix: 2 watch calls are open (at most 2 per peer, "

@@ -184,3 +184,35 @@ def test_waiters_are_answered_ready_when_the_item_lands():
     conv.ready(("ns", "img"))
     assert answers(b) == {"img": Verdict.READY}
     assert answers(a) == {}  # the claimant saved it: it was no waiter
+
+
+def test_a_claimant_that_steps_aside_hands_over_only_when_someone_waits():
+    """Its request did not run this step (no KV room, or it waits for
+    another item): a waiter encodes now and the claimant waits for it; with
+    nobody waiting the claim stays (no churn)."""
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    drain(a)
+    conv.step_aside(a, ["img", "unknown"])
+    assert conv.making[("ns", "img")].holder is a and answers(a) == {}
+    conv.want(b, ["img"])
+    drain(b)
+    conv.step_aside(a, ["img"])
+    assert answers(b) == {"img": Verdict.ENCODE} and answers(a) == {"img": Verdict.ENCODING}
+    making = conv.making[("ns", "img")]
+    assert making.holder is b and making.waiters == [a]
+    conv.step_aside(a, ["img"])  # not its claim any more
+    assert conv.making[("ns", "img")].holder is b and answers(b) == {}
+
+
+def test_a_save_given_up_hands_over_only_its_own_engines_claim():
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    drain(a), drain(b)
+    conv.save_given_up(("ns", "img"), "B")  # B encoded it anyway and skipped its save
+    assert conv.making[("ns", "img")].holder is a and answers(b) == {}
+    conv.save_given_up(("ns", "img"), "A")
+    assert conv.making[("ns", "img")].holder is b and answers(b) == {"img": Verdict.ENCODE}

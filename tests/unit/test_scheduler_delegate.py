@@ -403,15 +403,21 @@ def released(sent: list[pb.ClientMessage]) -> list[str]:
     return [h for m in sent for h in m.releases]
 
 
-def test_a_claim_whose_request_did_not_run_is_released_and_wanted_again(delegate):
+def yielded(sent: list[pb.ClientMessage]) -> list[str]:
+    return [h for m in sent for h in m.yields]
+
+
+def test_a_claim_whose_request_did_not_run_is_offered_and_stays_wanted(delegate):
     sent = wanting(delegate)
     assert not delegate.ensure(["img"], "r1")  # wanted: deferred until answered
     answer(delegate, "img", pb.VERDICT_ENCODE)
     assert delegate.ensure(["img"], "r1")  # this engine encodes it...
     delegate.build_step_metadata(scheduled={"r0"})  # ...but r1 found no KV room
-    assert released(sent) == ["img"]
-    assert not delegate.ensure(["img"], "r1")  # asked again when it comes back
-    assert [list(m.wants) for m in sent if m.wants] == [["img"], ["img"]]
+    assert yielded(sent) == ["img"] and released(sent) == []
+    assert delegate.ensure(["img"], "r1")  # nobody waited: still its to encode, no deferral
+    answer(delegate, "img", pb.VERDICT_ENCODING)  # someone waited: it encodes, r1 waits
+    assert not delegate.ensure(["img"], "r1")
+    assert [list(m.wants) for m in sent if m.wants] == [["img"]]  # never asked twice
 
 
 def test_a_claim_whose_request_runs_is_kept(delegate):
@@ -422,23 +428,43 @@ def test_a_claim_whose_request_runs_is_kept(delegate):
     assert delegate.ensure(["img", "later"], "r1")
     assert not delegate.after_alloc("r1", "img")  # a miss: encoded this step
     delegate.build_step_metadata(scheduled={"r1"})  # "later" is in a later chunk
-    assert released(sent) == []
+    assert yielded(sent) == []
     assert delegate.ensure(["img", "later"], "r1")
-    delegate.build_step_metadata()  # without the scheduled ids: what is not encoded goes
-    assert released(sent) == ["later"]
+    delegate.ensure(["later"], "r2")  # another request needs it too, and runs
+    delegate.build_step_metadata(scheduled={"r2"})
+    assert yielded(sent) == []
+    delegate.ensure(["img", "later"], "r1")
+    delegate.build_step_metadata()  # without the scheduled ids: what is not encoded
+    assert yielded(sent) == ["later"]
 
 
-def test_a_finished_request_releases_what_it_claimed_or_waited_for_only(delegate):
+def test_a_deferred_request_offers_the_items_it_was_to_encode(delegate):
+    """It waits for another engine's item: its own claims must not make that
+    engine (or a third) wait too."""
     sent = wanting(delegate)
-    delegate.ensure(["mine", "theirs", "done", "landed"], "r1")
+    delegate.ensure(["mine", "theirs"], "r1")
+    answer(delegate, "mine", pb.VERDICT_ENCODE)
+    answer(delegate, "theirs", pb.VERDICT_ENCODING)
+    assert not delegate.ensure(["mine", "theirs"], "r1")
+    delegate.build_step_metadata(scheduled=set())
+    assert yielded(sent) == ["mine"]
+
+
+def test_a_finished_request_releases_what_no_other_request_needs(delegate):
+    sent = wanting(delegate)
+    delegate.ensure(["mine", "theirs", "done", "landed", "shared"], "r1")
+    delegate.ensure(["shared"], "r2")
     answer(delegate, "mine", pb.VERDICT_ENCODE)
     answer(delegate, "theirs", pb.VERDICT_ENCODING)
     answer(delegate, "done", pb.VERDICT_ENCODE)
     answer(delegate, "landed", pb.VERDICT_READY)
-    delegate.ensure(["mine", "theirs", "done", "landed"], "r1")
+    answer(delegate, "shared", pb.VERDICT_ENCODE)
+    delegate.ensure(["mine", "theirs", "done", "landed", "shared"], "r1")
     delegate.after_alloc("r1", "done")  # being encoded: its save ends the claim
-    delegate.request_finished(["mine", "theirs", "done", "landed", "unknown"])  # aborted
-    assert sorted(released(sent)) == ["mine", "theirs"]
+    delegate.request_finished("r1", ["mine", "theirs", "done", "landed", "shared", "unknown"])
+    assert sorted(released(sent)) == ["mine", "theirs"]  # r2 still needs "shared"
+    delegate.request_finished("r2", ["shared"])
+    assert sorted(released(sent)) == ["mine", "shared", "theirs"]
 
 
 def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, monkeypatch,
@@ -455,4 +481,6 @@ def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, mo
     d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert "all 2 worker ranks mapped the region" in caplog.text
     d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
-    assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2  # said at once
+    assert not d.has_item("a")
+    d._heartbeat()  # (said once it lasts: an engine that stops loses its workers first)
+    assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2

@@ -3,7 +3,7 @@
 import pytest
 
 from ec_daemon.errors import NotFound
-from ec_daemon.sessions import SessionTable
+from ec_daemon.sessions import OPEN_GRACE_SECONDS, SessionTable
 from tests.unit.cache_helpers import FakeClock
 
 LEASE = 10.0
@@ -101,20 +101,35 @@ def test_a_view_whose_stream_never_opened_leaves_no_ghost(table):
 
 
 def test_mapped_ranks_count_distinct_streaming_ranks_of_one_engine(table):
-    assert table.mapped_ranks("E", "ns") == (0, 0)
+    assert table.mapped_ranks("E") == (0, 0)
     r0 = rank(table, r=0)
-    rank(table, r=1, stream=False)  # attached, not yet mapped
+    stale = table.create(engine_id="E", role="both", rank=3, world_size=4, namespace="ns",
+                         client_name="test")  # attached, never mapped: it counts for nothing
     rank(table, engine="F", r=1)  # another engine's
-    rank(table, ns="other", r=1)  # another namespace's
-    assert table.mapped_ranks("E", "ns") == (1, 2)  # of a world of 2
+    assert table.mapped_ranks("E") == (1, 2)  # of a world of 2
+    other_ns = rank(table, ns="other", r=1)  # its namespace differs (its weights were
+    assert table.mapped_ranks("E") == (2, 2)  # identified apart): it still maps the region
+    table.remove(other_ns)
     r1 = rank(table, r=1)
     again = rank(table, r=1)  # a second session of rank 1 (a re-attach) counts once
-    assert table.mapped_ranks("E", "ns") == (2, 2)
+    assert table.mapped_ranks("E") == (2, 2)
     table.remove(r1)
-    assert table.mapped_ranks("E", "ns") == (2, 2)
+    assert table.mapped_ranks("E") == (2, 2)
     table.remove(again)
     table.remove(r0)
-    assert table.mapped_ranks("E", "ns") == (0, 2)  # rank 1's first session, not mapped
+    table.remove(stale)
+    assert table.mapped_ranks("E") == (0, 0)
+
+
+def test_a_session_has_a_grace_to_open_its_stream_then_the_lease(table, clock):
+    """Its client maps (and on a GPU registers) the region first: seconds."""
+    a = table.create(engine_id="E", role="both", rank=0, world_size=1, namespace="ns",
+                     client_name="test")
+    clock.now += OPEN_GRACE_SECONDS - 1
+    assert table.expired() == []
+    table.open(a)
+    clock.now += LEASE + 0.1
+    assert table.expired() == [a]
 
 
 def test_a_detached_view_and_a_worker_never_become_ghosts(table):

@@ -183,6 +183,8 @@ def test_watchers_are_capped_in_all_and_per_peer_and_a_stuck_dropped_one_keeps_i
     ("ipv6:[::1]:5000", "ipv6:[::1]"),
     ("unix:/run/ec-daemon/ec.sock", "unix"),
     ("unix:", "unix"),
+    ("unix-abstract:ec", "unix"),
+    ("ipv6:[::ffff:10.0.0.5]:41234", "ipv4:10.0.0.5"),  # the same client as over IPv4
 ])
 def test_a_peer_is_an_address_without_its_port_and_local_clients_are_one(peer, key):
     assert peer_of(peer) == key

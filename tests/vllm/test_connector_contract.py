@@ -258,7 +258,7 @@ def tp2_engine(tiny_model) -> Iterator[tuple[Daemon, Any, list[Any]]]:
         try:
             for conn in (scheduler, *workers):
                 h.wait_attached(conn)
-            h.wait_until(lambda: scheduler._scheduler.view.synced)
+            h.wait_until(lambda: scheduler._scheduler.serving())  # both ranks mapped it
             yield daemon, scheduler, workers
         finally:
             for conn in (scheduler, *workers):

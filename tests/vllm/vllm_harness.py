@@ -175,6 +175,7 @@ def start_engine(model: str, socket: str, role: str, instance_id: str) -> tuple[
     worker = connector(config, ECConnectorRole.WORKER)
     wait_attached(scheduler)
     wait_attached(worker)
+    wait_until(lambda: scheduler._scheduler.serving())  # its worker mapped the region
     return scheduler, worker
 
 
@@ -193,7 +194,6 @@ def producer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -
 def consumer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -> None:
     """Engine 2 (ec_consumer, another process): loads them back."""
     scheduler, worker = start_engine(model, socket, "ec_consumer", "engine-2")
-    wait_until(lambda: scheduler._scheduler.view.synced)
     exact = 0
     all_hits = []
     for seed in seeds:
