@@ -484,3 +484,15 @@ def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, mo
     assert not d.has_item("a")
     d._heartbeat()  # (said once it lasts: an engine that stops loses its workers first)
     assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2
+
+
+def test_prefill_context_parallel_ranks_repeat_the_tensor_parallel_ones():
+    """tp=2 x pcp=2: four ranks report each load, but they attach as TP
+    ranks 0 and 1 of a world of 2 (twice each): two distinct ranks mapped
+    is all of them."""
+    d = make(ranks=4)
+    try:
+        d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
+        assert d.has_item("a")
+    finally:
+        d.transport.close()
