@@ -39,7 +39,7 @@ REDIS_SERVER ?= redis-server
 
 .PHONY: redis install proto run test test-unit test-integration test-vllm install-vllm lint clean \
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
-	fuzz soak bench gpu-bench gpu-test
+	fuzz soak bench bench-serve gpu-bench gpu-test
 
 install: $(STAMP)
 
@@ -110,6 +110,12 @@ soak: $(STAMP) proto
 bench: $(STAMP) $(VLLM_STAMP) proto
 	$(BIN)/python -m benchmarks.run --vllm-python $(VLLM_BIN)/python \
 		--torchvision $(abspath $(TORCHVISION_DIR))
+
+# Real `vllm serve` engines on this host driven by `vllm bench serve`: TTFT and
+# throughput with no EC connector, vLLM's ECExampleConnector and ec-daemon
+# (benchmarks/serve.py; about five minutes here).
+bench-serve: $(STAMP) $(VLLM_STAMP) proto
+	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m benchmarks.serve
 
 # CUDA machines only: GPU copy-backend tests and throughput against cudaMemcpy.
 gpu-test: $(STAMP) proto

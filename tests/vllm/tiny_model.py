@@ -69,6 +69,7 @@ import json
 import math
 import pathlib
 import string
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
@@ -85,6 +86,28 @@ IMAGE_SIZE = 56
 PATCH_SIZE = 14
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 16
 MAX_POSITIONS = 512
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The SigLIP tower's shape: the default is the tests' tiny one; a
+    benchmark uses SIGLIP_BASE, so encoding costs what it costs beside the LM."""
+
+    hidden: int = HIDDEN
+    intermediate: int = INTERMEDIATE
+    layers: int = NUM_LAYERS
+    heads: int = NUM_HEADS
+    image_size: int = IMAGE_SIZE
+    patch_size: int = PATCH_SIZE
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+TINY = VisionShape()
+SIGLIP_BASE = VisionShape(hidden=768, intermediate=3072, layers=12, heads=12, image_size=224,
+                          patch_size=16)  # 196 image tokens
 
 # --- tokenizer --------------------------------------------------------------
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma ids 0..3
@@ -110,7 +133,7 @@ def _build_tokenizer() -> tuple[Tokenizer, int]:
     return tok, int(math.ceil(size / 64) * 64)
 
 
-def _config(vocab_size: int, ids: dict[str, int]) -> dict:
+def _config(vocab_size: int, ids: dict[str, int], shape: VisionShape = TINY) -> dict:
     text = {
         "model_type": "gemma",
         "vocab_size": vocab_size,
@@ -134,17 +157,17 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
     }
     vision = {
         "model_type": "siglip_vision_model",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
         "num_channels": 3,
-        "image_size": IMAGE_SIZE,
-        "patch_size": PATCH_SIZE,
+        "image_size": shape.image_size,
+        "patch_size": shape.patch_size,
         "hidden_act": "gelu_pytorch_tanh",
         "layer_norm_eps": 1e-6,
         "projection_dim": HIDDEN,
-        "num_image_tokens": NUM_IMAGE_TOKENS,
+        "num_image_tokens": shape.image_tokens,
         "vision_use_head": False,
         "torch_dtype": "float32",
     }
@@ -165,7 +188,7 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
     }
 
 
-def _weights(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+def _weights(vocab_size: int, seed: int, shape: VisionShape = TINY) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -181,29 +204,30 @@ def _weights(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
 
     # SigLIP vision tower (vLLM name prefix: vision_tower.vision_model.)
     v = "vision_tower.vision_model."
-    fan_in_patch = 3 * PATCH_SIZE * PATCH_SIZE
+    vh, vi, patch = shape.hidden, shape.intermediate, shape.patch_size
+    fan_in_patch = 3 * patch * patch
     w[v + "embeddings.patch_embedding.weight"] = normal(
-        HIDDEN, 3, PATCH_SIZE, PATCH_SIZE, std=1.0 / math.sqrt(fan_in_patch)
+        vh, 3, patch, patch, std=1.0 / math.sqrt(fan_in_patch)
     )
-    w[v + "embeddings.patch_embedding.bias"] = bias(HIDDEN)
-    w[v + "embeddings.position_embedding.weight"] = normal(NUM_IMAGE_TOKENS, HIDDEN, std=0.5)
-    for i in range(NUM_LAYERS):
+    w[v + "embeddings.patch_embedding.bias"] = bias(vh)
+    w[v + "embeddings.position_embedding.weight"] = normal(shape.image_tokens, vh, std=0.5)
+    for i in range(shape.layers):
         p = f"{v}encoder.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            w[f"{p}self_attn.{proj}.weight"] = linear(HIDDEN, HIDDEN)
-            w[f"{p}self_attn.{proj}.bias"] = bias(HIDDEN)
+            w[f"{p}self_attn.{proj}.weight"] = linear(vh, vh)
+            w[f"{p}self_attn.{proj}.bias"] = bias(vh)
         for ln in ("layer_norm1", "layer_norm2"):
-            w[f"{p}{ln}.weight"] = 1.0 + normal(HIDDEN, std=0.1)
-            w[f"{p}{ln}.bias"] = bias(HIDDEN)
-        w[p + "mlp.fc1.weight"] = linear(INTERMEDIATE, HIDDEN)
-        w[p + "mlp.fc1.bias"] = bias(INTERMEDIATE)
-        w[p + "mlp.fc2.weight"] = linear(HIDDEN, INTERMEDIATE)
-        w[p + "mlp.fc2.bias"] = bias(HIDDEN)
-    w[v + "post_layernorm.weight"] = 1.0 + normal(HIDDEN, std=0.1)
-    w[v + "post_layernorm.bias"] = bias(HIDDEN)
+            w[f"{p}{ln}.weight"] = 1.0 + normal(vh, std=0.1)
+            w[f"{p}{ln}.bias"] = bias(vh)
+        w[p + "mlp.fc1.weight"] = linear(vi, vh)
+        w[p + "mlp.fc1.bias"] = bias(vi)
+        w[p + "mlp.fc2.weight"] = linear(vh, vi)
+        w[p + "mlp.fc2.bias"] = bias(vh)
+    w[v + "post_layernorm.weight"] = 1.0 + normal(vh, std=0.1)
+    w[v + "post_layernorm.bias"] = bias(vh)
 
     # Projector: vision hidden -> text hidden
-    w["multi_modal_projector.linear.weight"] = linear(HIDDEN, HIDDEN)
+    w["multi_modal_projector.linear.weight"] = linear(HIDDEN, vh)
     w["multi_modal_projector.linear.bias"] = bias(HIDDEN)
 
     # Gemma language model (vLLM name prefix: language_model.model.)
@@ -228,8 +252,10 @@ def _weights(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     return {k: t_.contiguous() for k, t_ in w.items()}
 
 
-def build_tiny_paligemma(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Write a tiny random PaliGemma (config, tokenizer, processor, weights)."""
+def build_tiny_paligemma(folder: pathlib.Path, seed: int = 0,
+                         shape: VisionShape = TINY) -> pathlib.Path:
+    """Write a tiny random PaliGemma (config, tokenizer, processor, weights),
+    its vision tower of `shape`."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -240,7 +266,7 @@ def build_tiny_paligemma(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
     def dump(name: str, obj: dict) -> None:
         (folder / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
-    dump("config.json", _config(vocab_size, ids))
+    dump("config.json", _config(vocab_size, ids, shape))
     dump(
         "tokenizer_config.json",
         {
@@ -271,8 +297,8 @@ def build_tiny_paligemma(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
         {
             "image_processor_type": "SiglipImageProcessor",
             "processor_class": "PaliGemmaProcessor",
-            "image_seq_length": NUM_IMAGE_TOKENS,
-            "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "image_seq_length": shape.image_tokens,
+            "size": {"height": shape.image_size, "width": shape.image_size},
             "do_resize": True,
             "resample": 3,
             "do_rescale": True,
@@ -288,7 +314,8 @@ def build_tiny_paligemma(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
         {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"], "pad_token_id": ids["<pad>"]},
     )
     save_file(
-        _weights(vocab_size, seed), str(folder / "model.safetensors"), metadata={"format": "pt"}
+        _weights(vocab_size, seed, shape), str(folder / "model.safetensors"),
+        metadata={"format": "pt"}
     )
     return folder
 
