@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from ec_client.copy import get_backend  # noqa: E402
 from ec_client.mapping import RegionMapping  # noqa: E402
+from tests.copy_views import VIEWS, non_contiguous  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BACKENDS = ["torch", "cupy"]
@@ -158,26 +159,9 @@ def test_regions_never_unmap_under_a_running_copy(tmp_path, monkeypatch, name):
     regions.close()
 
 
-VIEWS = ["transposed", "strided", "offset", "expanded"]
 # About 0.1 s of a spinning kernel: long enough for a copy that does not wait
 # for the producing stream to read the old bytes.
 PRODUCER_DELAY_CYCLES = 200_000_000
-
-
-def non_contiguous(kind, array):
-    """A view of a (rows, cols) torch tensor or CuPy array whose storage order
-    is not its row-major order (or, for `offset`, starts mid-storage)."""
-    if kind == "transposed":
-        return array.T
-    if kind == "strided":
-        return array[:, ::2]
-    if kind == "offset":
-        return array[1:]
-    if isinstance(array, torch.Tensor):  # expanded: one row broadcast to all
-        return array[:1].expand(array.shape[0], -1)
-    import cupy
-
-    return cupy.broadcast_to(array[:1], array.shape)
 
 
 def row_major_bytes(tensor) -> bytes:

@@ -3,6 +3,7 @@ import pytest
 
 from ec_client.copy import describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
+from tests.copy_views import VIEWS, non_contiguous
 
 
 @pytest.fixture
@@ -44,21 +45,6 @@ def test_mismatched_sizes_and_out_of_region_extents_are_refused(mapping):
         backend.save(data, mapping, [(mapping.size - 50, 100)])
 
 
-def non_contiguous(kind, array):
-    """A view of a (rows, cols) numpy array or torch tensor whose storage
-    order is not its row-major order (or, for `offset`, starts mid-storage)."""
-    if kind == "transposed":
-        return array.T
-    if kind == "strided":
-        return array[:, ::2]
-    if kind == "offset":
-        return array[1:]
-    if isinstance(array, np.ndarray):  # expanded: one row broadcast to all
-        return np.broadcast_to(array[:1], array.shape)
-    return array[:1].expand(array.shape[0], -1)
-
-
-VIEWS = ["transposed", "strided", "offset", "expanded"]
 
 
 @pytest.mark.parametrize("kind", VIEWS)
