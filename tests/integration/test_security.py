@@ -23,20 +23,21 @@ TOKEN = "s3cret-token-0123456789abcdef"
 READ_TOKEN = "r3ad-only-token-0123456789abcdef"
 
 
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
+def secret_file(path, token: str) -> str:
+    """`token` in an owner-only file at `path`."""
+    path.write_text(token + "\n")
     path.chmod(0o600)
     return str(path)
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    return secret_file(tmp_path / "token", TOKEN)
 
 
 @pytest.fixture
 def read_token_file(tmp_path):
-    path = tmp_path / "read-token"
-    path.write_text(READ_TOKEN + "\n")
-    path.chmod(0o600)
-    return str(path)
+    return secret_file(tmp_path / "read-token", READ_TOKEN)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,17 @@ def setup(remote=None):
     return clock, cache, conv, started
 
 
+def a_claims_b_waits():
+    """Engine A holds the claim on "img", engine B waits for it; both streams
+    drained."""
+    _, cache, conv, _ = setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    conv.want(a, ["img"])
+    conv.want(b, ["img"])
+    drain(a), drain(b)
+    return cache, conv, a, b
+
+
 def test_the_first_engine_encodes_and_the_others_wait_for_its_save():
     _, cache, conv, _ = setup()
     a, b, c = (scheduler(cache, engine) for engine in "ABC")
@@ -44,11 +55,7 @@ def test_the_first_engine_encodes_and_the_others_wait_for_its_save():
 
 
 def test_a_claim_passes_to_a_waiter_when_its_engine_ends():
-    _, cache, conv, _ = setup()
-    a, b = scheduler(cache, "A"), scheduler(cache, "B")
-    conv.want(a, ["img"])
-    conv.want(b, ["img"])
-    drain(a), drain(b)
+    cache, conv, a, b = a_claims_b_waits()
     cache.end_session(a)
     conv.session_ended(a)
     assert answers(b) == {"img": Verdict.ENCODE}
@@ -143,11 +150,7 @@ def test_wants_are_per_namespace_and_info_counts_engines():
 def test_a_released_claim_passes_to_a_waiter_at_once_and_the_releaser_waits_for_nothing():
     """The claimant's request did not run (no KV room) or was aborted: the
     waiter encodes now, not after its bound."""
-    _, cache, conv, _ = setup()
-    a, b = scheduler(cache, "A"), scheduler(cache, "B")
-    conv.want(a, ["img"])
-    conv.want(b, ["img"])
-    drain(a), drain(b)
+    cache, conv, a, b = a_claims_b_waits()
     conv.release(a, ["img", "never-wanted"])
     assert answers(b) == {"img": Verdict.ENCODE} and answers(a) == {}
     assert conv.making[("ns", "img")].holder is b
@@ -175,11 +178,7 @@ def test_a_lone_claim_released_is_forgotten():
 def test_waiters_are_answered_ready_when_the_item_lands():
     """A waiter whose item became ready and was evicted before it asked
     again must encode it, not wait out its bound for an answer."""
-    _, cache, conv, _ = setup()
-    a, b = scheduler(cache, "A"), scheduler(cache, "B")
-    conv.want(a, ["img"])
-    conv.want(b, ["img"])
-    drain(a), drain(b)
+    cache, conv, a, b = a_claims_b_waits()
     save(cache, worker(cache, "A"), "img")
     conv.ready(("ns", "img"))
     assert answers(b) == {"img": Verdict.READY}
@@ -207,11 +206,7 @@ def test_a_claimant_that_steps_aside_hands_over_only_when_someone_waits():
 
 
 def test_a_save_given_up_hands_over_only_its_own_engines_claim():
-    _, cache, conv, _ = setup()
-    a, b = scheduler(cache, "A"), scheduler(cache, "B")
-    conv.want(a, ["img"])
-    conv.want(b, ["img"])
-    drain(a), drain(b)
+    _, conv, a, b = a_claims_b_waits()
     conv.save_given_up(("ns", "img"), "B")  # B encoded it anyway and skipped its save
     assert conv.making[("ns", "img")].holder is a and answers(b) == {}
     conv.save_given_up(("ns", "img"), "A")
