@@ -11,10 +11,16 @@ until every rank reported that transfer through vLLM's worker metadata
 touches on the next heartbeat. Saves need nothing from the scheduler.
 
 Before vLLM schedules a request with media it asks `ensure`: an item the
-view does not hold is *wanted* (one stream message, no wait) and the
-request deferred until the daemon answers: encode it (nobody else is), or
-wait for another engine's save or a promotion from the second tier, which
-ends with a ready event (then `has_item` hits). Every deferral is bounded
+view does not hold is *wanted* (one stream message) and the daemon answers:
+encode it (nobody else is), or wait for another engine's save or a
+promotion from the second tier, which ends with a ready event (then
+`has_item` hits). `ensure` waits for that answer, a fraction of a
+millisecond, up to `answer_wait_seconds` per step in all: a cold miss then
+costs one round trip instead of a deferred step (hundreds of milliseconds on
+a busy engine), and engines that miss one image at once still encode it once
+(the daemon orders their wants). An answer later than that defers the
+request to the next step. This is the one wait on the scheduler's path, for
+a miss only, bounded per step; hits never wait. Every deferral is bounded
 (`max_defer_seconds`, and ANSWER_SECONDS for an answer), and wants are sent
 only where they help: another engine shares the namespace, or a second tier
 is on (the daemon says which).
@@ -40,6 +46,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
@@ -65,6 +72,10 @@ INFLIGHT_TTL_SECONDS = 120.0
 UNMAPPED_WARNING_SECONDS = 30.0
 # A want unanswered this long (a daemon that dropped it) is encoded.
 ANSWER_SECONDS = 1.0
+# How long `ensure` may wait in all, per step, for the answers to the items it
+# just wanted (extra-config `ec_daemon_answer_wait_ms`): an answer takes a
+# fraction of a millisecond; an unanswered want defers its request a step.
+DEFAULT_ANSWER_WAIT_SECONDS = 0.005
 # How long a request is deferred at most for another engine's encode or a
 # promotion (extra-config `ec_daemon_max_defer_s`).
 DEFAULT_MAX_DEFER_SECONDS = 10.0
@@ -142,11 +153,17 @@ class SchedulerDelegate:
                  ranks: int = 1, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "", token_file: str | None = None,
                  tls_ca: str | None = None, start: bool = True,
-                 max_defer_seconds: float = DEFAULT_MAX_DEFER_SECONDS) -> None:
+                 max_defer_seconds: float = DEFAULT_MAX_DEFER_SECONDS,
+                 answer_wait_seconds: float = DEFAULT_ANSWER_WAIT_SECONDS) -> None:
         """`ranks`: how many worker ranks load (and report) each dispatched load."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
+        self.answer_wait_seconds = answer_wait_seconds
         self._wants: dict[str, _Want] = {}
+        # Notified when answers arrive (link thread); `ensure` waits on it for
+        # at most `_wait_left` more this step.
+        self._answered = threading.Condition()
+        self._wait_left = answer_wait_seconds
         # Items this engine was told to encode that `ensure` saw this step:
         # mm_hash -> the requests that needed them (`build_step_metadata`).
         self._claimed: dict[str, set[str]] = {}
@@ -174,6 +191,7 @@ class SchedulerDelegate:
         # Since the last take_stats (plain ints: the hot path counts them).
         self._loads = self._load_bytes = self._load_failures = 0
         self._deferred = self._defer_timeouts = 0
+        self._answer_waits = self._answer_wait_us = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, on_attached=self._on_attached,
@@ -216,11 +234,13 @@ class SchedulerDelegate:
 
     def ensure(self, mm_hashes: Iterable[str], request_id: str = "") -> bool:
         """May request `request_id`, needing these items, be scheduled now?
-        False defers it (vLLM asks again next step): an item is wanted and
-        unanswered, or another engine or a promotion is making it. Never
-        waits. Items this engine was told to encode are offered to waiting
-        engines at the step's end if no request needing them ran
-        (`build_step_metadata`); `request_finished` releases them."""
+        False defers it (vLLM asks again next step): another engine or a
+        promotion is making an item, or the daemon has not answered yet.
+        Waits only for the answers to items wanted here for the first time,
+        `answer_wait_seconds` per step in all. Items this engine was told to
+        encode are offered to waiting engines at the step's end if no request
+        needing them ran (`build_step_metadata`); `request_finished` releases
+        them."""
         if not self._wanting or not self._ranks_mapped or not self.can_load \
                 or not self.link.fresh():
             return True
@@ -238,28 +258,56 @@ class SchedulerDelegate:
                 now = now or time.monotonic()
                 wants[mm_hash] = _Want(now, now + ANSWER_SECONDS, requests={request_id})
                 fresh.append(mm_hash)
-                ready = False
                 continue
             want.requests.add(request_id)
-            if want.verdict and want.verdict not in _WAITS:
-                if want.verdict == pb.VERDICT_ENCODE and not want.computing:
-                    self._claimed.setdefault(mm_hash, set()).add(request_id)
-                continue  # encode it (or it was ready and is gone again)
-            now = now or time.monotonic()
-            if now >= want.deadline:
-                if not want.gave_up:
-                    want.gave_up = True
-                    self._defer_timeouts += 1
-                    log.warning("ec-daemon: %s still not ready after %.1fs (%s); encoding it "
-                                "here", mm_hash, now - want.asked,
-                                pb.Verdict.Name(want.verdict) if want.verdict else "no answer")
-                continue
-            ready = False
+            if not self._settled(mm_hash, want, request_id):
+                ready = False
         if fresh:
-            self._deferred += len(fresh)
-            for start in range(0, len(fresh), MAX_BATCH):
-                self.link.send(pb.ClientMessage(wants=fresh[start:start + MAX_BATCH]))
+            self._send_items("wants", fresh)
+            if self._wait_left > 0:
+                self._await_answers(wants, fresh)
+            for mm_hash in fresh:
+                if self.view.get(mm_hash) is None \
+                        and not self._settled(mm_hash, wants[mm_hash], request_id):
+                    self._deferred += 1
+                    ready = False
         return ready
+
+    def _settled(self, mm_hash: str, want: _Want, request_id: str) -> bool:
+        """May `request_id` go ahead as far as this wanted item goes? Told to
+        encode it (a claim), or it was ready (and is gone again), or its
+        deferral is over."""
+        verdict = want.verdict
+        if verdict and verdict not in _WAITS:
+            if verdict == pb.VERDICT_ENCODE and not want.computing:
+                self._claimed.setdefault(mm_hash, set()).add(request_id)
+            return True
+        now = time.monotonic()
+        if now < want.deadline:
+            return False
+        if not want.gave_up:
+            want.gave_up = True
+            self._defer_timeouts += 1
+            log.warning("ec-daemon: %s still not ready after %.1fs (%s); encoding it here",
+                        mm_hash, now - want.asked,
+                        pb.Verdict.Name(verdict) if verdict else "no answer")
+        return True
+
+    def _await_answers(self, wants: dict[str, _Want], fresh: list[str]) -> None:
+        """Until every item of `fresh` is answered, or this step's answer
+        wait is spent."""
+        started = time.monotonic()
+        deadline = started + self._wait_left
+        with self._answered:
+            while any(wants[h].verdict == 0 for h in fresh):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._answered.wait(left)
+        waited = time.monotonic() - started
+        self._wait_left -= waited
+        self._answer_waits += 1
+        self._answer_wait_us += int(waited * 1e6)
 
     def request_finished(self, request_id: str, mm_hashes: Iterable[str]) -> None:
         """Request `request_id`, which needed these items, finished or was
@@ -318,6 +366,7 @@ class SchedulerDelegate:
         engine that waits for them (`yields`): it encodes, this one waits."""
         if self._claimed:
             self._step_aside(scheduled)
+        self._wait_left = self.answer_wait_seconds
         planned, self._planned = self._planned, {}
         if self._hits_this_step:
             self._hits_this_step = {}
@@ -377,9 +426,11 @@ class SchedulerDelegate:
         lookups, hits = self._counts_since("stats")
         stats = Counter(lookups=lookups, hits=hits, loads=self._loads,
                         load_bytes=self._load_bytes, load_failures=self._load_failures,
-                        deferred=self._deferred, defer_timeouts=self._defer_timeouts)
+                        deferred=self._deferred, defer_timeouts=self._defer_timeouts,
+                        answer_waits=self._answer_waits, answer_wait_us=self._answer_wait_us)
         self._loads = self._load_bytes = self._load_failures = 0
         self._deferred = self._defer_timeouts = 0
+        self._answer_waits = self._answer_wait_us = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
@@ -519,9 +570,16 @@ class SchedulerDelegate:
                     if answer.verdict in _WAITS:
                         want.deadline = want.asked + patience
                     want.verdict = answer.verdict
+            with self._answered:
+                self._answered.notify_all()
         if message.HasField("namespace_info"):
             info = message.namespace_info
-            self._wanting = info.engines > 1 or info.remote_tier
+            wanting = info.engines > 1 or info.remote_tier
+            if wanting != self._wanting:
+                log.info("ec-daemon: %d engine(s) share this namespace%s: misses %s asked about",
+                         info.engines, ", a second tier is on" if info.remote_tier else "",
+                         "are" if wanting else "are no longer")
+            self._wanting = wanting
         if message.HasField("ranks"):
             self._ranks_changed(message.ranks.mapped, message.ranks.world_size)
 

@@ -21,7 +21,10 @@ reading of the model's files, default ""),
 `ec_daemon_save_queue_bytes` (GPU memory held by outputs waiting to be
 saved, default 256 MiB; a full queue skips the save), `ec_daemon_max_defer_s`
 (how long a request waits at most for another engine's encode of the same
-item or a promotion from the second tier, default 10), and for a TCP daemon
+item or a promotion from the second tier, default 10),
+`ec_daemon_answer_wait_ms` (how long a scheduler step waits in all for the
+daemon's answers about cold misses before deferring their requests a step,
+default 5; 0 never waits), and for a TCP daemon
 `ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE
 and $EC_DAEMON_TLS_CA).
 
@@ -54,6 +57,7 @@ instead, and the loads restore it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -70,7 +74,12 @@ from vllm.logger import init_logger
 
 from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
 from ec_client.regions import RegionInfo
-from ec_client.scheduler import DEFAULT_MAX_DEFER_SECONDS, LoadSpec, SchedulerDelegate
+from ec_client.scheduler import (
+    DEFAULT_ANSWER_WAIT_SECONDS,
+    DEFAULT_MAX_DEFER_SECONDS,
+    LoadSpec,
+    SchedulerDelegate,
+)
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
 from ec_client.worker import DEFAULT_SAVE_QUEUE_BYTES
 from ec_protocol.protocol import SOCKET_ENV, Layout, default_socket_uri
@@ -87,6 +96,27 @@ if TYPE_CHECKING:
 # Under "vllm", the one logger vLLM gives a handler and level: outside it
 # the start-up line below (the namespace, the weights' identity) was dropped.
 logger = init_logger(f"vllm.{__name__}")
+
+
+def _log_through_vllm() -> None:
+    """The client library's own loggers (the session link, the scheduler and
+    worker delegates) log through vLLM's handler and level too, unless the
+    application configured logging itself: their INFO lines (attached,
+    every rank mapped, the namespace shared) were dropped before."""
+    vllm_logger = logging.getLogger("vllm")
+    if logging.getLogger().handlers or not vllm_logger.handlers:
+        return
+    for name in ("ec_client", "ec_protocol"):
+        library = logging.getLogger(name)
+        if library.handlers:
+            continue
+        for handler in vllm_logger.handlers:
+            library.addHandler(handler)
+        library.setLevel(vllm_logger.level)
+        library.propagate = False
+
+
+_log_through_vllm()
 
 ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
 # How often get_ec_connector_stats hands vLLM a summary (it asks every step).
@@ -130,6 +160,7 @@ class ConnectorSettings:
     weights_id: str
     save_queue_bytes: int
     max_defer_seconds: float
+    answer_wait_seconds: float
     token_file: str | None
     tls_ca: str | None
 
@@ -147,6 +178,8 @@ class ConnectorSettings:
                                            DEFAULT_SAVE_QUEUE_BYTES)),
             max_defer_seconds=float(extra.get("ec_daemon_max_defer_s",
                                               DEFAULT_MAX_DEFER_SECONDS)),
+            answer_wait_seconds=float(extra.get("ec_daemon_answer_wait_ms",
+                                                DEFAULT_ANSWER_WAIT_SECONDS * 1000)) / 1000,
             token_file=extra.get("ec_daemon_token_file"),
             tls_ca=extra.get("ec_daemon_tls_ca"),
         )
@@ -252,7 +285,8 @@ class ECDaemonConnector(ECConnectorBase):
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
                 ranks=expected_reports(vllm_config),
-                max_defer_seconds=self.settings.max_defer_seconds, **self.settings.transport)
+                max_defer_seconds=self.settings.max_defer_seconds,
+                answer_wait_seconds=self.settings.answer_wait_seconds, **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
         else:

@@ -37,6 +37,10 @@ COUNTERS = {
                  "second tier makes them"),
     "defer_timeouts": ("vllm:ec_daemon_defer_timeouts",
                        "Deferrals given up (ec_daemon_max_defer_s): the engine encoded"),
+    "answer_waits": ("vllm:ec_daemon_answer_waits",
+                     "Times the scheduler waited for the daemon's answer to a cold miss"),
+    "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",
+                       "Time the scheduler waited for those answers"),
 }
 LOAD_SECONDS = "load_seconds"
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,9 +55,9 @@ def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
     return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs])
 
 
-def make(role: str = "both", ranks: int = 1) -> SchedulerDelegate:
+def make(role: str = "both", ranks: int = 1, **options: float) -> SchedulerDelegate:
     d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
-                          role=role, ranks=ranks, start=False)
+                          role=role, ranks=ranks, start=False, **options)
     d.acks = []
     d.freshness = True
     d.link.fresh = lambda: d.freshness
@@ -399,6 +400,23 @@ def answer(d: SchedulerDelegate, mm_hash: str, verdict: int) -> None:
     d._on_message(pb.DaemonMessage(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
 
 
+def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[pb.ClientMessage]:
+    """As `wanting`, and a daemon that answers each want from another
+    thread (as the link thread hands answers over)."""
+    sent = wanting(d)
+
+    def send(message: pb.ClientMessage) -> bool:
+        sent.append(message)
+        if message.wants:
+            answers = pb.DaemonMessage(answers=[pb.Answer(mm_hash=h, verdict=verdicts[h])
+                                                for h in message.wants])
+            threading.Thread(target=d._on_message, args=(answers,)).start()
+        return True
+
+    d.link.send = send
+    return sent
+
+
 def released(sent: list[pb.ClientMessage]) -> list[str]:
     return [h for m in sent for h in m.releases]
 
@@ -494,5 +512,51 @@ def test_prefill_context_parallel_ranks_repeat_the_tensor_parallel_ones():
     try:
         d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
         assert d.has_item("a")
+    finally:
+        d.transport.close()
+
+
+def test_a_cold_miss_the_daemon_answers_in_time_is_scheduled_in_the_same_step():
+    """The answer takes a round trip; a deferral would take a whole step."""
+    d = make(answer_wait_seconds=30.0)  # generous: the answers, not the bound, end the waits
+    try:
+        sent = answering(d, {"new": pb.VERDICT_ENCODE, "theirs": pb.VERDICT_ENCODING})
+        assert d.ensure(["new"], "r1")  # nobody makes it: encoded here, this step
+        assert not d.ensure(["theirs"], "r2")  # another engine encodes it: r2 waits for it
+        assert d.ensure(["other"], "r3")  # a hit asks nothing
+        assert [list(m.wants) for m in sent if m.wants] == [["new"], ["theirs"]]
+        d.build_step_metadata(scheduled=set())  # r1 found no KV room after all
+        assert yielded(sent) == ["new"]  # it was this engine's to encode
+        stats = d.take_stats()
+        assert stats["answer_waits"] == 2 and stats["deferred"] == 1
+    finally:
+        d.transport.close()
+
+
+def test_an_answer_later_than_the_steps_wait_defers_the_request_a_step():
+    d = make(answer_wait_seconds=0.05)
+    try:
+        sent = wanting(d)  # a daemon that does not answer in time
+        assert not d.ensure(["a"], "r1")  # waited its 50 ms: deferred
+        assert not d.ensure(["b"], "r2")  # the step's wait is spent: deferred at once
+        assert d.take_stats()["answer_waits"] == 1
+        answer(d, "a", pb.VERDICT_ENCODE)
+        d.build_step_metadata(scheduled=set())
+        assert d.ensure(["a"], "r1")  # the next step: answered, and asked only once
+        assert not d.ensure(["c"], "r3")  # a new step, a new wait
+        assert d.take_stats()["answer_waits"] == 1
+        assert [h for m in sent for h in m.wants] == ["a", "b", "c"]
+    finally:
+        d.transport.close()
+
+
+def test_an_engine_told_not_to_wait_defers_every_cold_miss_a_step():
+    d = make(answer_wait_seconds=0.0)
+    try:
+        wanting(d)
+        assert not d.ensure(["a"], "r1")
+        assert "answer_waits" not in d.take_stats()
+        answer(d, "a", pb.VERDICT_ENCODE)
+        assert d.ensure(["a"], "r1")
     finally:
         d.transport.close()

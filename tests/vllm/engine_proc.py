@@ -53,10 +53,13 @@ class Engine:
         with self._changed:
             return "".join(self.lines)
 
-    def wait_for_line(self, prefix: str, timeout: float) -> None:
+    def wait_for_line(self, prefix: str, timeout: float, anywhere: bool = False) -> None:
+        """Until a line starts with `prefix` (`anywhere`: contains it, as a
+        log line does)."""
         with self._changed:
             found = self._changed.wait_for(
-                lambda: any(line.startswith(prefix) for line in self.lines)
+                lambda: any(prefix in line if anywhere else line.startswith(prefix)
+                            for line in self.lines)
                 or self.proc.poll() is not None, timeout)
         assert found and self.proc.poll() is None, (
             f"no {prefix!r} from the engine:\n{self.output[-4000:]}")

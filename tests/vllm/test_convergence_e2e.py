@@ -28,6 +28,16 @@ def started(*engines: Engine) -> None:
         engine.wait_for_line("STARTED", ENGINE_TIMEOUT)
 
 
+def asking(*engines: Engine) -> None:
+    """Until every engine's scheduler knows another engine shares its
+    namespace (so it asks before it encodes) and answers hits (its worker
+    mapped the region): attached sessions alone do not say so."""
+    for engine in engines:
+        engine.wait_for_line("2 engine(s) share this namespace", ENGINE_TIMEOUT, anywhere=True)
+        engine.wait_for_line("worker ranks mapped the region; hits are answered",
+                             ENGINE_TIMEOUT, anywhere=True)
+
+
 def test_two_engines_that_get_one_new_image_at_once_encode_it_once(tiny_model, reference,
                                                                    tmp_path):
     # Each engine's save takes a few seconds, so that whichever encodes first
@@ -42,8 +52,7 @@ def test_two_engines_that_get_one_new_image_at_once_encode_it_once(tiny_model, r
                    for i in range(2)]
         try:
             started(*engines)
-            daemon.wait_for(lambda: daemon.stats()["sessions"] == 4,
-                            what="both engines' schedulers and workers attached")
+            asking(*engines)
             for engine in engines:
                 engine.send("go\n")
             results = [engine.finish() for engine in engines]
@@ -73,8 +82,7 @@ def test_when_the_encoding_engine_dies_mid_way_the_other_encodes(tiny_model, ref
                               max_defer_seconds=MAX_DEFER_SECONDS)
         try:
             started(first, second)
-            daemon.wait_for(lambda: daemon.stats()["sessions"] == 4,
-                            what="both engines' schedulers and workers attached")
+            asking(first, second)
             first.send("go\n")
             deadline = time.monotonic() + ENGINE_TIMEOUT
             while marker_state(str(marker)) != ["start"]:
