@@ -29,13 +29,13 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ec_daemon.config import format_size
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.index import Index, index_path, read_index
 from ec_daemon.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
 from ec_daemon.limits import validate_save
 from ec_daemon.records import Run
 from ec_daemon.region import DeadRegion, Region, dead_regions, region_path
+from ec_daemon.sizes import format_size
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ec_daemon import __version__, config
 from ec_daemon.region import clean_stale
 from ec_daemon.server import SERVICE_NAME, StartupError, serve, socket_identity
+from ec_daemon.sizes import format_size
 from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb, rpc
 from ec_protocol.transport import Transport
 
@@ -181,7 +182,7 @@ def stats_dict(reply: Any) -> dict[str, Any]:
 
 
 def format_stats(data: dict[str, Any]) -> str:
-    size = config.format_size
+    size = format_size
     lookups = data["hits"] + data["misses"]
     rate = f"{100 * data['hits'] / lookups:.1f}%" if lookups else "n/a"
     used_pct = 100 * data["used_bytes"] // max(1, data["capacity_bytes"])
@@ -330,7 +331,7 @@ def format_event(data: dict[str, Any]) -> str:
     shape = ",".join(map(str, data["shape"]))
     return (f"{when.isoformat(timespec='microseconds')[:-6]}Z {data['event']:<7} "
             f"{data['mm_hash']} "
-            f"id={data['entry_id']} {config.format_size(data['nbytes'])} "
+            f"id={data['entry_id']} {format_size(data['nbytes'])} "
             f"{data['dtype']}[{shape}] {data['namespace']}")
 
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ec_daemon.config import format_size
 from ec_daemon.index import (
     COMPACTING_SUFFIX,
     INDEX_SUFFIX,
@@ -46,6 +45,7 @@ from ec_daemon.index import (
     read_header,
 )
 from ec_daemon.journal import Header, IndexUnreadable
+from ec_daemon.sizes import format_size
 
 log = logging.getLogger(__name__)
 

@@ -37,12 +37,13 @@ from ec_daemon.auth import (
     token_interceptor,
 )
 from ec_daemon.cache import Cache
-from ec_daemon.config import DaemonConfig, format_size
+from ec_daemon.config import DaemonConfig
 from ec_daemon.errors import InvariantViolated
 from ec_daemon.metrics import start_exporter
 from ec_daemon.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
 from ec_daemon.service import ECDaemonService
 from ec_daemon.sessions import SessionTable
+from ec_daemon.sizes import format_size
 from ec_daemon.startup import StartupError, prepare_socket
 from ec_protocol import stamps
 from ec_protocol.protocol import pb, rpc, unix_path
