@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_protocol.protocol import LOADING_ROLES, SAVING_ROLES, SCHEDULER, WORKER, Component, Role
+
 Key = tuple[str, str]  # (namespace, mm_hash)
 Run = tuple[int, int]  # (first payload page, pages)
 
@@ -72,7 +74,7 @@ class Session:
     session_id: str
     index: int
     engine_id: str
-    role: str
+    role: Role
     rank: int | None  # None for the scheduler side
     world_size: int
     namespace: str
@@ -109,15 +111,20 @@ class Session:
 
     @property
     def can_save(self) -> bool:
-        return self.role in ("producer", "both")
+        return self.role in SAVING_ROLES
 
     @property
     def can_load(self) -> bool:
-        return self.role in ("consumer", "both")
+        return self.role in LOADING_ROLES
+
+    @property
+    def kind(self) -> Component:
+        return SCHEDULER if self.rank is None else WORKER
 
     @property
     def component(self) -> str:
-        return "scheduler" if self.rank is None else f"worker {self.rank}/{self.world_size}"
+        """For logs and stats: `scheduler`, or `worker <rank>/<world size>`."""
+        return SCHEDULER if self.rank is None else f"{WORKER} {self.rank}/{self.world_size}"
 
     def send(self, event: Any) -> None:
         """Queue an event for the stream. Past `outbox_limit` the session is

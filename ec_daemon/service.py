@@ -42,7 +42,7 @@ from ec_daemon.limits import validate_mm_hash
 from ec_daemon.metrics import rpc_histogram
 from ec_daemon.records import Key
 from ec_daemon.records import Session as ClientSession
-from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
+from ec_protocol.protocol import BOTH, PROTOCOL_VERSION, pb, rpc
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         if promoter is None:
             now = time.monotonic()
             promoter = self._promoters[namespace] = ClientSession(
-                session_id="", index=0, engine_id="ec-daemon", role="both", rank=0,
+                session_id="", index=0, engine_id="ec-daemon", role=BOTH, rank=0,
                 world_size=1, namespace=namespace, client_name="second tier", created=now,
                 lease_deadline=float("inf"))
         return promoter

@@ -38,8 +38,8 @@ from typing import Any
 
 from ec_daemon.errors import NotFound
 from ec_daemon.records import Session
+from ec_protocol.protocol import CONSUMER, Role
 
-ROLES = ("producer", "consumer", "both")
 # How long after Attach a session's stream may open, at least.
 OPEN_GRACE_SECONDS = 60.0
 
@@ -59,7 +59,7 @@ class SessionTable:
         self._ranks: dict[str, set[Session]] = defaultdict(set)
         self._next_index = secrets.randbits(31) + 1
 
-    def create(self, *, engine_id: str, role: str, rank: int | None, world_size: int,
+    def create(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
                namespace: str, client_name: str) -> Session:
         now = self.clock()
         session = Session(
@@ -114,7 +114,7 @@ class SessionTable:
         engine re-attaches within a lease and re-declares its loads). It may
         have seen every entry up to `seen_upto`."""
         now = self.clock()
-        ghost = Session(session_id="", index=0, engine_id=engine_id, role="consumer",
+        ghost = Session(session_id="", index=0, engine_id=engine_id, role=CONSUMER,
                         rank=None, world_size=1, namespace=namespace,
                         client_name="a view of the previous daemon", created=now,
                         lease_deadline=now, alive=False, streaming=True, seen_upto=seen_upto,

@@ -9,13 +9,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ec_daemon.cache import Cache
+from ec_protocol.protocol import Component, Role
 
 
 @dataclass(frozen=True)
 class SessionSnapshot:
     index: int
     engine_id: str
-    role: str
+    role: Role
     component: str
     namespace: str
     awaiting: int
@@ -49,7 +50,7 @@ class Snapshot:
     generation: int
     region_path: str
     uptime_s: float
-    sessions_by_kind: dict[tuple[str, str], int] = field(default_factory=dict)
+    sessions_by_kind: dict[tuple[Role, Component], int] = field(default_factory=dict)
     # Open Watch calls (`watch`), and those dropped for reading too slowly.
     watchers: int = 0
     dropped_watchers: int = 0
@@ -90,6 +91,5 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
         counters=dict(cache.counters), namespaces=namespaces, sessions=sessions,
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,
         region_path=region_path, uptime_s=now - started,
-        sessions_by_kind=dict(Counter((s.role, "scheduler" if s.is_scheduler else "worker")
-                                      for s in cache.sessions)),
+        sessions_by_kind=dict(Counter((s.role, s.kind) for s in cache.sessions)),
         convergence=dict(convergence or {}), remote_tier=dict(remote_tier or {}))

@@ -28,7 +28,7 @@ from ec_daemon.limits import DTYPE_RE
 from ec_daemon.records import Entry, State
 from ec_daemon.stats import Snapshot
 from ec_daemon.watch import Event, Kind
-from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, pb
+from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, WORKER, pb
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
@@ -87,7 +87,7 @@ def attach_fields(request: Any) -> dict[str, Any]:
         raise InvalidArgument("component must be scheduler or worker")
     rank: int | None = None
     world_size = 1
-    if which == "worker":
+    if which == WORKER:
         world_size = request.worker.world_size
         rank = request.worker.rank
         if not 0 < world_size <= MAX_WORLD_SIZE:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Final, Literal
 
 import grpc
 
@@ -28,17 +29,41 @@ SOCKET_ENV = "EC_DAEMON_SOCKET"
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
-ROLES = {"producer": pb.ROLE_PRODUCER, "consumer": pb.ROLE_CONSUMER, "both": pb.ROLE_BOTH}
-ROLE_NAMES = {v: k for k, v in ROLES.items()}
+# What an engine does with the cache (AttachRequest.role), by the one name
+# each role has in code, logs and stats; a role given as plain text works as
+# well (the values are those strings).
+Role = Literal["producer", "consumer", "both"]
+PRODUCER: Final = "producer"
+CONSUMER: Final = "consumer"
+BOTH: Final = "both"
+SAVING_ROLES: frozenset[Role] = frozenset({PRODUCER, BOTH})
+LOADING_ROLES: frozenset[Role] = frozenset({CONSUMER, BOTH})
+ROLE_NAMES: dict[pb.Role, Role] = {pb.ROLE_PRODUCER: PRODUCER, pb.ROLE_CONSUMER: CONSUMER,
+                                   pb.ROLE_BOTH: BOTH}
+ROLES: dict[str, pb.Role] = {name: value for value, name in ROLE_NAMES.items()}
+
+# Which side of an engine a session is (AttachRequest's `component`).
+Component = Literal["scheduler", "worker"]
+SCHEDULER: Final = "scheduler"
+WORKER: Final = "worker"
 
 __all__ = [
+    "BOTH",
+    "CONSUMER",
+    "LOADING_ROLES",
     "MAX_BATCH",
+    "PRODUCER",
     "PROTOCOL_VERSION",
     "RETRYABLE",
     "ROLES",
     "ROLE_NAMES",
+    "SAVING_ROLES",
+    "SCHEDULER",
     "SOCKET_ENV",
+    "WORKER",
+    "Component",
     "Layout",
+    "Role",
     "default_socket_uri",
     "grpc_target",
     "pb",
