@@ -5,12 +5,16 @@ the Stats RPC answers with), never on the hot path: the scrape runs in
 prometheus-client's HTTP thread and asks the event loop for the snapshot
 (the core is owned by the loop and is not thread-safe). RPC latencies are a
 Histogram observed by the service's handlers.
+
+The exporter is handed a snapshot function and the collectors to serve
+beside it, never the service: the service imports this module (for its
+histogram), so this one imports nothing of the service.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -23,7 +27,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ec_daemon.service import ECDaemonService
     from ec_daemon.stats import Snapshot
 
 SNAPSHOT_TIMEOUT_SECONDS = 5.0
@@ -57,13 +60,15 @@ def rpc_histogram() -> Histogram:
 
 
 class CacheCollector(Collector):
-    def __init__(self, service: ECDaemonService, loop: asyncio.AbstractEventLoop) -> None:
-        self.service = service
+    def __init__(self, snapshot: Callable[[], Snapshot],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        """`snapshot()` is called on `loop`, the event loop that owns the core."""
+        self.snapshot = snapshot
         self.loop = loop
 
     def _snapshot(self) -> Snapshot:
         async def take() -> Snapshot:
-            return self.service.snapshot()
+            return self.snapshot()
 
         return asyncio.run_coroutine_threadsafe(take(), self.loop).result(
             SNAPSHOT_TIMEOUT_SECONDS)
@@ -125,13 +130,14 @@ def _namespace_metrics(data: Snapshot) -> Iterator[Metric]:
     yield from (lookups, hits, misses, loads, stored)
 
 
-def start_exporter(service: ECDaemonService, loop: asyncio.AbstractEventLoop, port: int,
-                   address: str) -> Any:
-    """Serve /metrics on address:port in a background thread; returns the server."""
+def start_exporter(snapshot: Callable[[], Snapshot], loop: asyncio.AbstractEventLoop,
+                   port: int, address: str, collectors: Iterable[Collector] = ()) -> Any:
+    """Serve /metrics on address:port in a background thread; returns the server.
+    Each scrape reads `snapshot()` on `loop`, then each of `collectors` (the
+    service's RPC histogram, the second tier's own ec_daemon_remote_* families)."""
     registry = CollectorRegistry()
-    registry.register(CacheCollector(service, loop))
-    registry.register(service.rpc_seconds)
-    if service.tier is not None:
-        registry.register(service.tier)  # its own ec_daemon_remote_* families
+    registry.register(CacheCollector(snapshot, loop))
+    for collector in collectors:
+        registry.register(collector)
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

@@ -281,7 +281,9 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     exporter = None
     if config.metrics_port:
         try:
-            exporter = start_exporter(service, loop, config.metrics_port, config.metrics_address)
+            collectors = [service.rpc_seconds] if tier is None else [service.rpc_seconds, tier]
+            exporter = start_exporter(service.snapshot, loop, config.metrics_port,
+                                      config.metrics_address, collectors)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {config.metrics_address}:"
                                f"{config.metrics_port}: {exc.strerror}") from None
