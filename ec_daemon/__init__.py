@@ -2,7 +2,8 @@
 
 Needs grpcio and protobuf only (no torch, no CUDA). The core modules
 (`allocator`, `eviction`, `cache`, `sessions`, `region`) hold no gRPC types and
-are tested directly; `service` adapts them to gRPC and `cli` to the shell.
+are tested directly; `dataplane` serves them on plain values, `service` adapts
+that to gRPC and `cli` to the shell.
 """
 
 __version__ = "0.1.0"

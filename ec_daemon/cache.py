@@ -110,12 +110,14 @@ class Cache:
         self.namespace_usage: dict[str, list[int]] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.namespace_counters: dict[str, dict[str, int]] = {}
-        # Hook for the service: pages came back (a save may be waiting).
+        # Hook for the data plane: pages came back (a save may be waiting).
         self.on_reclaim: Callable[[], None] = lambda: None
         # Ghosts of the views of the daemon whose region was adopted, by
         # (engine, namespace): each until its engine re-attaches.
         self._previous: dict[tuple[str, str], Session] = {}
-        # Hook for watchers (`watch`): an entry just became READY or HIDDEN.
+        # Hook for the data plane, the one announcement of an entry that just
+        # became READY (its views were told first) or HIDDEN: watchers,
+        # convergence and the second tier listen there (`dataplane`).
         self.on_entry_change: Callable[[Entry], None] = lambda entry: None
 
     # ----------------------------------------------------------- sessions
@@ -472,11 +474,11 @@ class Cache:
         usage[1] += entry.nbytes
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += entry.nbytes
-        self.on_entry_change(entry)
         event = self._ready_event(entry)
         for view in self.sessions.subscribers(entry.key[0]):
             view.send(event)
             view.seen_upto = max(view.seen_upto, entry.entry_id)
+        self.on_entry_change(entry)  # after the views: a waiter's answer follows its event
         return ReportStatus.ACCEPTED
 
     def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:

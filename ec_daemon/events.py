@@ -1,4 +1,5 @@
-"""What the cache announces to session streams and answers to its callers.
+"""What the cache announces to session streams and answers to its callers,
+and what a session stream brings in (`ClientMessage`).
 
 Plain values: the service turns them into protobuf (`wire`), tests read them
 directly.
@@ -88,6 +89,31 @@ class AllocResult:
     outcome: AllocOutcome
     entry_id: int = 0
     extents: tuple[Extent, ...] = ()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """`seq` to echo, and the lookups a view answered (and the hits among
+    them) since its previous heartbeat."""
+
+    seq: int
+    lookups: int
+    hits: int
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """One message of a session stream (`wire.client_message`): entries
+    acknowledged, held and touched (mm_hash, entry_id[, loads]), items
+    wanted, released and yielded, and the heartbeat if it carries one."""
+
+    acks: list[tuple[str, int]]
+    holds: list[tuple[str, int]]
+    touches: list[tuple[str, int, int]]
+    wants: list[str]
+    releases: list[str]
+    yields: list[str]
+    heartbeat: Heartbeat | None = None
 
 
 class ReportStatus(enum.Enum):

@@ -38,6 +38,7 @@ from ec_daemon.auth import (
 )
 from ec_daemon.cache import Cache
 from ec_daemon.config import DaemonConfig
+from ec_daemon.dataplane import DataPlane
 from ec_daemon.errors import InvariantViolated
 from ec_daemon.metrics import start_exporter
 from ec_daemon.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
@@ -254,14 +255,16 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
     tier = _start_tier(config)
-    service = ECDaemonService(cache, region_info, lease_seconds=config.lease_seconds,
-                              alloc_wait_seconds=config.alloc_wait_seconds,
-                              check_invariants=config.check_invariants,
-                              max_watchers=config.max_watchers,
-                              max_watchers_per_peer=config.max_watchers_per_peer,
-                              region_file=region, tier=tier)
+    plane = DataPlane(cache, lease_seconds=config.lease_seconds,
+                      alloc_wait_seconds=config.alloc_wait_seconds,
+                      check_invariants=config.check_invariants,
+                      generation=region.generation, region_path=str(region.path),
+                      max_watchers=config.max_watchers,
+                      max_watchers_per_peer=config.max_watchers_per_peer,
+                      region_file=region, tier=tier)
+    service = ECDaemonService(plane, region_info)
     try:
-        service.verify()  # with --check-invariants: an adopted region is checked whole
+        plane.verify()  # with --check-invariants: an adopted region is checked whole
     except InvariantViolated as exc:
         raise StartupError(str(exc)) from None
     health_service = health.aio.HealthServicer()
@@ -277,12 +280,12 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    expiry = asyncio.ensure_future(service.upkeep())
+    expiry = asyncio.ensure_future(plane.upkeep())
     exporter = None
     if config.metrics_port:
         try:
             collectors = [service.rpc_seconds] if tier is None else [service.rpc_seconds, tier]
-            exporter = start_exporter(service.snapshot, loop, config.metrics_port,
+            exporter = start_exporter(plane.snapshot, loop, config.metrics_port,
                                       config.metrics_address, collectors)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {config.metrics_address}:"
@@ -302,7 +305,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         if exporter is not None:
             exporter.shutdown()
         await health_service.enter_graceful_shutdown()
-        service.close_streams()
+        plane.close_streams()
         await server.stop(SHUTDOWN_GRACE_SECONDS)
         if tier is not None:
             tier.stop()

@@ -15,7 +15,9 @@ from ec_daemon.events import (
     AllocOutcome,
     AllocResult,
     AnswerEvent,
+    ClientMessage,
     EvictedEvent,
+    Heartbeat,
     HeartbeatEcho,
     NamespaceInfoEvent,
     RanksEvent,
@@ -120,6 +122,18 @@ def refs(values: Any, what: str) -> list[tuple[str, int]]:
 def touches(values: Any) -> list[tuple[str, int, int]]:
     """(mm_hash, entry_id, loads) of repeated Touch, bounded (0 loads is 1)."""
     return [(t.mm_hash, t.entry_id, max(1, t.loads)) for t in batch(values, "touches")]
+
+
+def client_message(message: Any) -> ClientMessage:
+    """A ClientMessage of the session stream, bounded (raises InvalidArgument)."""
+    beat = message.heartbeat if message.HasField("heartbeat") else None
+    if beat is not None and beat.hits > beat.lookups:
+        raise InvalidArgument("heartbeat counters must satisfy hits <= lookups")
+    return ClientMessage(
+        acks=refs(message.acks, "acks"), holds=refs(message.holds, "holds"),
+        touches=touches(message.touches), wants=batch(message.wants, "wants"),
+        releases=batch(message.releases, "releases"), yields=batch(message.yields, "yields"),
+        heartbeat=None if beat is None else Heartbeat(beat.seq, beat.lookups, beat.hits))
 
 
 def extents(values: tuple[tuple[int, int], ...]) -> list[Any]:

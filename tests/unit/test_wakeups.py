@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ec_daemon import service
-from ec_daemon.service import SPACE, Wakeups
+from ec_daemon.dataplane import SPACE, DataPlane, Wakeups
+from ec_daemon.service import ECDaemonService
 from ec_protocol.protocol import pb
 from tests.unit.cache_helpers import (
     PAGE,
@@ -98,9 +98,9 @@ def full_cache(alloc_wait_seconds=5.0, clock=None):
     allocate(cache, w, "pending", pages=8)
     ready = save(cache, w, "ready", pages=8)
     drain(view)
-    daemon = service.ECDaemonService(cache, None, lease_seconds=cache.sessions.lease_seconds,
-                                     alloc_wait_seconds=alloc_wait_seconds,
-                                     check_invariants=True)
+    plane = DataPlane(cache, lease_seconds=cache.sessions.lease_seconds,
+                      alloc_wait_seconds=alloc_wait_seconds, check_invariants=True)
+    daemon = ECDaemonService(plane, None)
     request = pb.AllocateRequest(session_id=w.session_id, mm_hash="new", nbytes=8 * PAGE,
                                  shape=[8, PAGE], dtype="uint8")
     return cache, daemon, view, w, ready, request
@@ -111,7 +111,7 @@ def waits_then(daemon, request, action):
     async def scenario():
         allocation = asyncio.ensure_future(daemon.Allocate(request, FakeContext()))
         deadline = time.monotonic() + 5
-        while SPACE not in daemon.wakeups._waiters:  # until it waits for pages
+        while SPACE not in daemon.plane.wakeups._waiters:  # until it waits for pages
             assert not allocation.done() and time.monotonic() < deadline
             await asyncio.sleep(0.005)
         action()
@@ -159,4 +159,4 @@ def test_an_allocation_whose_victims_are_never_acknowledged_is_refused_at_its_de
     assert 0.15 < waited < 5
     assert context.code.name == "RESOURCE_EXHAUSTED"
     assert "not acknowledged in time" in context.details
-    assert cache.counters["refused_saves"] == 1 and daemon.wakeups._waiters == {}
+    assert cache.counters["refused_saves"] == 1 and daemon.plane.wakeups._waiters == {}

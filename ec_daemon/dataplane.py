@@ -1,0 +1,498 @@
+"""The daemon's data plane: what the gRPC handlers ask for, on plain values.
+
+It owns the cache and everything that listens to it: convergence (who makes
+a wanted item), the watchers (`watch`), the second tier (`remote`) and its
+promotions, the wake-ups of saves waiting for pages, and the upkeep that
+expires sessions. The servicer (`service`) only converts protobuf and calls
+in here, as MLServer's servicers hand their work to its data plane, so the
+waiting, retrying and announcing are read (and tested) without gRPC.
+
+"An entry became ready" is said in one place, `_entry_changed`: the cache
+tells the views itself, then calls it once per entry that became READY (or
+HIDDEN), and every other listener hears it there: the watchers, convergence
+(the entry's waiters hit now) and the second tier (a save of this host is
+published). A new way of making an entry ready cannot forget one of them.
+
+Not thread-safe: the daemon's event loop is the only caller (the second
+tier's store calls run on its own threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ec_daemon import invariants, stats, watch
+from ec_daemon.cache import Cache
+from ec_daemon.convergence import Convergence
+from ec_daemon.errors import (
+    CacheError,
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolated,
+    ResourceExhausted,
+)
+from ec_daemon.events import (
+    AllocOutcome,
+    AllocResult,
+    ClientMessage,
+    HeartbeatEcho,
+    ReportStatus,
+)
+from ec_daemon.limits import validate_mm_hash
+from ec_daemon.records import Entry, Key, Session, State
+from ec_protocol.protocol import BOTH
+
+log = logging.getLogger(__name__)
+
+# A save waits this part of --alloc-wait-seconds for hidden pages to come
+# back before it evicts more ready entries instead.
+HIDDEN_PATIENCE_FRACTION = 0.1
+# Promotions running at once (each a store read and a copy into the region).
+PROMOTION_THREADS = 4
+SPACE = "space"  # the Wakeups key of pages coming back
+
+
+class Wakeups:
+    """One-shot wakeups by key, each wait bounded by a deadline."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[Hashable, set[asyncio.Future[bool]]] = {}
+
+    async def wait(self, keys: Iterable[Hashable], deadline: float) -> bool:
+        """Until `wake` of any of `keys` or `wake_all()`: True; False at the deadline."""
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            return False
+        keys = tuple(keys)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        expiry = loop.call_later(timeout, _settle, future, False)
+        sets = [self._waiters.setdefault(key, set()) for key in keys]
+        for waiters in sets:
+            waiters.add(future)
+        try:
+            return await future
+        finally:
+            expiry.cancel()
+            for key, waiters in zip(keys, sets, strict=True):
+                waiters.discard(future)
+                if not waiters and self._waiters.get(key) is waiters:
+                    del self._waiters[key]
+
+    def wake(self, key: Hashable) -> None:
+        for future in self._waiters.pop(key, ()):
+            _settle(future, True)
+
+    def wake_all(self) -> None:
+        for key in list(self._waiters):
+            self.wake(key)
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class DataPlane:
+    def __init__(self, cache: Cache, *, lease_seconds: float, alloc_wait_seconds: float,
+                 check_invariants: bool = False, generation: int = 0, region_path: str = "",
+                 region_file: Any = None, tier: Any = None,
+                 max_watchers: int = watch.MAX_WATCHERS,
+                 max_watchers_per_peer: int = watch.MAX_WATCHERS_PER_PEER) -> None:
+        """`generation` and `region_path` name the region in stats;
+        `region_file` (a `region.Region`) and `tier` (a `remote.tier.RemoteTier`)
+        only with a second tier."""
+        self.cache = cache
+        self.lease_seconds = lease_seconds
+        self.alloc_wait_seconds = alloc_wait_seconds
+        self.check_invariants = check_invariants
+        self.generation = generation
+        self.region_path = region_path
+        self.started = time.monotonic()
+        self.closing = False
+        self.wakeups = Wakeups()
+        cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
+        self.watchers = watch.Watchers(max_watchers=max_watchers,
+                                       max_per_peer=max_watchers_per_peer)
+        cache.on_entry_change = self._entry_changed
+        self.region_file = region_file
+        self.tier = tier
+        self.convergence = Convergence(
+            cache, remote_available=tier.available if tier is not None else None)
+        self.convergence.start_promotion = self._start_promotion
+        self._promoters: dict[str, Session] = {}
+        self._promotions: set[asyncio.Future[None]] = set()
+        # Keys a promotion is writing into pages of its own (allocated, not yet
+        # committed or aborted): their entries came from the second tier.
+        self._promoting: set[Key] = set()
+        self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="ec-promote") \
+            if tier is not None else None
+
+    # ----------------------------------------------------------- sessions
+
+    def session(self, session_id: str) -> Session:
+        """The live session; raises NotFound (the client must re-attach)."""
+        return self.cache.sessions.get(session_id)
+
+    def attach(self, **fields: Any) -> Session:
+        """A new session (`Cache.attach`); it takes part once its stream opens."""
+        session = self.cache.attach(**fields)
+        if self.tier is not None:
+            self.tier.follow(session.namespace)
+        log.info("attached session %d: engine %r %s (%s) in %r", session.index,
+                 session.engine_id, session.component, session.role, session.namespace)
+        return session
+
+    def detach(self, session_id: str) -> None:
+        """The client ends its session: it will load nothing more (no ghost)."""
+        session = self.cache.sessions.get(session_id)
+        self.end_session(session, detached=True)
+        log.info("detached session %d (engine %r)", session.index, session.engine_id)
+
+    def end_session(self, session: Session, *, detached: bool = False) -> None:
+        alive = session.alive
+        self.cache.end_session(session, detached=detached)
+        if alive:
+            self._ended(session)
+        self.verify()
+
+    def _ended(self, session: Session) -> None:
+        """After a session ended (any way): its claims pass on, its
+        namespace's views learn the engine count, a namespace nobody uses any
+        more is no longer followed in the second tier's index."""
+        self.convergence.session_ended(session)
+        namespace = session.namespace
+        if session.is_scheduler:
+            self._tell_namespace(namespace)
+        if not self.cache.sessions.in_use(namespace):
+            if self.tier is not None:
+                self.tier.unfollow(namespace)
+            promoter = self._promoters.get(namespace)
+            if promoter is not None and not promoter.pending:
+                del self._promoters[namespace]
+
+    def _tell_namespace(self, namespace: str) -> None:
+        """Every view of `namespace`: whether wanting items helps now."""
+        info = self.convergence.info(namespace)
+        for view in self.cache.sessions.subscribers(namespace):
+            view.send(info)
+
+    def verify(self) -> None:
+        """With --check-invariants: raise InvariantViolated (INTERNAL) if the
+        bookkeeping does not add up. Tests and fuzzing run with it."""
+        if not self.check_invariants:
+            return
+        try:
+            invariants.check(self.cache)
+        except AssertionError as exc:
+            log.critical("cache invariant violated: %s", exc)
+            raise InvariantViolated(f"cache invariant violated: {exc}") from exc
+
+    def snapshot(self) -> stats.Snapshot:
+        tier = {k: float(v) for k, v in self.tier.snapshot().items()} \
+            if self.tier is not None else None
+        snapshot = stats.take(self.cache, generation=self.generation,
+                              region_path=self.region_path, started=self.started,
+                              convergence=self.convergence.counters, remote_tier=tier)
+        return dataclasses.replace(snapshot, watchers=self.watchers.count,
+                                   dropped_watchers=self.watchers.dropped)
+
+    # -------------------------------------------------------------- saves
+
+    async def allocate(self, session_id: str, mm_hash: str, nbytes: int,
+                       shape: tuple[int, ...], dtype: str) -> AllocResult:
+        """A worker's save asks for pages (`allocate_waiting`). Raises
+        ResourceExhausted when none came free in time: an engine waiting for
+        this save encodes it instead."""
+        try:
+            return await self.allocate_waiting(lambda: self.cache.sessions.get(session_id),
+                                               mm_hash, nbytes, shape, dtype)
+        except ResourceExhausted:
+            session = self.cache.sessions.find(session_id)
+            if session is not None:
+                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+            raise
+
+    async def allocate_waiting(self, session_of: Callable[[], Session], mm_hash: str,
+                               nbytes: int, shape: tuple[int, ...], dtype: str) -> AllocResult:
+        """Allocate for the session `session_of()` returns (it may end while
+        this waits), waiting for hidden pages within --alloc-wait-seconds."""
+        started = time.monotonic()
+        deadline = started + self.alloc_wait_seconds
+        # Past this, hidden pages held back (a load in flight, a ghost) no
+        # longer count as coming back: more ready entries are evicted instead.
+        patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
+        impatient = False  # once only: the victims it hides are then counted as coming
+        while True:
+            session = session_of()
+            count_hidden = impatient or time.monotonic() < patience
+            impatient = impatient or not count_hidden
+            result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
+                                         count_hidden=count_hidden)
+            if result.outcome is not AllocOutcome.WAIT:
+                return result
+            wake_by = deadline if impatient else patience
+            if not await self.wakeups.wait((SPACE,), wake_by) and time.monotonic() >= deadline:
+                raise self.cache.refuse_waited_save(nbytes)
+
+    def report(self, session: Session, saved: list[str],
+               aborted: list[str]) -> tuple[list[ReportStatus], list[ReportStatus]]:
+        """A worker's saves landed (`saved` become ready) or were given up
+        (`aborted`, allocated or not: a waiting engine encodes them); the
+        status of each. Raises FailedPrecondition or InvalidArgument, having
+        changed nothing."""
+        if session.rank is None:
+            raise FailedPrecondition("only worker sessions report saves")
+        for mm_hash in aborted:  # before any save is applied: an error changes nothing
+            validate_mm_hash(mm_hash)
+        statuses = self.cache.commit(session, saved)  # validates all before changing any
+        aborts = self.cache.abort(session, aborted)
+        for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
+            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+        return statuses, aborts
+
+    def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
+        if not namespace:
+            raise InvalidArgument("namespace is empty (use the one Attach returned)")
+        return self.cache.lookup(namespace, mm_hashes)
+
+    # ------------------------------------------------------------- stream
+
+    def open_stream(self, session_id: str, first: Callable[[], ClientMessage]) -> Session:
+        """`session_id`'s stream opened; `first()` is its first message,
+        converted only now. Raises NotFound, FailedPrecondition (it has a
+        stream already) or the first message's CacheError: a session whose
+        first message is refused has ended, told nothing."""
+        session = self.cache.sessions.get(session_id)
+        if session.streaming:
+            raise FailedPrecondition("this session already has a stream")
+        self.cache.open(session)
+        try:
+            self.apply(session, first())  # checks everything before it applies anything
+        except CacheError:
+            # A session without its stream is dead; it was told nothing yet.
+            self.end_session(session, detached=True)
+            raise
+        if session.is_scheduler:  # its loads in flight were declared just now
+            self.cache.reattached(session)
+            self._tell_namespace(session.namespace)
+        return session
+
+    def apply(self, session: Session, message: ClientMessage) -> None:
+        """Acknowledgements, touches, then the heartbeat (whose echo follows
+        the lease renewal). Everything is checked before anything is applied."""
+        m, beat = message, message.heartbeat
+        if (m.acks or m.holds or m.touches or (beat is not None and beat.lookups)) \
+                and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
+                                     "lookups")
+        if (m.wants or m.releases or m.yields) and not (session.is_scheduler
+                                                         and session.can_load):
+            raise FailedPrecondition("only scheduler sessions of consumer or both engines "
+                                     "want, release or yield items")
+        for mm_hash in (*m.wants, *m.releases, *m.yields):
+            validate_mm_hash(mm_hash)
+        self.cache.sessions.renew(session)
+        if m.acks:
+            self.cache.acknowledge(session, m.acks)
+        if m.holds:
+            self.cache.hold(session, m.holds)
+        if m.touches:
+            self.cache.touch(session, m.touches)
+        if m.releases:
+            self.convergence.release(session, m.releases)
+        if m.yields:
+            self.convergence.step_aside(session, m.yields)
+        if m.wants:
+            self.convergence.want(session, m.wants)
+        if beat is not None:
+            if session.is_scheduler:
+                self.cache.record_lookups(session, beat.lookups, beat.hits)
+            if beat.seq:
+                session.send(HeartbeatEcho(beat.seq))
+        self.verify()
+
+    def stream_ended(self, session: Session) -> None:
+        """`session`'s stream ended. Only Detach ends a session as detached:
+        a stream that ends, even as a clean half-close (a killed client's may
+        look like one), leaves a ghost, since its engine may still be loading."""
+        if session.alive:
+            log.info("session %d ended (engine %r %s): stream ended without Detach",
+                     session.index, session.engine_id, session.component)
+        self.end_session(session)
+
+    def drop_slow_reader(self, session: Session) -> None:
+        """End a session whose outbox overflowed (it becomes a ghost). Its
+        stream may still be blocked writing to a client that stopped reading:
+        that must not keep evictions waiting for it."""
+        if not session.alive:
+            return
+        log.warning("session %d (engine %r %s) detached: it read events too slowly "
+                    "(%d queued); it re-attaches with a fresh snapshot", session.index,
+                    session.engine_id, session.component, len(session.outbox))
+        self.end_session(session)
+
+    # -------------------------------------------------------------- watch
+
+    def open_watcher(self, namespace: str, peer: str) -> watch.Watcher:
+        """A router's watcher of `namespace` (`watch.Watchers.open`); close
+        it (`close_watcher`) when its call ends, however it ends."""
+        return self.watchers.open(namespace, self.cache.entries(), peer)
+
+    def close_watcher(self, watcher: watch.Watcher) -> None:
+        self.watchers.close(watcher)
+
+    # ----------------------------------------------------- announcements
+
+    def _entry_changed(self, entry: Entry) -> None:
+        """The cache's one announcement that `entry` became READY or HIDDEN
+        (the views were told just before): watchers hear both; a ready entry's
+        waiters hit now, and a save of this host is published (write-behind;
+        a promoted entry came from the second tier)."""
+        self.watchers.publish(entry)
+        if entry.state is not State.READY:
+            return
+        self.convergence.ready(entry.key)
+        if self.tier is not None and entry.key not in self._promoting:
+            self._publish(entry)
+
+    def _publish(self, entry: Entry) -> None:
+        """Queue a ready entry for the second tier, read off the loop."""
+        extents, stamp = self.cache.extents(entry), entry.entry_id
+        stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
+
+        def read() -> bytearray | None:
+            """On the publisher's thread: the bytes, or None when the pages
+            were reused meanwhile (their stamp changed: ids never repeat)."""
+            data = region_file.read(extents, nbytes)
+            return data if stamps.holds(extents, stamp) else None
+
+        namespace, mm_hash = entry.key
+        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes, read)
+
+    # --------------------------------------------------------- promotions
+
+    def _start_promotion(self, key: Key, nbytes: int) -> None:
+        task = asyncio.ensure_future(self._promote(key))
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
+
+    def _promoter(self, namespace: str) -> Session:
+        """The daemon's own writer in `namespace`: promotions' pending entries
+        are its (never in the session table: no client can name it)."""
+        promoter = self._promoters.get(namespace)
+        if promoter is None:
+            now = time.monotonic()
+            promoter = self._promoters[namespace] = Session(
+                session_id="", index=0, engine_id="ec-daemon", role=BOTH, rank=0,
+                world_size=1, namespace=namespace, client_name="second tier", created=now,
+                lease_deadline=float("inf"))
+        return promoter
+
+    async def _promote(self, key: Key) -> None:
+        """Fetch `key` from the second tier (verified), allocate, write, commit.
+        Any failure hands the item to a waiting engine to encode, and so does
+        a spent promotion budget: the value's bytes are reserved before the
+        fetch and released after the write, whatever happens (`remote.budget`)."""
+        namespace, mm_hash = key
+        loop = asyncio.get_running_loop()
+        promoted = False
+        started = time.perf_counter()
+        reservation = self.tier.reserve(namespace, mm_hash)
+        try:
+            if reservation is None:
+                return  # the budget is spent, or the key's announcement is gone
+            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
+                                               reservation.nbytes)
+            fetched = time.perf_counter()
+            if value is None:
+                return  # (the tier counted and logged why, and forgot the key)
+            promoter = self._promoter(namespace)
+            result = await self.allocate_waiting(lambda: promoter, mm_hash, value.nbytes,
+                                                 tuple(value.shape), value.dtype)
+            if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
+                promoted = True
+                self.convergence.await_save(key)
+                return
+            if result.outcome is not AllocOutcome.ALLOCATED:
+                promoted = result.outcome is AllocOutcome.ALREADY_READY
+                return
+            self._promoting.add(key)
+            try:
+                try:
+                    await loop.run_in_executor(self._pool, self.region_file.write,
+                                               result.extents, value.parts)
+                except Exception:  # (cancelled only at shutdown: the write may still run)
+                    self.cache.abort(promoter, [mm_hash])
+                    raise
+                self.cache.commit(promoter, [mm_hash])
+            finally:
+                self._promoting.discard(key)
+            self.convergence.promoted(key, value.nbytes)
+            promoted = True
+            log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
+                      value.nbytes, (time.perf_counter() - started) * 1e3,
+                      (fetched - started) * 1e3)
+        except CacheError as exc:
+            # A value that verified but cannot be cached here (too large, a
+            # shape or dtype the daemon refuses): never fetched again.
+            self.tier.forget(namespace, mm_hash)
+            log.warning("promotion of %s failed: %s; not trying it again", mm_hash, exc)
+        except Exception:
+            self.tier.forget(namespace, mm_hash)
+            log.exception("promotion of %s failed", mm_hash)
+        finally:
+            if reservation is not None:
+                # (Cancelled, at shutdown only, a write may still run: its
+                # bytes go with the daemon.)
+                reservation.release()
+            if not promoted:
+                self.convergence.promotion_failed(key)
+            self.verify()
+
+    # ------------------------------------------------------------ upkeep
+
+    async def upkeep(self) -> None:
+        """Expire silent sessions, slow readers, ghosts and quarantines; runs
+        until cancelled."""
+        interval = min(1.0, self.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._upkeep_once()
+            except Exception:  # never stop expiring: the cache would fill for good
+                log.exception("upkeep failed; trying again in %.1fs", interval)
+
+    def _upkeep_once(self) -> None:
+        for session in self.cache.sessions:
+            if session.overflowed:
+                self.drop_slow_reader(session)
+        for session in self.cache.expire_sessions():
+            self._ended(session)
+            log.warning("session %d expired (engine %r %s): no message for %.1fs",
+                        session.index, session.engine_id, session.component,
+                        self.lease_seconds)
+        for ghost in self.cache.release_ghosts():
+            log.info("session %d (engine %r) no longer awaited: its lease ran out",
+                     ghost.index, ghost.engine_id)
+        self.cache.release_quarantine()
+        self.cache.compact_index()
+        self.convergence.expire()
+        self.verify()
+
+    def close_streams(self) -> None:
+        """Shutdown: end every session stream (clients see the stream end)."""
+        self.closing = True
+        self.watchers.close_all()
+        for session in self.cache.sessions:
+            session.wake()
+        for task in list(self._promotions):
+            task.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
