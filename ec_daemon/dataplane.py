@@ -1,9 +1,9 @@
 """The daemon's data plane: what the gRPC handlers ask for, on plain values.
 
 It owns the cache and everything that listens to it: convergence (who makes
-a wanted item), the watchers (`watch`), the second tier (`remote`) and its
-promotions, the wake-ups of saves waiting for pages, and the upkeep that
-expires sessions. The servicer (`service`) only converts protobuf and calls
+a wanted item), the watchers (`watch`), the second tier (`remote`: publishing
+saves, and `promotions` from it), the wake-ups of saves waiting for pages,
+and the upkeep that expires sessions. The servicer (`service`) only converts protobuf and calls
 in here, as MLServer's servicers hand their work to its data plane, so the
 waiting, retrying and announcing are read (and tested) without gRPC.
 
@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ec_daemon import invariants, stats, watch
@@ -45,16 +44,14 @@ from ec_daemon.events import (
     ReportStatus,
 )
 from ec_daemon.limits import validate_mm_hash
-from ec_daemon.records import Entry, Key, Session, State
-from ec_protocol.protocol import BOTH
+from ec_daemon.promotions import Promotions
+from ec_daemon.records import Entry, Session, State
 
 log = logging.getLogger(__name__)
 
 # A save waits this part of --alloc-wait-seconds for hidden pages to come
 # back before it evicts more ready entries instead.
 HIDDEN_PATIENCE_FRACTION = 0.1
-# Promotions running at once (each a store read and a copy into the region).
-PROMOTION_THREADS = 4
 SPACE = "space"  # the Wakeups key of pages coming back
 
 
@@ -125,14 +122,11 @@ class DataPlane:
         self.tier = tier
         self.convergence = Convergence(
             cache, remote_available=tier.available if tier is not None else None)
-        self.convergence.start_promotion = self._start_promotion
-        self._promoters: dict[str, Session] = {}
-        self._promotions: set[asyncio.Future[None]] = set()
-        # Keys a promotion is writing into pages of its own (allocated, not yet
-        # committed or aborted): their entries came from the second tier.
-        self._promoting: set[Key] = set()
-        self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="ec-promote") \
-            if tier is not None else None
+        self.promotions: Promotions | None = None
+        if tier is not None:
+            self.promotions = Promotions(cache, self.convergence, tier, region_file,
+                                         allocate=self.allocate_waiting, verify=self.verify)
+            self.convergence.start_promotion = self.promotions.start
 
     # ----------------------------------------------------------- sessions
 
@@ -173,9 +167,8 @@ class DataPlane:
         if not self.cache.sessions.in_use(namespace):
             if self.tier is not None:
                 self.tier.unfollow(namespace)
-            promoter = self._promoters.get(namespace)
-            if promoter is not None and not promoter.pending:
-                del self._promoters[namespace]
+            if self.promotions is not None:
+                self.promotions.namespace_unused(namespace)
 
     def _tell_namespace(self, namespace: str) -> None:
         """Every view of `namespace`: whether wanting items helps now."""
@@ -359,7 +352,7 @@ class DataPlane:
         if entry.state is not State.READY:
             return
         self.convergence.ready(entry.key)
-        if self.tier is not None and entry.key not in self._promoting:
+        if self.promotions is not None and not self.promotions.writing(entry.key):
             self._publish(entry)
 
     def _publish(self, entry: Entry) -> None:
@@ -375,86 +368,6 @@ class DataPlane:
 
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes, read)
-
-    # --------------------------------------------------------- promotions
-
-    def _start_promotion(self, key: Key, nbytes: int) -> None:
-        task = asyncio.ensure_future(self._promote(key))
-        self._promotions.add(task)
-        task.add_done_callback(self._promotions.discard)
-
-    def _promoter(self, namespace: str) -> Session:
-        """The daemon's own writer in `namespace`: promotions' pending entries
-        are its (never in the session table: no client can name it)."""
-        promoter = self._promoters.get(namespace)
-        if promoter is None:
-            now = time.monotonic()
-            promoter = self._promoters[namespace] = Session(
-                session_id="", index=0, engine_id="ec-daemon", role=BOTH, rank=0,
-                world_size=1, namespace=namespace, client_name="second tier", created=now,
-                lease_deadline=float("inf"))
-        return promoter
-
-    async def _promote(self, key: Key) -> None:
-        """Fetch `key` from the second tier (verified), allocate, write, commit.
-        Any failure hands the item to a waiting engine to encode, and so does
-        a spent promotion budget: the value's bytes are reserved before the
-        fetch and released after the write, whatever happens (`remote.budget`)."""
-        namespace, mm_hash = key
-        loop = asyncio.get_running_loop()
-        promoted = False
-        started = time.perf_counter()
-        reservation = self.tier.reserve(namespace, mm_hash)
-        try:
-            if reservation is None:
-                return  # the budget is spent, or the key's announcement is gone
-            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
-                                               reservation.nbytes)
-            fetched = time.perf_counter()
-            if value is None:
-                return  # (the tier counted and logged why, and forgot the key)
-            promoter = self._promoter(namespace)
-            result = await self.allocate_waiting(lambda: promoter, mm_hash, value.nbytes,
-                                                 tuple(value.shape), value.dtype)
-            if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
-                promoted = True
-                self.convergence.await_save(key)
-                return
-            if result.outcome is not AllocOutcome.ALLOCATED:
-                promoted = result.outcome is AllocOutcome.ALREADY_READY
-                return
-            self._promoting.add(key)
-            try:
-                try:
-                    await loop.run_in_executor(self._pool, self.region_file.write,
-                                               result.extents, value.parts)
-                except Exception:  # (cancelled only at shutdown: the write may still run)
-                    self.cache.abort(promoter, [mm_hash])
-                    raise
-                self.cache.commit(promoter, [mm_hash])
-            finally:
-                self._promoting.discard(key)
-            self.convergence.promoted(key, value.nbytes)
-            promoted = True
-            log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
-                      value.nbytes, (time.perf_counter() - started) * 1e3,
-                      (fetched - started) * 1e3)
-        except CacheError as exc:
-            # A value that verified but cannot be cached here (too large, a
-            # shape or dtype the daemon refuses): never fetched again.
-            self.tier.forget(namespace, mm_hash)
-            log.warning("promotion of %s failed: %s; not trying it again", mm_hash, exc)
-        except Exception:
-            self.tier.forget(namespace, mm_hash)
-            log.exception("promotion of %s failed", mm_hash)
-        finally:
-            if reservation is not None:
-                # (Cancelled, at shutdown only, a write may still run: its
-                # bytes go with the daemon.)
-                reservation.release()
-            if not promoted:
-                self.convergence.promotion_failed(key)
-            self.verify()
 
     # ------------------------------------------------------------ upkeep
 
@@ -492,7 +405,5 @@ class DataPlane:
         self.watchers.close_all()
         for session in self.cache.sessions:
             session.wake()
-        for task in list(self._promotions):
-            task.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.promotions is not None:
+            self.promotions.cancel()
