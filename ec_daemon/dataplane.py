@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from ec_daemon import invariants, stats, watch
@@ -46,6 +46,7 @@ from ec_daemon.events import (
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.promotions import Promotions
 from ec_daemon.records import Entry, Session, State
+from ec_daemon.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -53,47 +54,6 @@ log = logging.getLogger(__name__)
 # back before it evicts more ready entries instead.
 HIDDEN_PATIENCE_FRACTION = 0.1
 SPACE = "space"  # the Wakeups key of pages coming back
-
-
-class Wakeups:
-    """One-shot wakeups by key, each wait bounded by a deadline."""
-
-    def __init__(self) -> None:
-        self._waiters: dict[Hashable, set[asyncio.Future[bool]]] = {}
-
-    async def wait(self, keys: Iterable[Hashable], deadline: float) -> bool:
-        """Until `wake` of any of `keys` or `wake_all()`: True; False at the deadline."""
-        timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            return False
-        keys = tuple(keys)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
-        expiry = loop.call_later(timeout, _settle, future, False)
-        sets = [self._waiters.setdefault(key, set()) for key in keys]
-        for waiters in sets:
-            waiters.add(future)
-        try:
-            return await future
-        finally:
-            expiry.cancel()
-            for key, waiters in zip(keys, sets, strict=True):
-                waiters.discard(future)
-                if not waiters and self._waiters.get(key) is waiters:
-                    del self._waiters[key]
-
-    def wake(self, key: Hashable) -> None:
-        for future in self._waiters.pop(key, ()):
-            _settle(future, True)
-
-    def wake_all(self) -> None:
-        for key in list(self._waiters):
-            self.wake(key)
-
-
-def _settle(future: asyncio.Future[bool], value: bool) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 class DataPlane:
