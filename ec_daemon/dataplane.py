@@ -3,15 +3,17 @@
 It owns the cache and everything that listens to it: convergence (who makes
 a wanted item), the watchers (`watch`), the second tier (`remote`: publishing
 saves, and `promotions` from it), the wake-ups of saves waiting for pages,
-and the upkeep that expires sessions. The servicer (`service`) only converts protobuf and calls
-in here, as MLServer's servicers hand their work to its data plane, so the
-waiting, retrying and announcing are read (and tested) without gRPC.
+and the upkeep that expires sessions. The servicer (`service`) only converts
+protobuf and calls in here, as MLServer's servicers hand their work to its
+data plane, so the waiting, retrying and announcing are read (and tested)
+without gRPC.
 
 "An entry became ready" is said in one place, `_entry_changed`: the cache
-tells the views itself, then calls it once per entry that became READY (or
-HIDDEN), and every other listener hears it there: the watchers, convergence
-(the entry's waiters hit now) and the second tier (a save of this host is
-published). A new way of making an entry ready cannot forget one of them.
+tells the views itself (their events carry its bookkeeping), then calls it
+once per entry that became READY, and every other listener hears it there:
+the watchers, convergence (the entry's waiters hit now) and the second tier
+(a save of this host is published). A new way of making an entry ready
+cannot forget one of them. Eviction (HIDDEN) reaches the watchers the same way.
 
 Not thread-safe: the daemon's event loop is the only caller (the second
 tier's store calls run on its own threads).
@@ -304,8 +306,8 @@ class DataPlane:
     # ----------------------------------------------------- announcements
 
     def _entry_changed(self, entry: Entry) -> None:
-        """The cache's one announcement that `entry` became READY or HIDDEN
-        (the views were told just before): watchers hear both; a ready entry's
+        """The cache's one announcement that `entry` became READY (its views
+        were told just before) or HIDDEN: watchers hear both; a ready entry's
         waiters hit now, and a save of this host is published (write-behind;
         a promoted entry came from the second tier)."""
         self.watchers.publish(entry)
