@@ -98,8 +98,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from benchmarks.scheduler_step import count_sends
-from ec_client.regions import RegionInfo
-from ec_client.scheduler import LoadSpec
+from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
 from ec_client.worker import WorkerDelegate
 from ec_protocol.protocol import Layout

@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
+from ec_client.contract import RegionInfo
 from ec_client.mapping import RegionMapping
 from ec_protocol.stamps import StampTable
 
@@ -34,17 +34,6 @@ from ec_protocol.stamps import StampTable
 # while any copy uses it), for loads dispatched before the scheduler saw the
 # daemon change.
 RETIRE_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class RegionInfo:
-    """What a worker needs to map and check a region (from AttachReply.region)."""
-
-    path: str
-    size: int
-    generation: int
-    page_bytes: int
-    data_offset: int
 
 
 class _Mapped:

@@ -53,8 +53,9 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ec_client.regions import RegionInfo
+from ec_client.contract import LoadSpec, RegionInfo, StepMetadata
 from ec_client.session import Attachment, SessionLink
+from ec_client.settings import DEFAULT_ANSWER_WAIT_SECONDS, DEFAULT_MAX_DEFER_SECONDS
 from ec_client.trust import attached_socket_owner, open_region
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
 from ec_protocol.protocol import MAX_BATCH, Layout, pb
@@ -72,49 +73,9 @@ INFLIGHT_TTL_SECONDS = 120.0
 UNMAPPED_WARNING_SECONDS = 30.0
 # A want unanswered this long (a daemon that dropped it) is encoded.
 ANSWER_SECONDS = 1.0
-# How long `ensure` may wait in all, per step, for the answers to the items it
-# just wanted (extra-config `ec_daemon_answer_wait_ms`): an answer takes a
-# fraction of a millisecond; an unanswered want defers its request a step.
-DEFAULT_ANSWER_WAIT_SECONDS = 0.005
-# How long a request is deferred at most for another engine's encode or a
-# promotion (extra-config `ec_daemon_max_defer_s`).
-DEFAULT_MAX_DEFER_SECONDS = 10.0
 # Items wanted and remembered at once; beyond, items are encoded without asking.
 MAX_WANTS = 1 << 14
 _WAITS = (pb.VERDICT_PROMOTING, pb.VERDICT_ENCODING)
-
-
-class LoadSpec(NamedTuple):
-    """One load for the workers: copy `extents` of region `generation` into
-    an output of `shape`/`dtype`, check the pages carry stamp `entry_id`,
-    then report `transfer_id`. (A NamedTuple: built once per hit on the
-    scheduler's path, and cheap to pickle.)"""
-
-    mm_hash: str
-    transfer_id: int
-    entry_id: int
-    generation: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    extents: tuple[tuple[int, int], ...]
-
-
-@dataclass
-class StepMetadata:
-    """Scheduler -> workers, once per step. Extents, never one id per row;
-    the regions the loads name, by generation."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    regions: dict[int, RegionInfo] = field(default_factory=dict)
-    # The region generations this scheduler may still have a rank load from:
-    # its loads dispatched and not reported by every rank (these included),
-    # and the region it answers hits for. A worker keeps them mapped while it
-    # works on this step, however long a restarted daemon has been gone.
-    keep: frozenset[int] = frozenset()
-    # The namespace hits are answered from: a worker that attached with
-    # another (it identified the weights differently) must not save.
-    namespace: str = ""
 
 
 class _Current(NamedTuple):

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from ec_client.regions import RegionInfo
+from ec_client.contract import RegionInfo
 from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
 
 log = logging.getLogger(__name__)

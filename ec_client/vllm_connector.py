@@ -11,22 +11,8 @@ vLLM is imported only in this module (and `vllm_metrics`).
       "ec_role": "ec_both",
       "ec_connector_extra_config": {"ec_daemon_socket": "unix:///run/ec-daemon/ec.sock"}}'
 
-Extra-config keys (all optional): `ec_daemon_socket` (else $EC_DAEMON_SOCKET,
-else the daemon's default), `ec_daemon_copy_backend` (auto|torch|cupy|cpu, or
-a custom class as `package.module:ClassName`: see `ec_client.copy`; default
-auto), `ec_daemon_rpc_deadline_s` (default 5), `ec_daemon_namespace`
-(extra text in the layout fingerprint, default ""), `ec_daemon_weights_id`
-(names the weights in the fingerprint instead of `ec_client.identity`'s
-reading of the model's files, default ""),
-`ec_daemon_save_queue_bytes` (GPU memory held by outputs waiting to be
-saved, default 256 MiB; a full queue skips the save), `ec_daemon_max_defer_s`
-(how long a request waits at most for another engine's encode of the same
-item or a promotion from the second tier, default 10),
-`ec_daemon_answer_wait_ms` (how long a scheduler step waits in all for the
-daemon's answers about cold misses before deferring their requests a step,
-default 5; 0 never waits), and for a TCP daemon
-`ec_daemon_token_file` and `ec_daemon_tls_ca` (else $EC_DAEMON_TOKEN_FILE
-and $EC_DAEMON_TLS_CA).
+Extra-config keys (all optional): `ec_client.settings` declares them, with
+their defaults and meaning (README's table is printed from it).
 
 Loads: the scheduler puts each hit's extents, stamp and region into the
 step metadata; every worker rank copies and verifies it, then reports the
@@ -58,7 +44,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,18 +57,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
+from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
-from ec_client.regions import RegionInfo
-from ec_client.scheduler import (
-    DEFAULT_ANSWER_WAIT_SECONDS,
-    DEFAULT_MAX_DEFER_SECONDS,
-    LoadSpec,
-    SchedulerDelegate,
-)
+from ec_client.settings import ConnectorSettings
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
-from ec_client.worker import DEFAULT_SAVE_QUEUE_BYTES
-from ec_protocol.protocol import SOCKET_ENV, Layout, default_socket_uri
-from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
+from ec_protocol.protocol import Layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
+    from ec_client.scheduler import SchedulerDelegate
     from ec_client.worker import WorkerDelegate
 
 # Under "vllm", the one logger vLLM gives a handler and level: outside it
@@ -122,7 +101,6 @@ ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"
 # How often get_ec_connector_stats hands vLLM a summary (it asks every step).
 STATS_INTERVAL_SECONDS = 1.0
 # The daemon takes a layout variant of up to 256 characters.
-MAX_WEIGHTS_ID_CHARS = 128
 
 
 @dataclass
@@ -149,53 +127,6 @@ class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
         self.done.extend(other.done)
         self.stats = merge_stats(self.stats, other.stats)
         return self
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    socket: str
-    copy_backend: str
-    deadline_seconds: float
-    namespace: str
-    weights_id: str
-    save_queue_bytes: int
-    max_defer_seconds: float
-    answer_wait_seconds: float
-    token_file: str | None
-    tls_ca: str | None
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        return cls(
-            socket=str(extra.get("ec_daemon_socket") or os.environ.get(SOCKET_ENV)
-                       or default_socket_uri()),
-            copy_backend=str(extra.get("ec_daemon_copy_backend", "auto")),
-            deadline_seconds=float(extra.get("ec_daemon_rpc_deadline_s",
-                                             DEFAULT_DEADLINE_SECONDS)),
-            namespace=str(extra.get("ec_daemon_namespace", "")),
-            weights_id=_weights_id(extra.get("ec_daemon_weights_id")),
-            save_queue_bytes=int(extra.get("ec_daemon_save_queue_bytes",
-                                           DEFAULT_SAVE_QUEUE_BYTES)),
-            max_defer_seconds=float(extra.get("ec_daemon_max_defer_s",
-                                              DEFAULT_MAX_DEFER_SECONDS)),
-            answer_wait_seconds=float(extra.get("ec_daemon_answer_wait_ms",
-                                                DEFAULT_ANSWER_WAIT_SECONDS * 1000)) / 1000,
-            token_file=extra.get("ec_daemon_token_file"),
-            tls_ca=extra.get("ec_daemon_tls_ca"),
-        )
-
-    @property
-    def transport(self) -> dict[str, Any]:
-        return {"deadline_seconds": self.deadline_seconds, "token_file": self.token_file,
-                "tls_ca": self.tls_ca}
-
-
-def _weights_id(value: Any) -> str:
-    text = str(value or "")
-    if len(text) > MAX_WEIGHTS_ID_CHARS or not text.isprintable():
-        raise ValueError(f"ec_daemon_weights_id must be at most {MAX_WEIGHTS_ID_CHARS} "
-                         f"printable characters, got {text!r}")
-    return text
 
 
 def engine_identity(vllm_config: VllmConfig) -> str:
@@ -282,6 +213,8 @@ class ECDaemonConnector(ECConnectorBase):
         layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
+            from ec_client.scheduler import SchedulerDelegate  # (never in a worker process)
+
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
                 ranks=expected_reports(vllm_config),

@@ -30,11 +30,12 @@ from typing import Any
 
 import grpc
 
+from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
-from ec_client.regions import RegionInfo, Regions
-from ec_client.scheduler import LoadSpec
+from ec_client.regions import Regions
 from ec_client.session import Attachment, SessionLink
+from ec_client.settings import DEFAULT_SAVE_QUEUE_BYTES
 from ec_client.trust import attached_socket_owner
 from ec_protocol.protocol import MAX_BATCH, RETRYABLE, Layout, pb
 from ec_protocol.stamps import FREE
@@ -42,7 +43,6 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 # How often the idle saver thread unmaps retired regions.
 PRUNE_SECONDS = 1.0
 # On the save queue: report the saves skipped so far (the queue was too full).

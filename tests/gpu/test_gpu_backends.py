@@ -83,8 +83,7 @@ def test_worker_load_through_regions_checks_stamps_on_gpu(tmp_path, name):
     stamp check; a re-stamped page fails the load instead of serving it."""
     if name == "cupy":
         pytest.importorskip("cupy")
-    from ec_client.regions import RegionInfo
-    from ec_client.scheduler import LoadSpec
+    from ec_client.contract import LoadSpec, RegionInfo
     from ec_client.worker import WorkerDelegate
     from ec_protocol.protocol import Layout
 
@@ -123,7 +122,8 @@ def test_regions_never_unmap_under_a_running_copy(tmp_path, monkeypatch, name):
     import threading
 
     from ec_client import regions as regions_module
-    from ec_client.regions import RegionInfo, Regions
+    from ec_client.contract import RegionInfo
+    from ec_client.regions import Regions
 
     monkeypatch.setattr(regions_module, "RETIRE_SECONDS", 0.0)
     page, pages = 1 << 20, 256

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.scheduler import LoadSpec
+from ec_client.contract import LoadSpec
 from ec_client.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon

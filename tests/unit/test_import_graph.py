@@ -79,3 +79,15 @@ def test_the_daemon_never_imports_the_client():
     assert {m: sorted(t for t in targets if t.startswith("ec_client"))
             for m, targets in graph.items()
             if m.startswith("ec_daemon") and any(t.startswith("ec_client") for t in targets)} == {}
+
+
+def test_worker_processes_never_import_the_schedulers_side():
+    """The scheduler-to-worker contract lives in ec_client.contract."""
+    graph = import_graph()
+    seen, todo = set(), ["ec_client.worker"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    assert "ec_client.scheduler" not in seen

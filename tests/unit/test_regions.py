@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 import ec_client.regions as regions_module
+from ec_client.contract import RegionInfo
 from ec_client.mapping import RegionMapping
-from ec_client.regions import RETIRE_SECONDS, RegionInfo, Regions
+from ec_client.regions import RETIRE_SECONDS, Regions
 
 PAGE = 4096
 SIZE = 4 * PAGE

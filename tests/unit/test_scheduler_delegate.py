@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import ec_client.scheduler as scheduler
-from ec_client.regions import RegionInfo
+from ec_client.contract import RegionInfo
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.session import Attachment
 from ec_protocol.protocol import Layout, pb

@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.copy import get_backend
 from ec_client.mapping import RegionMapping
-from ec_client.regions import RegionInfo
-from ec_client.scheduler import LoadSpec
 from ec_client.session import Attachment
 from ec_client.worker import WorkerDelegate
 from ec_protocol.protocol import Layout

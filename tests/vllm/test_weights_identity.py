@@ -13,7 +13,8 @@ import pytest
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
 from ec_client.identity import files_identity
-from ec_client.vllm_connector import MAX_WEIGHTS_ID_CHARS, ConnectorSettings, layout_of
+from ec_client.settings import MAX_WEIGHTS_ID_CHARS, ConnectorSettings
+from ec_client.vllm_connector import layout_of
 from tests.vllm import vllm_harness as h
 from tests.vllm.engine_proc import A, B, run_engine, same_output
 from tests.vllm.tiny_model import build_tiny_paligemma

@@ -24,8 +24,8 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from ec_client import vllm_connector
+from ec_client.contract import RegionInfo
 from ec_client.mapping import RegionMapping
-from ec_client.regions import RegionInfo
 from ec_protocol.stamps import StampTable
 
 IMAGE_TOKENS = 16
