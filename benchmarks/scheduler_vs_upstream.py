@@ -294,11 +294,11 @@ class DaemonEngine:
         for worker_engine in (engine_id, OTHER_ENGINE):
             workers.call("attach", daemon.socket, worker_engine, layout)
         scheduler = connector(config, ECConnectorRole.SCHEDULER)
-        if scheduler._scheduler.link.wait_attached(20) is None:
-            raise RuntimeError(f"not attached: {scheduler._scheduler.link.last_error}")
-        wait_until(lambda: scheduler._scheduler.serving())  # the workers mapped the region
+        if scheduler.scheduler_delegate.link.wait_attached(20) is None:
+            raise RuntimeError(f"not attached: {scheduler.scheduler_delegate.link.last_error}")
+        wait_until(lambda: scheduler.scheduler_delegate.serving())  # the workers mapped the region
         return cls(daemon, scheduler, workers, engine_id, layout,
-                   StreamCount(scheduler._scheduler.link))
+                   StreamCount(scheduler.scheduler_delegate.link))
 
     def save(self, ids: list[str], rows: int) -> None:
         """Another engine saves `ids` (rows x the layout's width) and waits."""
@@ -329,7 +329,7 @@ class StreamCount:
     def __init__(self, link: Any) -> None:
         self.sent = count_sends(link)  # thread ident -> messages
         self.heartbeats = self.touches = 0
-        heartbeat = link._heartbeat
+        heartbeat = link.heartbeat_message
 
         def counted_heartbeat() -> Any:
             message = heartbeat()
@@ -337,7 +337,7 @@ class StreamCount:
             self.touches += sum(max(1, t.loads) for t in message.touches)
             return message
 
-        link._heartbeat = counted_heartbeat
+        link.heartbeat_message = counted_heartbeat
 
     def from_this_thread(self) -> int:
         return self.sent.get(threading.get_ident(), 0)
@@ -477,7 +477,7 @@ class DaemonDriver(Driver):
     def __init__(self, case: Case, engine: DaemonEngine) -> None:
         super().__init__(case, engine.connector)
         self.engine = engine
-        self._delegate = engine.connector._scheduler
+        self._delegate = engine.connector.scheduler_delegate
         self.failed_loads = self.loads = self.load_rpcs = 0
         self.load_path_steps = 0
         self._stream = (engine.stream.heartbeats, engine.stream.touches, time.monotonic())

@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ec_client.contract import LoadSpec, RegionInfo, StepMetadata
-from ec_client.session import Attachment, SessionLink
+from ec_client.session import Attachment, LinkListener, SessionLink
 from ec_client.settings import DEFAULT_ANSWER_WAIT_SECONDS, DEFAULT_MAX_DEFER_SECONDS
 from ec_client.trust import attached_socket_owner, open_region
 from ec_client.view import ReadyView, Ref, Refs, ViewEntry
-from ec_protocol.protocol import MAX_BATCH, Layout, pb
+from ec_protocol.protocol import BOTH, LOADING_ROLES, MAX_BATCH, Layout, Role, pb
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class _Transfer:
     failed: bool = False
 
 
-class SchedulerDelegate:
-    def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: str = "both",
+class SchedulerDelegate(LinkListener):
+    def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: Role = BOTH,
                  ranks: int = 1, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "", token_file: str | None = None,
                  tls_ca: str | None = None, start: bool = True,
@@ -133,7 +133,7 @@ class SchedulerDelegate:
         self._ranks_mapped = False
         self._ranks_seen = (0, 1)  # (mapped, needed), as last told
         self._unmapped_since: float | None = None  # warned about on a heartbeat past a bound
-        self.can_load = role in ("consumer", "both")
+        self.can_load = role in LOADING_ROLES
         self.ranks = ranks
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
@@ -155,9 +155,7 @@ class SchedulerDelegate:
         self._answer_waits = self._answer_wait_us = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
-            client_name=client_name, on_attached=self._on_attached,
-            on_detached=self._on_detached, on_message=self._on_message,
-            heartbeat=self._heartbeat, opening=self._opening)
+            client_name=client_name, listener=self)
         if start:
             self.link.start()
 
@@ -476,7 +474,7 @@ class SchedulerDelegate:
 
     # ------------------------------------------------- link callbacks
 
-    def _opening(self, attachment: Attachment) -> Any:
+    def opening_message(self, attachment: Attachment) -> Any:
         """The new session's first message: when its region is the one this
         view loaded from (a restarted daemon adopted it), the loads still in
         flight (`holds`), so the daemon keeps their pages for this session
@@ -491,7 +489,7 @@ class SchedulerDelegate:
         return pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
                                        for h, e in loading[:MAX_BATCH]])
 
-    def _on_attached(self, attachment: Attachment) -> None:
+    def on_attached(self, attachment: Attachment) -> None:
         """A new session: the view starts over. When the region is the one
         this view loaded from (a restarted daemon adopted it), loads in flight
         stay counted (they were declared in the opening message)."""
@@ -513,7 +511,7 @@ class SchedulerDelegate:
                  attachment.index, attachment.region.generation,
                  ", the same region" if same_region else "", attachment.namespace)
 
-    def _on_detached(self) -> None:
+    def on_detached(self) -> None:
         self._current = None
         self._wanting = False
         self._ranks_mapped = False
@@ -521,7 +519,7 @@ class SchedulerDelegate:
         # its region is the same one.
         self.view.clear(keep_loads=True)
 
-    def _on_message(self, message: Any) -> None:
+    def on_message(self, message: Any) -> None:
         self.view.apply(message, self._send)  # ready events before the answers
         if message.answers:
             wants, patience = self._wants, self.max_defer_seconds
@@ -567,7 +565,7 @@ class SchedulerDelegate:
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)
 
-    def _heartbeat(self) -> Any:
+    def heartbeat_message(self) -> Any:
         since = self._unmapped_since
         if since is not None and not self._ranks_mapped \
                 and time.monotonic() - since > UNMAPPED_WARNING_SECONDS:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from ec_client.contract import RegionInfo
-from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, pb
+from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, Role, pb
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +83,35 @@ def default_client_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+class LinkListener:
+    """What a link tells its owner, on the link's thread, in this order for
+    each attachment: `opening_message`, `on_attached`, `on_message` for each
+    daemon message, `on_detached`; `heartbeat_message` builds each heartbeat.
+    These do nothing; an owner overrides what it needs."""
+
+    def opening_message(self, attachment: Attachment) -> Any:
+        """A ClientMessage merged into the stream's first message, or None."""
+        return None
+
+    def on_attached(self, attachment: Attachment) -> None:
+        """Before the stream opens; raising gives this attachment up, and the
+        link attaches again later."""
+
+    def on_message(self, message: Any) -> None:
+        """One DaemonMessage."""
+
+    def on_detached(self) -> None:
+        """The attachment is lost (or the link stopped)."""
+
+    def heartbeat_message(self) -> Any:
+        """The ClientMessage of the next heartbeat (counters, batched touches)."""
+        return pb.ClientMessage(heartbeat=pb.Heartbeat())
+
+
 class SessionLink:
-    def __init__(self, transport: Any, *, engine_id: str, role: str, layout: Layout,
+    def __init__(self, transport: Any, *, engine_id: str, role: Role, layout: Layout,
                  rank: int | None = None, world_size: int = 1, client_name: str = "",
-                 on_attached: Callable[[Attachment], None] = lambda a: None,
-                 on_detached: Callable[[], None] = lambda: None,
-                 on_message: Callable[[Any], None] = lambda m: None,
-                 heartbeat: Callable[[], Any] | None = None,
-                 opening: Callable[[Attachment], Any] | None = None,
+                 listener: LinkListener | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -104,13 +125,7 @@ class SessionLink:
             request.worker.rank = rank
             request.worker.world_size = world_size
         self._request = request
-        self._on_attached = on_attached
-        self._on_detached = on_detached
-        self._on_message = on_message
-        # A ClientMessage (or None) merged into the stream's first message.
-        self._opening = opening
-        # Builds each heartbeat's ClientMessage (counters, batched touches).
-        self._heartbeat = heartbeat or (lambda: pb.ClientMessage(heartbeat=pb.Heartbeat()))
+        self.listener = listener or LinkListener()
         self._clock = clock
         self._attachment: Attachment | None = None
         self._outbox: queue.SimpleQueue[Any] | None = None
@@ -217,19 +232,18 @@ class SessionLink:
         lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         first = pb.ClientMessage(open_session_id=attachment.session_id)
-        if self._opening is not None:
-            try:
-                extra = self._opening(attachment)
-            except Exception:
-                log.exception("ec-daemon opening callback failed; opening without it")
-                extra = None
-            if extra is not None:
-                first.MergeFrom(extra)
+        try:
+            extra = self.listener.opening_message(attachment)
+        except Exception:
+            log.exception("ec-daemon opening callback failed; opening without it")
+            extra = None
+        if extra is not None:
+            first.MergeFrom(extra)
         outbox.put(first)
         # Before the stream opens: the daemon counts a worker whose stream is
         # open as having mapped the region, and tells a view nothing before.
         try:
-            self._on_attached(attachment)
+            self.listener.on_attached(attachment)
         except Exception as exc:  # e.g. the region vanished: attach again
             self._note_error(f"attach could not complete: {exc}", retryable=True)
             self._give_up(attachment)
@@ -250,7 +264,7 @@ class SessionLink:
             for message in responses:
                 if message.heartbeat_seq:
                     self._renewed(message.heartbeat_seq, lease)
-                self._on_message(message)
+                self.listener.on_message(message)
             if not self._stopping.is_set():
                 self._note_error("the daemon closed the session stream", retryable=True)
         except grpc.RpcError as exc:
@@ -280,7 +294,7 @@ class SessionLink:
 
     def _detached(self) -> bool:
         try:
-            self._on_detached()
+            self.listener.on_detached()
         except Exception:
             log.exception("ec-daemon detach callback failed")
             return False
@@ -305,7 +319,7 @@ class SessionLink:
             if len(self._beats) >= MAX_BEATS_IN_FLIGHT:  # the daemon stopped echoing
                 del self._beats[min(self._beats)]
             self._beats[seq] = self._clock()  # before it leaves: a conservative send time
-        message = self._heartbeat()
+        message = self.listener.heartbeat_message()
         message.heartbeat.seq = seq
         return message
 

@@ -61,7 +61,7 @@ from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
 from ec_client.settings import ConnectorSettings
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
-from ec_protocol.protocol import Layout
+from ec_protocol.protocol import BOTH, CONSUMER, PRODUCER, Layout, Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,7 +97,7 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
-ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
+ROLES: dict[str, Role] = {"ec_producer": PRODUCER, "ec_consumer": CONSUMER, "ec_both": BOTH}
 # How often get_ec_connector_stats hands vLLM a summary (it asks every step).
 STATS_INTERVAL_SECONDS = 1.0
 # The daemon takes a layout variant of up to 256 characters.
@@ -196,7 +196,7 @@ class ECDaemonConnector(ECConnectorBase):
         ec = vllm_config.ec_transfer_config
         assert ec is not None
         self.settings = ConnectorSettings.from_extra_config(ec.ec_connector_extra_config or {})
-        self._ec_role = ROLES.get(str(ec.ec_role), "both")
+        self._ec_role: Role = ROLES.get(str(ec.ec_role), BOTH)
         self._scheduler: SchedulerDelegate | None = None
         self._worker: WorkerDelegate | None = None
         self._worker_stats: dict[str, Any] = {}
@@ -226,6 +226,16 @@ class ECDaemonConnector(ECConnectorBase):
             raise ValueError(f"unknown ECConnectorRole {role}")
         logger.info("ECDaemonConnector %s for engine %s on %s (%s)", role.name, engine_id,
                     self.settings.socket, layout)
+
+    @property
+    def scheduler_delegate(self) -> SchedulerDelegate | None:
+        """The scheduler role's delegate (None in a worker process)."""
+        return self._scheduler
+
+    @property
+    def worker_delegate(self) -> WorkerDelegate | None:
+        """The worker role's delegate (None in the scheduler's process)."""
+        return self._worker
 
     def _make_worker(self, vllm_config: VllmConfig, engine_id: str,
                      layout: Layout) -> WorkerDelegate:

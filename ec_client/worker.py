@@ -34,10 +34,10 @@ from ec_client.contract import LoadSpec, RegionInfo
 from ec_client.copy import CopyBackend, describe, empty_host, get_backend
 from ec_client.mapping import RegionMapping
 from ec_client.regions import Regions
-from ec_client.session import Attachment, SessionLink
+from ec_client.session import Attachment, LinkListener, SessionLink
 from ec_client.settings import DEFAULT_SAVE_QUEUE_BYTES
 from ec_client.trust import attached_socket_owner
-from ec_protocol.protocol import MAX_BATCH, RETRYABLE, Layout, pb
+from ec_protocol.protocol import BOTH, MAX_BATCH, RETRYABLE, SAVING_ROLES, Layout, Role, pb
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
@@ -56,9 +56,9 @@ class LoadResult:
     failed: dict[int, str] = field(default_factory=dict)  # transfer id -> why it failed
 
 
-class WorkerDelegate:
+class WorkerDelegate(LinkListener):
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, rank: int = 0,
-                 world_size: int = 1, role: str = "both", backend: str | CopyBackend = "cpu",
+                 world_size: int = 1, role: Role = BOTH, backend: str | CopyBackend = "cpu",
                  save_rank: int = 0, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
                  client_name: str = "",
                  allocate_out: Callable[[tuple[int, ...], str], Any] = empty_host,
@@ -66,7 +66,7 @@ class WorkerDelegate:
                  token_file: str | None = None, tls_ca: str | None = None,
                  start: bool = True) -> None:
         self.rank = rank
-        self.saves_enabled = role in ("producer", "both") and rank == save_rank
+        self.saves_enabled = role in SAVING_ROLES and rank == save_rank
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -87,8 +87,7 @@ class WorkerDelegate:
         self._idle = threading.Condition()
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
-            world_size=world_size, client_name=client_name, on_attached=self._on_attached,
-            on_detached=self._on_detached)
+            world_size=world_size, client_name=client_name, listener=self)
         self._saver = threading.Thread(target=self._save_loop, name=f"ec-saver-{rank}",
                                        daemon=True)
         self._saver.start()
@@ -289,13 +288,13 @@ class WorkerDelegate:
         return RegionMapping(info.path, info.size, info.generation,
                              expected_uid=os.getuid() if owner is None else owner)
 
-    def _on_attached(self, attachment: Attachment) -> None:
+    def on_attached(self, attachment: Attachment) -> None:
         self._region_owner = attached_socket_owner(self.transport.uri)  # raises if untrusted
         self.regions.make_current(attachment.region)
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
                  attachment.index, attachment.region.generation)
 
-    def _on_detached(self) -> None:
+    def on_detached(self) -> None:
         self.regions.make_current(None)
 
     def close(self) -> None:

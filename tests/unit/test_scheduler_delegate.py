@@ -67,7 +67,7 @@ def make(role: str = "both", ranks: int = 1, **options: float) -> SchedulerDeleg
         return True
 
     d.link.send_acks = send_acks
-    d._on_attached(attachment())
+    d.on_attached(attachment())
     return d
 
 
@@ -95,7 +95,7 @@ def dispatch(d: SchedulerDelegate, *mm_hashes: str) -> dict[str, int]:
 
 def test_a_hit_plans_a_load_of_the_entry_in_its_region_without_any_rpc(delegate):
     assert not delegate.has_item("a")
-    delegate._on_message(ready("a", 3, nbytes=8192))
+    delegate.on_message(ready("a", 3, nbytes=8192))
     assert delegate.has_item("a")
     assert delegate.after_alloc("req-1", "a")
     assert not delegate.after_alloc("req-2", "b")  # a miss: computed (and saved) by the engine
@@ -111,20 +111,20 @@ def test_a_hit_plans_a_load_of_the_entry_in_its_region_without_any_rpc(delegate)
 
 
 def test_a_step_without_hits_sends_an_empty_metadata(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert not delegate.has_item("b")
     meta = delegate.build_step_metadata()
     assert meta.loads == [] and meta.regions == {}
 
 
 def test_transfer_ids_are_unique_per_dispatch(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     ids = [dispatch(delegate, "a")["a"] for _ in range(3)]
     assert len(set(ids)) == 3
 
 
 def test_no_hit_while_the_session_is_not_fresh(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     delegate.freshness = False
     assert not delegate.has_item("a")
     assert not delegate.after_alloc("r", "a")
@@ -134,8 +134,8 @@ def test_no_hit_while_the_session_is_not_fresh(delegate):
 
 
 def test_no_hit_while_detached(delegate):
-    delegate._on_message(ready("a", 1))
-    delegate._on_detached()
+    delegate.on_message(ready("a", 1))
+    delegate.on_detached()
     assert not delegate.has_item("a")
     assert len(delegate.view) == 0
 
@@ -143,14 +143,14 @@ def test_no_hit_while_detached(delegate):
 def test_producers_never_hit():
     d = make(role="producer")
     try:
-        d._on_message(ready("a", 1))
+        d.on_message(ready("a", 1))
         assert not d.has_item("a")
     finally:
         d.transport.close()
 
 
 def test_requests_for_one_item_share_one_load(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert delegate.has_item("a") and delegate.has_item("a")
     assert delegate.after_alloc("r1", "a") and delegate.after_alloc("r2", "a")
     (spec,) = delegate.build_step_metadata().loads
@@ -161,9 +161,9 @@ def test_requests_for_one_item_share_one_load(delegate):
 
 
 def test_a_hit_stays_loadable_until_the_step_end_and_its_eviction_waits_for_the_load(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert delegate.has_item("a")
-    delegate._on_message(evicted(("a", 1)))  # between has_item and after_alloc
+    delegate.on_message(evicted(("a", 1)))  # between has_item and after_alloc
     assert delegate.acks == []
     assert delegate.after_alloc("r", "a")
     (spec,) = delegate.build_step_metadata().loads
@@ -174,9 +174,9 @@ def test_a_hit_stays_loadable_until_the_step_end_and_its_eviction_waits_for_the_
 
 
 def test_an_unplanned_hits_eviction_is_acknowledged_at_the_step_end(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert delegate.has_item("a")  # vLLM then did not allocate it
-    delegate._on_message(evicted(("a", 1)))
+    delegate.on_message(evicted(("a", 1)))
     assert delegate.acks == []
     delegate.build_step_metadata()
     assert delegate.acks == [("a", 1)]
@@ -184,10 +184,10 @@ def test_an_unplanned_hits_eviction_is_acknowledged_at_the_step_end(delegate):
 
 def test_with_two_ranks_the_ack_waits_for_both_reports_in_any_order(two_ranks):
     d = two_ranks
-    d._on_message(ready("a", 1))
-    d._on_message(ready("b", 2))
+    d.on_message(ready("a", 1))
+    d.on_message(ready("b", 2))
     ids = dispatch(d, "a", "b")
-    d._on_message(evicted(("a", 1), ("b", 2)))
+    d.on_message(evicted(("a", 1), ("b", 2)))
     assert d.acks == []
     d.apply_worker_output(done=[ids["b"], ids["a"]])  # one rank reported both
     d.build_step_metadata()
@@ -204,9 +204,9 @@ def test_with_two_ranks_the_ack_waits_for_both_reports_in_any_order(two_ranks):
 
 def test_a_failed_report_is_that_ranks_report_and_fails_its_requests_once(two_ranks):
     d = two_ranks
-    d._on_message(ready("a", 1))
+    d.on_message(ready("a", 1))
     ids = dispatch(d, "a")
-    d._on_message(evicted(("a", 1)))
+    d.on_message(evicted(("a", 1)))
     d.apply_worker_output(failed=[ids["a"]])
     assert d.take_unavailable_requests() == {"req-a-0"}
     assert d.acks == []  # the other rank may still be copying
@@ -217,17 +217,17 @@ def test_a_failed_report_is_that_ranks_report_and_fails_its_requests_once(two_ra
 
 
 def test_a_reattach_before_the_step_end_loads_the_old_region_and_spares_the_new_view(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert delegate.has_item("a")
-    delegate._on_detached()  # the daemon restarted between has_item and after_alloc
-    delegate._on_attached(attachment(NEW_REGION, index=8))
-    delegate._on_message(ready("a", 1))  # entry ids restart with the daemon
+    delegate.on_detached()  # the daemon restarted between has_item and after_alloc
+    delegate.on_attached(attachment(NEW_REGION, index=8))
+    delegate.on_message(ready("a", 1))  # entry ids restart with the daemon
     assert delegate.after_alloc("r", "a")
     meta = delegate.build_step_metadata()
     (spec,) = meta.loads
     assert spec.generation == 0xA and meta.regions == {0xA: REGION}  # the saved bytes
     assert delegate.view.inflight() == 0  # not the new view's load
-    delegate._on_message(evicted(("a", 1)))
+    delegate.on_message(evicted(("a", 1)))
     assert delegate.acks == [("a", 1)]  # the new daemon's entry is not held
     delegate.apply_worker_output(done=[spec.transfer_id])
     assert delegate.acks == [("a", 1)]  # and the old load's report acks nothing
@@ -239,12 +239,12 @@ def test_a_reattach_during_a_lookup_never_pairs_an_entry_with_another_region(del
     re-attach to a restarted daemon in between. Entry ids restart with the
     daemon, so a new entry's extents in the old region may carry the same
     stamp over other bytes: a hit must name the region its entry came from."""
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
 
     def reattach() -> None:
-        delegate._on_detached()
-        delegate._on_attached(attachment(NEW_REGION, index=8))
-        delegate._on_message(ready("a", 1, nbytes=8192))
+        delegate.on_detached()
+        delegate.on_attached(attachment(NEW_REGION, index=8))
+        delegate.on_message(ready("a", 1, nbytes=8192))
 
     class Entries(dict):
         def get(self, key, default=None):
@@ -277,9 +277,9 @@ def test_a_load_whose_reports_never_arrive_is_released_after_the_ttl(delegate, m
             return cls.now
 
     monkeypatch.setattr(scheduler, "time", Clock)
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     ids = dispatch(delegate, "a")
-    delegate._on_message(evicted(("a", 1)))
+    delegate.on_message(evicted(("a", 1)))
     Clock.now += scheduler.INFLIGHT_TTL_SECONDS - 1
     delegate.build_step_metadata()
     assert delegate.acks == []
@@ -291,23 +291,23 @@ def test_a_load_whose_reports_never_arrive_is_released_after_the_ttl(delegate, m
 
 
 def test_stats_and_heartbeats_each_see_every_lookup_once(delegate):
-    delegate._on_message(ready("a", 1, nbytes=8192))
+    delegate.on_message(ready("a", 1, nbytes=8192))
     delegate.has_item("x")
     delegate.has_item("y")
     dispatch(delegate, "a")
     stats = delegate.take_stats()
     assert (stats["lookups"], stats["hits"], stats["loads"], stats["load_bytes"]) == (
         3, 1, 1, 8192)
-    beat = delegate._heartbeat()  # the heartbeat counts independently of vLLM's stats
+    beat = delegate.heartbeat_message()  # the heartbeat counts independently of vLLM's stats
     assert (beat.heartbeat.lookups, beat.heartbeat.hits) == (3, 1)
     assert [(t.mm_hash, t.entry_id) for t in beat.touches] == [("a", 1)]
     empty = delegate.take_stats()
     assert all(v == 0 for v in empty.values())
-    beat = delegate._heartbeat()
+    beat = delegate.heartbeat_message()
     assert (beat.heartbeat.lookups, beat.heartbeat.hits, len(beat.touches)) == (0, 0, 0)
     delegate.has_item("a")
     delegate.has_item("z")
-    beat = delegate._heartbeat()
+    beat = delegate.heartbeat_message()
     assert (beat.heartbeat.lookups, beat.heartbeat.hits) == (2, 1)
     stats = delegate.take_stats()
     assert (stats["lookups"], stats["hits"], stats["loads"]) == (2, 1, 0)
@@ -316,13 +316,13 @@ def test_stats_and_heartbeats_each_see_every_lookup_once(delegate):
 def test_heartbeat_counts_stay_consistent_under_concurrent_lookups(delegate):
     import threading
 
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     stop = threading.Event()
     beats = []
 
     def beat() -> None:
         while not stop.is_set():
-            beats.append(delegate._heartbeat().heartbeat)
+            beats.append(delegate.heartbeat_message().heartbeat)
 
     thread = threading.Thread(target=beat)
     thread.start()
@@ -332,7 +332,7 @@ def test_heartbeat_counts_stay_consistent_under_concurrent_lookups(delegate):
     finally:
         stop.set()
         thread.join(10)
-    beats.append(delegate._heartbeat().heartbeat)
+    beats.append(delegate.heartbeat_message().heartbeat)
     assert all(b.hits <= b.lookups for b in beats)
     assert sum(b.lookups for b in beats) == 20000 and sum(b.hits for b in beats) == 10000
 
@@ -342,35 +342,35 @@ def test_hits_wait_until_every_worker_rank_mapped_the_region(two_ranks):
     another node) would fail the load: until the daemon counts every rank's
     stream, lookups miss and nothing is deferred for other engines."""
     d = two_ranks
-    d._on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
-    d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+    d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     assert not d.has_item("a")
     sent = []
     d.link.send = lambda message: sent.append(message) or True
     assert d.ensure(["b"]) and sent == []  # nothing wanted: it would miss anyway
-    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert d.has_item("a")
     d.build_step_metadata()
-    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
     assert not d.has_item("a")
 
 
 def test_a_rank_the_executor_does_not_count_must_map_the_region_too(delegate):
     """Under an executor that reports one rank's output (`ranks` 1), the
     workers' world size still says how many ranks load."""
-    delegate._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    delegate.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     assert not delegate.has_item("a")
-    delegate._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    delegate.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert delegate.has_item("a")
 
 
 def test_a_reattach_forgets_which_ranks_had_mapped_the_old_region(delegate):
-    delegate._on_message(ready("a", 1))
+    delegate.on_message(ready("a", 1))
     assert delegate.has_item("a")
     delegate.build_step_metadata()
-    delegate._on_detached()
-    delegate._on_attached(attachment(NEW_REGION, index=8))
-    delegate._on_message(ready("a", 1, ranks=pb.EngineRanks()))  # no rank has attached yet
+    delegate.on_detached()
+    delegate.on_attached(attachment(NEW_REGION, index=8))
+    delegate.on_message(ready("a", 1, ranks=pb.EngineRanks()))  # no rank has attached yet
     assert not delegate.has_item("a")
 
 
@@ -380,24 +380,24 @@ def test_a_region_this_host_cannot_open_is_never_answered_for(delegate):
     later) and keeps answering nothing, rather than hits its worker could not
     load."""
     missing = RegionInfo(str(FOLDER / "ec-daemon-c.region"), 1 << 20, 0xC, 4096, 4096)
-    delegate._on_detached()
+    delegate.on_detached()
     with pytest.raises(FileNotFoundError):
-        delegate._on_attached(attachment(missing, index=9))
-    delegate._on_message(ready("img", 1))
+        delegate.on_attached(attachment(missing, index=9))
+    delegate.on_message(ready("img", 1))
     assert not delegate.has_item("img")
 
 
 def wanting(d: SchedulerDelegate) -> list[pb.ClientMessage]:
     """`d` shares its namespace (wants help); returns what it sends from now on."""
-    d._on_message(ready("other", 9))
-    d._on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+    d.on_message(ready("other", 9))
+    d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
     sent: list[pb.ClientMessage] = []
     d.link.send = lambda message: sent.append(message) or True
     return sent
 
 
 def answer(d: SchedulerDelegate, mm_hash: str, verdict: int) -> None:
-    d._on_message(pb.DaemonMessage(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
+    d.on_message(pb.DaemonMessage(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
 
 
 def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[pb.ClientMessage]:
@@ -410,7 +410,7 @@ def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[pb.ClientM
         if message.wants:
             answers = pb.DaemonMessage(answers=[pb.Answer(mm_hash=h, verdict=verdicts[h])
                                                 for h in message.wants])
-            threading.Thread(target=d._on_message, args=(answers,)).start()
+            threading.Thread(target=d.on_message, args=(answers,)).start()
         return True
 
     d.link.send = send
@@ -489,18 +489,18 @@ def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, mo
                                                                    caplog):
     caplog.set_level(logging.INFO, logger="ec_client.scheduler")
     d = two_ranks
-    d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
-    d._heartbeat()
+    d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    d.heartbeat_message()
     assert "worker ranks mapped" not in caplog.text  # engines start workers after schedulers
     monkeypatch.setattr(scheduler, "UNMAPPED_WARNING_SECONDS", 0.0)
-    d._heartbeat()
-    d._heartbeat()
+    d.heartbeat_message()
+    d.heartbeat_message()
     assert caplog.text.count("1 of 2 worker ranks mapped the region; every lookup misses") == 1
-    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert "all 2 worker ranks mapped the region" in caplog.text
-    d._on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
     assert not d.has_item("a")
-    d._heartbeat()  # (said once it lasts: an engine that stops loses its workers first)
+    d.heartbeat_message()  # (said once it lasts: an engine that stops loses its workers first)
     assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2
 
 
@@ -510,7 +510,7 @@ def test_prefill_context_parallel_ranks_repeat_the_tensor_parallel_ones():
     is all of them."""
     d = make(ranks=4)
     try:
-        d._on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
+        d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
         assert d.has_item("a")
     finally:
         d.transport.close()

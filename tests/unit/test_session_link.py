@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 
 import ec_client.session as session
-from ec_client.session import FRESH_FRACTION, MAX_BEATS_IN_FLIGHT, Attachment, SessionLink
+from ec_client.session import (
+    FRESH_FRACTION,
+    MAX_BEATS_IN_FLIGHT,
+    Attachment,
+    LinkListener,
+    SessionLink,
+)
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
@@ -27,9 +33,17 @@ class Clock:
         return self.now
 
 
-def link_on(clock: Clock, transport: Any = None, **callbacks: Any) -> SessionLink:
+def listening(**overrides: Any) -> LinkListener:
+    """A listener whose named methods are these functions."""
+    listener = LinkListener()
+    for name, function in overrides.items():
+        setattr(listener, name, function)
+    return listener
+
+
+def link_on(clock: Clock, transport: Any = None, **overrides: Any) -> SessionLink:
     return SessionLink(transport, engine_id="E", role="consumer", layout=LAYOUT, clock=clock,
-                       **callbacks)
+                       listener=listening(**overrides))
 
 
 def test_a_link_is_not_fresh_before_any_echo():
@@ -107,7 +121,7 @@ def test_only_the_newest_beats_are_remembered_when_the_daemon_stops_echoing():
 
 def test_heartbeats_carry_a_rising_seq_and_the_callers_message():
     clock = Clock()
-    link = link_on(clock, heartbeat=lambda: pb.ClientMessage(
+    link = link_on(clock, heartbeat_message=lambda: pb.ClientMessage(
         heartbeat=pb.Heartbeat(lookups=5, hits=2),
         touches=[pb.Touch(mm_hash="a", entry_id=1, loads=3)]))
     beats = [link._beat() for _ in range(3)]
@@ -246,8 +260,8 @@ def test_a_raising_callback_detaches_and_attaches_again(quick_backoff, failing):
 
     link = SessionLink(
         transport, engine_id="E", role="consumer", layout=LAYOUT,
-        on_attached=lambda a: events.append(f"attached {a.session_id}"),
-        on_message=on_message, on_detached=on_detached)
+        listener=listening(on_attached=lambda a: events.append(f"attached {a.session_id}"),
+                           on_message=on_message, on_detached=on_detached))
     try:
         link.start()
         if failing == "on_detached":
@@ -272,7 +286,7 @@ def test_a_raising_on_attached_attaches_again(quick_backoff):
             raise FileNotFoundError("the region vanished")
 
     link = SessionLink(transport, engine_id="E", role="consumer", layout=LAYOUT,
-                       on_attached=on_attached)
+                       listener=listening(on_attached=on_attached))
     try:
         link.start()
         attachment = link.wait_attached(10)

@@ -102,7 +102,7 @@ def test_a_load_returns_the_saved_bytes_exactly(tmp_path, worker):
     region = Region(tmp_path, 0xA)
     data = payload(1)
     region.save(data, EXTENTS, entry_id=3)
-    worker._on_attached(attachment(region))
+    worker.on_attached(attachment(region))
     result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=11)],
                          {0xA: region.info})
     assert result.failed == {} and result.done == [11]
@@ -190,9 +190,9 @@ def test_an_old_generations_load_reads_the_old_file_after_a_restart(tmp_path, wo
     data = payload(8)
     old.save(data, EXTENTS, entry_id=3)
     new.save(payload(9), EXTENTS, entry_id=3)  # entry ids restart: same id, other bytes
-    worker._on_attached(attachment(old))
-    worker._on_detached()
-    worker._on_attached(attachment(new))
+    worker.on_attached(attachment(old))
+    worker.on_detached()
+    worker.on_attached(attachment(new))
     old.path.unlink()  # the old daemon removed its file on exit
     result = worker.load([spec_for(old, data, EXTENTS, 3)], {0xA: old.info, 0xB: new.info})
     assert result.failed == {}

@@ -43,8 +43,8 @@ def hit_cycle(scheduler: Any, worker: Any, mm_hash: str, seed: int) -> dict[str,
     tensor = h.encoder_output(seed)
     _, hits = h.step(scheduler, worker, [h.request("r1", mm_hash)], {mm_hash: tensor})
     assert hits == [False]
-    assert worker._worker.flush(20)
-    h.wait_until(lambda: scheduler._scheduler.view.get(mm_hash) is not None)
+    assert worker.worker_delegate.flush(20)
+    h.wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
     cache, hits = h.step(scheduler, worker, [h.request("r2", mm_hash)], {})
     assert hits == [True]
     return cache
@@ -55,8 +55,8 @@ def test_factory_builds_both_roles(engine):
 
     scheduler, worker = engine
     assert isinstance(scheduler, ECDaemonConnector) and isinstance(worker, ECDaemonConnector)
-    assert scheduler._scheduler is not None and scheduler._worker is None
-    assert worker._worker is not None and worker._scheduler is None
+    assert scheduler.scheduler_delegate is not None and scheduler.worker_delegate is None
+    assert worker.worker_delegate is not None and worker.scheduler_delegate is None
     assert scheduler.is_producer and scheduler.is_consumer
 
 
@@ -65,24 +65,24 @@ def test_miss_then_save_then_hit_loads_bit_exact(engine, daemon):
     tensor = h.encoder_output(1)
     _, hits = h.step(scheduler, worker, [h.request("r1", "img-1")], {"img-1": tensor})
     assert hits == [False]
-    assert worker._worker.flush(20)
-    h.wait_until(lambda: scheduler._scheduler.view.get("img-1") is not None)
+    assert worker.worker_delegate.flush(20)
+    h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img-1") is not None)
 
     metadata = h.dispatch(scheduler, [h.request("r2", "img-1")])
     assert isinstance(metadata, ECDaemonConnectorMetadata)
     (spec,) = metadata.loads
     assert spec.mm_hash == "img-1" and spec.generation in metadata.regions
-    assert scheduler._scheduler.view.inflight() == 1
+    assert scheduler.scheduler_delegate.view.inflight() == 1
     cache: dict[str, torch.Tensor] = {}
     meta = h.load(worker, metadata, cache)
     assert torch.equal(cache["img-1"], tensor) and cache["img-1"].dtype == tensor.dtype
     assert isinstance(meta, ECDaemonWorkerMetadata) and meta.done == [spec.transfer_id]
 
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
-    assert scheduler._scheduler.view.inflight() == 0  # the one rank reported
+    assert scheduler.scheduler_delegate.view.inflight() == 0  # the one rank reported
     assert scheduler.take_unavailable_requests() == set()
     # The load made no call at all; the daemon learns of it from a heartbeat.
-    assert scheduler._scheduler.transport.calls_from_this_thread() == 0
+    assert scheduler.scheduler_delegate.transport.calls_from_this_thread() == 0
     daemon.wait_for(lambda: daemon.stats()["loads"] == 1, what="the load's touch")
 
 
@@ -99,7 +99,7 @@ def test_a_load_dispatched_before_the_daemon_died_returns_the_saved_bytes(engine
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
     assert scheduler.take_unavailable_requests() == set()
     # The view goes with the session as soon as the link notices the daemon died.
-    h.wait_until(lambda: scheduler._scheduler.view.get("img-2") is None, timeout=10)
+    h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img-2") is None, timeout=10)
     assert not scheduler.has_cache_item("img-2")
 
 
@@ -118,7 +118,7 @@ def test_a_load_whose_stamp_no_longer_matches_raises_before_the_encoder_cache_ch
         h.load(worker, metadata, cache)
     # Nothing entered vLLM's encoder cache, not even the load that was fine.
     assert cache == {"already-there": kept} and cache["already-there"] is kept
-    assert worker._worker.stats["loads_stamp_mismatch"] == 1
+    assert worker.worker_delegate.stats["loads_stamp_mismatch"] == 1
 
 
 def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
@@ -129,7 +129,7 @@ def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
         cache, hits = h.step(scheduler, worker, [h.request("r", "img-x")],
                              {"img-x": h.encoder_output(3)})
         assert hits == [False] and set(cache) == {"img-x"}
-        assert worker._worker.stats["saves_skipped_detached"] == 1
+        assert worker.worker_delegate.stats["saves_skipped_detached"] == 1
         assert scheduler.take_unavailable_requests() == set()
     finally:
         scheduler.shutdown()
@@ -142,7 +142,7 @@ def test_a_copy_backend_is_chosen_by_class_name(tiny_model, tmp_path):
     config = h.make_config(tiny_model, socket, ec_daemon_copy_backend=name)
     worker = h.connector(config, ECConnectorRole.WORKER)
     try:
-        assert isinstance(worker._worker.backend, SlowLoadBackend)
+        assert isinstance(worker.worker_delegate.backend, SlowLoadBackend)
     finally:
         worker.shutdown()
     malformed = h.make_config(tiny_model, socket, ec_daemon_copy_backend="tests.vllm.slow_copy:")
@@ -258,7 +258,7 @@ def tp2_engine(tiny_model) -> Iterator[tuple[Daemon, Any, list[Any]]]:
         try:
             for conn in (scheduler, *workers):
                 h.wait_attached(conn)
-            h.wait_until(lambda: scheduler._scheduler.serving())  # both ranks mapped it
+            h.wait_until(lambda: scheduler.scheduler_delegate.serving())  # both ranks mapped it
             yield daemon, scheduler, workers
         finally:
             for conn in (scheduler, *workers):
@@ -266,7 +266,7 @@ def tp2_engine(tiny_model) -> Iterator[tuple[Daemon, Any, list[Any]]]:
 
 
 def lookup_state(daemon: Daemon, scheduler: Any, mm_hash: str) -> Any:
-    namespace = scheduler._scheduler.link.attachment.namespace
+    namespace = scheduler.scheduler_delegate.link.attachment.namespace
     (result,) = daemon.stub.Lookup(pb.LookupRequest(namespace=namespace, mm_hashes=[mm_hash]),
                                    timeout=5).results
     return result
@@ -275,8 +275,8 @@ def lookup_state(daemon: Daemon, scheduler: Any, mm_hash: str) -> Any:
 @pytest.mark.parametrize("reports", ["rank0+rank1", "rank1+rank0", "rank0 then rank1"])
 def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, reports):
     daemon, scheduler, (rank0, rank1) = tp2_engine
-    assert scheduler._scheduler.ranks == 2
-    assert rank0._worker.saves_enabled and not rank1._worker.saves_enabled
+    assert scheduler.scheduler_delegate.ranks == 2
+    assert rank0.worker_delegate.saves_enabled and not rank1.worker_delegate.saves_enabled
     tensor = h.encoder_output(7)
     h.save_and_publish(scheduler, rank0, "img-7", tensor)
     metadata = h.dispatch(scheduler, [h.request("r", "img-7")])
@@ -286,18 +286,18 @@ def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, repo
 
     # The entry is evicted while the other rank has not copied yet.
     for seed in range(100, 164):
-        if scheduler._scheduler.view.get("img-7") is None:
+        if scheduler.scheduler_delegate.view.get("img-7") is None:
             break
-        rank0._worker.save(f"fill-{seed}", h.encoder_output(seed))
-        rank0._worker.flush(20)
+        rank0.worker_delegate.save(f"fill-{seed}", h.encoder_output(seed))
+        rank0.worker_delegate.flush(20)
     assert lookup_state(daemon, scheduler, "img-7").state == pb.HIDDEN
     if reports == "rank0 then rank1":  # a step that carried rank 0's report only
         scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=metas[0]))
-        assert scheduler._scheduler.view.inflight() == 1
+        assert scheduler.scheduler_delegate.view.inflight() == 1
     # More than the cache holds is saved: a page given back would be reused.
     for seed in range(200, 220):
-        rank0._worker.save(f"more-{seed}", h.encoder_output(seed))
-        rank0._worker.flush(20)
+        rank0.worker_delegate.save(f"more-{seed}", h.encoder_output(seed))
+        rank0.worker_delegate.flush(20)
     assert lookup_state(daemon, scheduler, "img-7").awaiting == 1
 
     late = 1 - first
@@ -311,7 +311,7 @@ def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, repo
         (spec,) = metadata.loads
         assert meta.done == [spec.transfer_id, spec.transfer_id]
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
-    assert scheduler._scheduler.view.inflight() == 0
+    assert scheduler.scheduler_delegate.view.inflight() == 0
     daemon.wait_for(lambda: lookup_state(daemon, scheduler, "img-7").state == pb.ABSENT,
                     what="the eviction's acknowledgement")
     assert scheduler.take_unavailable_requests() == set()

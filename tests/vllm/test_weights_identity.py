@@ -131,8 +131,8 @@ def test_items_keyed_by_a_lora_adapter_are_never_cached(tiny_model, daemon):
         _, hits = h.step(scheduler, worker, [h.request("r1", "adapter:img"),
                                              h.request("r2", "img")], outputs)
         assert hits == [False, False]
-        assert worker._worker.flush(20)
-        h.wait_until(lambda: scheduler._scheduler.view.get("img") is not None)
+        assert worker.worker_delegate.flush(20)
+        h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img") is not None)
         assert daemon.stats()["saves"] == 1  # "img" only
         assert not scheduler.has_cache_item("adapter:img") and scheduler.has_cache_item("img")
     finally:
@@ -158,8 +158,8 @@ def test_a_worker_that_identified_other_weights_than_its_scheduler_saves_nothing
         _, hits = h.step(scheduler, worker, [h.request("r", "img-x")],
                          {"img-x": h.encoder_output(3)})
         assert hits == [False]
-        assert worker._worker.flush(20)
-        assert daemon.stats()["saves"] == 0 and not worker._worker.saves_enabled
+        assert worker.worker_delegate.flush(20)
+        assert daemon.stats()["saves"] == 0 and not worker.worker_delegate.saves_enabled
         assert "saves nothing" in caplog.text
     finally:
         scheduler.shutdown()

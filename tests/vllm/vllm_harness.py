@@ -83,7 +83,7 @@ def encoder_output(seed: int) -> torch.Tensor:
 
 
 def wait_attached(conn: Any, timeout: float = 20.0) -> None:
-    delegate = conn._scheduler or conn._worker
+    delegate = conn.scheduler_delegate or conn.worker_delegate
     if delegate.link.wait_attached(timeout) is None:
         raise RuntimeError(f"connector not attached: {delegate.link.last_error}")
 
@@ -140,8 +140,8 @@ def save_and_publish(scheduler: Any, worker: Any, mm_hash: str, tensor: torch.Te
     """Engine computed `tensor` as `mm_hash`: save it and wait until the
     scheduler's view offers it."""
     step(scheduler, worker, [request(f"save-{mm_hash}", mm_hash)], {mm_hash: tensor})
-    assert worker._worker.flush(20)
-    wait_until(lambda: scheduler._scheduler.view.get(mm_hash) is not None)
+    assert worker.worker_delegate.flush(20)
+    wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
 
 
 def overwrite_stamps(region: RegionInfo, extents: Any, stamp: int) -> None:
@@ -175,7 +175,7 @@ def start_engine(model: str, socket: str, role: str, instance_id: str) -> tuple[
     worker = connector(config, ECConnectorRole.WORKER)
     wait_attached(scheduler)
     wait_attached(worker)
-    wait_until(lambda: scheduler._scheduler.serving())  # its worker mapped the region
+    wait_until(lambda: scheduler.scheduler_delegate.serving())  # its worker mapped the region
     return scheduler, worker
 
 
@@ -185,8 +185,8 @@ def producer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -
     for seed in seeds:
         step(scheduler, worker, [request(f"p{seed}", f"img-{seed}")],
              {f"img-{seed}": encoder_output(seed)})
-    assert worker._worker.flush(30)
-    conn.send(dict(worker._worker.stats))
+    assert worker.worker_delegate.flush(30)
+    conn.send(dict(worker.worker_delegate.stats))
     scheduler.shutdown()
     worker.shutdown()
 
@@ -203,6 +203,6 @@ def consumer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -
         exact += got is not None and torch.equal(got, encoder_output(seed))
     conn.send({"hits": all_hits, "exact": exact,
                "unavailable": sorted(scheduler.take_unavailable_requests()),
-               "scheduler_rpcs": scheduler._scheduler.transport.calls_from_this_thread()})
+               "scheduler_rpcs": scheduler.scheduler_delegate.transport.calls_from_this_thread()})
     scheduler.shutdown()
     worker.shutdown()
