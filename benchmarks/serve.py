@@ -1,19 +1,62 @@
 """`make bench-serve`: what ec-daemon buys engines serving images, measured
-with vLLM's own client (`vllm bench serve`) against real `vllm serve` engines.
+with vLLM's own client against real `vllm serve` engines.
 
-Workload (a): two engines on this host, each pinned to its own core, behind
-a round-robin split of one request stream in which 80% of the requests show
-an image seen before (Dynamo's setup, scaled down). The model is the tests'
-tiny PaliGemma (built offline) with a SigLIP-base-sized vision tower, so an
+Two engines on this host, each pinned to its own core, serve the tests' tiny
+PaliGemma (built offline) with a SigLIP-base-sized vision tower, so an
 encode costs what it costs beside a small LM; prefix caching is on, as
-deployed. Modes, in the same run and on the same requests: no EC connector,
-vLLM's `ECExampleConnector` on one shared folder (the only upstream
-connector engines of a host can share), and ec-daemon.
+deployed; eager (torch.compile's warm-up would cost minutes per engine
+start here, and vLLM does not compile the vision encoder anyway). vLLM's own
+benchmark client sends the requests (benchmarks/serve_stream.py), greedy,
+8 tokens each. In every stream 80% of the requests show an image seen
+before (Dynamo's setup, scaled down); each workload has images of its own
+(the tier's run of (d) too: its engines hold the first run's). Modes,
+in the same run and on the same requests: no EC connector ("none"), vLLM's
+`ECExampleConnector` on one shared folder ("example", the only upstream
+connector engines of a host can share), and ec-daemon. Each mode gets one
+pair of engines that runs all its workloads, in this order:
 
-Per mode: TTFT mean/p50/p90/p99 and request throughput from `vllm bench
-serve`'s results, each as a ratio to "no connector" and to the example
-connector. Prints a table and writes results/serve-<time>.json. `--quick`
-shrinks the run to check that it works; its numbers are not results.
+(a) the stream split round-robin between the engines, at each rate of
+    `--rates` (1 and 2 requests/s of the whole stream);
+(c) the same with the daemon restarted at half time (SIGTERM, then a
+    start on the same socket that adopts its region: a warm restart). Only
+    ec-daemon restarts; for the other modes nothing does, they are the
+    comparison;
+(d) two "hosts": engine 0 behind one daemon, engine 1 behind another (two
+    sockets and regions); the first half of the stream goes to engine 0 and
+    the second half moves to engine 1. Modes: none, ec-daemon without a
+    second tier, and "ec-daemon-tier": both daemons on one Redis
+    (`--remote`, a redis-server started here). The example connector has no
+    cross-host story and sits (d) out. The move waits until host 1 has
+    published what it saved (write-behind, milliseconds);
+(b) engine 0 stopped with SIGTERM after half of its requests and started
+    again; then the second half runs. Last, as it leaves a fresh engine.
+
+(b), (c) and (d) run in two phases: the first half of the stream, the event
+(restart, move), the second half. Each request's send time is reported
+relative to the event (its downtime left out), and how many requests each
+mode takes after it to return to its steady state (defined in
+benchmarks/serve_report.py: a rolling mean of 3 non-cold TTFTs within 1.2x
+of the mode's repeat-request mean before the event).
+
+Per workload and mode: TTFT mean/p50/p90/p99, of cold requests (the first
+for their image on the host, from the stream) and of repeat requests, with
+ratios to "none" and to "example"; request throughput; encoder forwards per
+request (vLLM's per-step log, `--enable-logging-iteration-details`; vLLM
+exports no counter of them) and the share of encodes avoided; the daemons' hits,
+misses, saves, loads and second-tier promotions; the connector's counters
+from each engine's /metrics; whether each request generated what it did
+with no connector (greedy). Before its first workload each engine serves
+one warm-up request of its own image, outside every result.
+
+Prints tables and writes results/serve-<time>/ (a JSON per workload,
+summary.json, figures); a full run with every mode also writes the figures
+to docs/ (serve-ttft-cdf.png, serve-ttft-over-time.png). `--quick` shrinks
+every workload to check that it runs; its numbers are not results.
+
+On a CUDA host (`make gpu-bench-serve`): `--device cuda --model NAME` runs
+a real model, without taskset or float32, and adds mode "cpu": vLLM's
+ECCPUConnector, one per engine, which needs VLLM_USE_V2_MODEL_RUNNER=1 and
+with it Triton on a GPU (refused on a CPU host).
 
 Run in the vLLM environment (`make bench-serve` does).
 """
@@ -21,305 +64,247 @@ Run in the vLLM environment (`make bench-serve` does).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serve_hosts import EngineSetup
+from benchmarks.serve_modes import ModeRun, Workload
+from benchmarks.serve_report import figures, print_table, recovery, summarise, with_ratios
+from benchmarks.serve_stream import (
+    MOVE,
+    ROUND_ROBIN,
+    Client,
+    Request,
+    make_images,
+    make_stream,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "benchmarks.vllm_cli"]
 # PaliGemma has no chat template; the image tokens come from its processor.
 CHAT_TEMPLATE = ("{% for message in messages %}{% if message['content'] is string %}"
                  "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
                  "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
                  "{% endif %}{% endfor %}")
-PROMPT = "caption en\n"
-OUTPUT_TOKENS = 8
-ENGINE_START_S = 600.0
 MODES = ("none", "example", "ec-daemon")
+GPU_MODES = (*MODES, "cpu")
+TIER = "ec-daemon-tier"  # ec-daemon with a second tier, workload (d) only
+D_MODES = ("none", "ec-daemon")  # the modes of (d) besides TIER
+WORKLOADS = "a,b,c,d"
+RATES = "1,2"
+GPU_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+CPU_ONLY_REFUSAL = (
+    "mode cpu (vLLM's ECCPUConnector) needs VLLM_USE_V2_MODEL_RUNNER=1, and vLLM's V2 "
+    "model runner needs Triton with a GPU backend, which a CPU host lacks: run it on a "
+    "CUDA host (make gpu-bench-serve, --device cuda)")
 
 
+@dataclass(frozen=True)
 class Plan:
     """How much one run does (`--quick` shrinks it)."""
 
-    def __init__(self, quick: bool, seed: int) -> None:
-        self.seed = seed
-        self.requests = 8 if quick else 40  # the whole stream, both engines
-        self.images = 3 if quick else 8  # distinct images: 80% of requests repeat one
-        self.rate = 1.0  # requests/s of the whole stream
-        self.reuse = 0.8
+    quick: bool
+    seed: int
+    rates: tuple[float, ...]  # workload (a)'s, requests/s of the whole stream
+    reuse: float = 0.8
+    event_rate: float = 1.0  # (b), (c), (d)
+
+    @property
+    def a_requests(self) -> int:  # per rate, the whole stream
+        return 6 if self.quick else 40
+
+    @property
+    def a_images(self) -> int:
+        return 2 if self.quick else 8
+
+    @property
+    def event_requests(self) -> int:  # (b), (c), (d): half before the event
+        return 6 if self.quick else 32
+
+    @property
+    def event_images(self) -> int:
+        return 2 if self.quick else 6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def workloads(plan: Plan, folder: Path, image_size: int, with_tier: bool) -> list[Workload]:
+    """Every workload of the run, in the order each mode runs them. Each
+    stream has a seed of its own and images of its own (no image of one
+    workload is in another, so each starts cold)."""
+
+    def stream(name: str, count: int, images: int, rate: float, seed: int, route: str,
+               phases: int) -> list[Request]:
+        paths = make_images(folder, images, image_size, plan.seed + zlib.crc32(name.encode()),
+                            name)
+        return make_stream(paths, count, rate, plan.reuse, seed, route, phases)
+
+    out = []
+    for i, rate in enumerate(plan.rates):
+        seed = plan.seed + i
+        out.append(Workload(
+            f"a@{rate:g}", "a", f"(a) round-robin at {rate:g} req/s", "", seed, rate,
+            stream(f"a{i}", plan.a_requests, plan.a_images, rate, seed, ROUND_ROBIN, 1),
+            (0, 1)))
+    for key, title, event, route, affected, offset in (
+            ("c", "(c) daemon restarted mid-stream", "daemon restart", ROUND_ROBIN, (0, 1), 10),
+            ("d", "(d) the stream moved to another host", "move", MOVE, (1,), 11),
+            ("b", "(b) engine 0 restarted mid-stream", "engine restart", ROUND_ROBIN, (0,), 12)):
+        seed = plan.seed + offset
+        streams = [stream(name, plan.event_requests, plan.event_images, plan.event_rate, seed,
+                          route, 2)
+                   for name in ([key, "d-tier"] if key == "d" and with_tier else [key])]
+        out.append(Workload(key, key, title, event, seed, plan.event_rate, streams[0], affected,
+                            streams[1] if len(streams) > 1 else None))
+    return out
 
 
-def make_images(folder: Path, count: int, size: int, seed: int) -> list[Path]:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(count):
-        path = folder / f"image-{i}.png"
-        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
-def make_stream(plan: Plan, images: list[Path], folder: Path) -> list[Path]:
-    """One stream of requests, 80% of them an image seen before, split
-    round-robin into one JSONL per engine (vLLM's custom_image dataset)."""
-    rng = random.Random(plan.seed)
-    seen: list[Path] = []
-    fresh = list(images)
-    lines: list[list[str]] = [[], []]
-    for i in range(plan.requests):
-        if seen and (not fresh or rng.random() < plan.reuse):
-            image = rng.choice(seen)
-        else:
-            image = fresh.pop(0)
-            seen.append(image)
-        lines[i % 2].append(json.dumps({"prompt": PROMPT, "image_files": [str(image)]}))
-    paths = []
-    for engine, engine_lines in enumerate(lines):
-        path = folder / f"engine-{engine}.jsonl"
-        path.write_text("\n".join(engine_lines) + "\n")
-        paths.append(path)
-    return paths
-
-
-def ec_config(mode: str, socket_uri: str, shared: Path) -> list[str]:
-    if mode == "none":
-        return []
-    if mode == "example":
-        config = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
-                  "ec_connector_extra_config": {"shared_storage_path": str(shared)}}
-    else:
-        config = {"ec_connector": "ECDaemonConnector",
-                  "ec_connector_module_path": "ec_client.vllm_connector", "ec_role": "ec_both",
-                  "ec_connector_extra_config": {"ec_daemon_socket": socket_uri,
-                                                "ec_daemon_copy_backend": "cpu"}}
-    return ["--ec-transfer-config", json.dumps(config)]
-
-
-def daemon_counters(uri: str) -> dict[str, int]:
-    """The daemon's lookups, hits and saves (`ec-daemon stats --json`)."""
-    out = subprocess.run([sys.executable, "-m", "ec_daemon", "stats", "--json", "--socket", uri],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-    data = json.loads(out)
-    return {"hits": int(data["hits"]), "misses": int(data["misses"]),
-            "saves": int(data["saves"])}
-
-
-@contextmanager
-def daemon(folder: Path) -> Iterator[str]:
-    """An ec-daemon on a socket in `folder`; yields its URI."""
-    uri = f"unix://{folder / 'ec.sock'}"
-    with open(folder / "daemon.log", "w") as log:  # (the child keeps its own descriptor)
-        proc = subprocess.Popen([sys.executable, "-m", "ec_daemon", "--cpu-bytes", "1GiB",
-                                 "--socket", uri, "--fresh-start", "--on-exit", "remove"],
-                                stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while not (folder / "ec.sock").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("ec-daemon did not start:\n"
-                                   + (folder / "daemon.log").read_text())
-            time.sleep(0.1)
-        yield uri
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-
-
-@contextmanager
-def engines(model: Path, mode: str, socket_uri: str, folder: Path) -> Iterator[list[int]]:
-    """Two `vllm serve` engines, engine i pinned to core i; yields their ports."""
-    shared = folder / "ec-shared"
-    shared.mkdir(exist_ok=True)
-    cores = os.sched_getaffinity(0)
-    procs, ports = [], []
-    try:
-        for i in range(2):
-            port = free_port()
-            core = sorted(cores)[i % len(cores)]
-            env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                       VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-            with open(folder / f"{mode}-engine-{i}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    ["taskset", "-c", str(core), *CLI, "serve", str(model), "--port", str(port),
-                     "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512",
-                     "--max-num-seqs", "8", "--limit-mm-per-prompt", '{"image": 1}',
-                     "--enable-prefix-caching", "--chat-template", CHAT_TEMPLATE, "--seed", "0",
-                     "--disable-log-stats", *ec_config(mode, socket_uri, shared)],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True))
-            ports.append(port)
-        for i, (proc, port) in enumerate(zip(procs, ports, strict=True)):
-            wait_healthy(proc, port, folder / f"{mode}-engine-{i}.log")
-        yield ports
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-
-
-def wait_healthy(proc: subprocess.Popen[Any], port: int, log: Path) -> None:
-    print(f"   waiting for the engine on port {port} to serve (a minute or two)", flush=True)
-    deadline = time.monotonic() + ENGINE_START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n"
-                               + log.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vllm serve on port {port} not healthy after {ENGINE_START_S:.0f}s")
-
-
-def bench(model: Path, ports: list[int], streams: list[Path], plan: Plan, folder: Path,
-          mode: str) -> list[dict[str, Any]]:
-    """`vllm bench serve` against each engine at once, half the rate each."""
-    procs = []
-    for i, (port, stream) in enumerate(zip(ports, streams, strict=True)):
-        result = f"{mode}-engine-{i}.json"
-        count = sum(1 for line in stream.read_text().splitlines() if line)
-        with open(folder / f"{mode}-bench-{i}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [*CLI, "bench", "serve", "--backend", "openai-chat", "--endpoint",
-                 "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{port}", "--model",
-                 str(model), "--dataset-name", "custom_image", "--dataset-path", str(stream),
-                 "--disable-shuffle", "--custom-ensure-client-side-data", "--num-prompts",
-                 str(count), "--custom-output-len", str(OUTPUT_TOKENS), "--request-rate",
-                 str(plan.rate / 2), "--seed", str(plan.seed), "--save-result", "--save-detailed",
-                 "--result-dir", str(folder), "--result-filename", result,
-                 "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99",
-                 "--ignore-eos"],
-                cwd=ROOT, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"), stdout=log,
-                stderr=subprocess.STDOUT))
-    results = []
-    for i, proc in enumerate(procs):
-        if proc.wait(1800) != 0:
-            raise RuntimeError("vllm bench serve failed:\n"
-                               + (folder / f"{mode}-bench-{i}.log").read_text()[-4000:])
-        results.append(json.loads((folder / f"{mode}-engine-{i}.json").read_text()))
-    return results
-
-
-def summarise(mode: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Both engines' requests as one stream: TTFT over all of them, and what
-    each request generated (greedy: every mode must generate the same)."""
-    ttfts = sorted(t * 1000 for r in results for t in r.get("ttfts", []) if t)
-    if not ttfts:
-        errors = [e for r in results for e in r.get("errors", []) if e]
-        raise RuntimeError(f"{mode}: no request completed; first errors: {errors[:3]}")
-    duration = max(r["duration"] for r in results)
-    completed = sum(r["completed"] for r in results)
-
-    def percentile(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, round(p / 100 * (len(ttfts) - 1)))]
-
-    return {"mode": mode, "requests": completed,
-            "failed": sum(r.get("failed", 0) for r in results),
-            "outputs": [r.get("generated_texts", []) for r in results],
-            "ttft_mean_ms": sum(ttfts) / len(ttfts), "ttft_p50_ms": percentile(50),
-            "ttft_p90_ms": percentile(90), "ttft_p99_ms": percentile(99),
-            "requests_per_s": completed / duration}
-
-
-def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    base = {r["mode"]: r for r in rows}
-    for row in rows:
-        if "none" in base:
-            row["same_outputs_as_none"] = row["outputs"] == base["none"]["outputs"]
-        for ref in ("none", "example"):
-            if ref in base and ref != row["mode"]:
-                for field in ("ttft_mean_ms", "ttft_p90_ms", "requests_per_s"):
-                    row[f"{field}_vs_{ref}"] = row[field] / base[ref][field]
+def run_mode(mode: str, run: ModeRun, todo: list[Workload]) -> dict[str, list[dict[str, Any]]]:
+    """Every workload of `todo` this mode takes part in; rows by workload key
+    (a mode of its own, TIER, for the second tier in (d))."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for workload in todo:
+        if workload.key == "d" and mode not in D_MODES:
+            print(f"   (d) skipped for {mode}: it has no cross-host story", flush=True)
+            continue
+        variants = [mode, TIER] if workload.tier_stream and mode == "ec-daemon" else [mode]
+        for label in variants:
+            print(f">> {label}: {workload.title}, {len(workload.stream)} requests", flush=True)
+            began = time.monotonic()
+            outcomes, counters, info = run.workload(workload, tier=label == TIER)
+            print(f"   done in {time.monotonic() - began:.0f}s", flush=True)
+            row = summarise(label, outcomes, counters, info.pop("zero", None))
+            row.update(info)
+            if workload.event:
+                row.update(recovery(outcomes, set(workload.affected_engines)))
+            rows.setdefault(workload.key, []).append(row)
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="check that it runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--json", default="", help="also write the results here")
-    args = parser.parse_args()
-    plan = Plan(args.quick, args.seed)
-    sys.path.insert(0, str(ROOT))
-    from tests.vllm.tiny_model import SIGLIP_BASE, build_tiny_paligemma
-
-    folder = Path(tempfile.mkdtemp(prefix="ecd-serve-"))
+    args = parse_args()
+    sys.path.insert(0, str(ROOT))  # tests.vllm.tiny_model, tests.redis_servers
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("benchmarks.serve draws its figures with matplotlib: install it into this "
+                 "environment (make install-vllm does, in a new .venv-vllm)")
+    plan = Plan(args.quick, args.seed, tuple(float(r) for r in args.rates.split(",")))
+    modes = args.modes.split(",")
     started = time.monotonic()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = ROOT / "results" / f"serve-{'quick-' if args.quick else ''}{stamp}"
+    folder = Path(tempfile.mkdtemp(prefix="ecd-serve-"))
     done = False
     try:
-        print(">> building the tiny PaliGemma with a SigLIP-base-sized vision tower", flush=True)
-        model = build_tiny_paligemma(folder / "model", shape=SIGLIP_BASE)
-        images = make_images(folder, plan.images, SIGLIP_BASE.image_size, plan.seed)
-        streams = make_stream(plan, images, folder)
-        rows = []
-        for mode in args.modes.split(","):
-            print(f">> mode {mode}: two engines, {plan.requests} requests at {plan.rate} req/s",
-                  flush=True)
-            run = folder / mode
-            run.mkdir()
-            with daemon(run) as uri, engines(model, mode, uri, run) as ports:
-                row = summarise(mode, bench(model, ports, streams, plan, run, mode))
-                if mode == "ec-daemon":
-                    row.update({f"daemon_{k}": v for k, v in daemon_counters(uri).items()})
-                rows.append(row)
-        rows = with_ratios(rows)
+        setup, prompt, image_size = engine_setup(args, folder)
+        with_tier = shutil.which("redis-server") is not None
+        if not with_tier:
+            print("!! no redis-server (make redis): (d) runs without ec-daemon-tier", flush=True)
+        todo = workloads(plan, folder, image_size, with_tier)
+        todo = [w for w in todo if w.workload in args.workloads.split(",")]
+        print(">> loading vLLM's benchmark client", flush=True)
+        client = Client(setup.model, prompt, folder)
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        for mode in modes:
+            print(f">> mode {mode}: starting two engines", flush=True)
+            mode_started = time.monotonic()
+            with ModeRun(mode, setup, client, folder / mode, image_size) as run:
+                print(f"   serving after {time.monotonic() - mode_started:.0f}s", flush=True)
+                for key, rows in run_mode(mode, run, todo).items():
+                    by_key.setdefault(key, []).extend(rows)
         done = True
     finally:
         if done:
             shutil.rmtree(folder, ignore_errors=True)
         else:
             print(f"!! logs kept in {folder}", flush=True)
-    columns = ["mode", "requests", "failed", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms",
-               "ttft_p99_ms", "requests_per_s", "ttft_mean_ms_vs_none", "ttft_p90_ms_vs_none",
-               "ttft_mean_ms_vs_example", "ttft_p90_ms_vs_example", "requests_per_s_vs_none",
-               "same_outputs_as_none", "daemon_hits", "daemon_misses", "daemon_saves"]
+    results = report(plan, todo, by_key, args, time.monotonic() - started)
+    write(results, out_dir, args)
+
+
+def engine_setup(args: argparse.Namespace, folder: Path) -> tuple[EngineSetup, str, int]:
+    """The engines' model and placement; the prompt; the image size."""
+    if args.device == "cpu":
+        from tests.vllm.tiny_model import SIGLIP_BASE, build_tiny_paligemma
+
+        print(">> building the tiny PaliGemma with a SigLIP-base-sized vision tower", flush=True)
+        model = build_tiny_paligemma(folder / "model", shape=SIGLIP_BASE)
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+        return (EngineSetup("cpu", str(model), CHAT_TEMPLATE, cores=cores),
+                "caption en\n", args.image_size or SIGLIP_BASE.image_size)
+    import torch
+
+    setup = EngineSetup("cuda", args.model or GPU_MODEL, None, gpus=torch.cuda.device_count(),
+                        max_model_len=4096)
+    return setup, "Describe this image in one sentence.", args.image_size or 448
+
+
+def report(plan: Plan, todo: list[Workload], by_key: dict[str, list[dict[str, Any]]],
+           args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     if args.quick:
         print("!! --quick: a run too small to measure anything; it checks the benchmark runs")
-    print("(a) two engines, 80% image reuse (ms; ratios to the same run's other modes)")
-    print("  ".join(columns))
-    for row in rows:
-        print("  ".join(f"{row.get(c, '-'):.3g}" if isinstance(row.get(c), float)
-                        else str(row.get(c, "-")) for c in columns))
-    out = {"quick": args.quick, "seed": plan.seed, "requests": plan.requests,
-           "images": plan.images, "rate": plan.rate, "reuse": plan.reuse, "workload_a": rows,
-           "seconds": time.monotonic() - started}
-    path = ROOT / "results" / f"serve-{'quick-' if args.quick else ''}" \
-        f"{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    workloads_out = []
+    for workload in todo:
+        rows = with_ratios(by_key.get(workload.key, []))
+        print_table(f"{workload.title} (ms; ratios to the same run's other modes)", rows)
+        workloads_out.append({**workload.describe(), "modes": rows})
+    return {"quick": args.quick, "seed": plan.seed, "device": args.device,
+            "reuse": plan.reuse, "workloads": workloads_out, "seconds": seconds}
+
+
+def reference_run(args: argparse.Namespace) -> bool:
+    """A full run of every mode and workload on the CPU as `make bench-serve`
+    runs it: the one whose figures docs/performance.md shows."""
+    return (not args.quick and args.device == "cpu" and args.modes == ",".join(MODES)
+            and args.workloads == WORKLOADS and args.rates == RATES)
+
+
+def write(results: dict[str, Any], out_dir: Path, args: argparse.Namespace) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["folder"] = str(out_dir)
+    for workload in results["workloads"]:
+        name = workload["key"].replace("@", "-")
+        (out_dir / f"{name}.json").write_text(json.dumps(workload, indent=2))
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    print(f"written to {path} in {out['seconds']:.0f}s")
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    paths = figures(results, out_dir)
+    if reference_run(args):
+        for path in paths:
+            shutil.copy(path, ROOT / "docs" / path.name)
+        print(f"figures copied to docs/: {', '.join(p.name for p in paths)}")
+    print(f"written to {out_dir} in {results['seconds']:.0f}s")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="check that it runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", default="", help=f"cuda only (default {GPU_MODEL})")
+    parser.add_argument("--modes", default="", help="comma-separated (default: "
+                        f"{','.join(MODES)} on cpu, {','.join(GPU_MODES)} on cuda)")
+    parser.add_argument("--workloads", default=WORKLOADS, help="a subset of a,b,c,d")
+    parser.add_argument("--rates", default=RATES, help="workload (a)'s rates, req/s")
+    parser.add_argument("--image-size", type=int, default=0, help="pixels (default: the "
+                        "model's: 224 for the tiny PaliGemma, 448 on cuda)")
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    args.modes = args.modes or ",".join(GPU_MODES if args.device == "cuda" else MODES)
+    unknown = set(args.modes.split(",")) - set(GPU_MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(GPU_MODES)}")
+    if "cpu" in args.modes.split(",") and args.device != "cuda":
+        parser.error(CPU_ONLY_REFUSAL)
+    if args.model and args.device != "cuda":
+        parser.error("--model is for --device cuda; on cpu the tiny PaliGemma is built here")
+    return args
 
 
 if __name__ == "__main__":
