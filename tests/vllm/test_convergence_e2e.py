@@ -11,7 +11,15 @@ import time
 import pytest
 
 from tests.integration.daemon import Daemon
-from tests.vllm.engine_proc import ENGINE_TIMEOUT, C, D, Engine, same_output, start_engine
+from tests.vllm.engine_proc import (
+    ENGINE_TIMEOUT,
+    SERVING_LINE,
+    C,
+    D,
+    Engine,
+    same_output,
+    start_engine,
+)
 from tests.vllm.slow_copy import MARKER_ENV, SECONDS_ENV, marker_state
 
 pytestmark = pytest.mark.timeout(1200)
@@ -34,8 +42,7 @@ def asking(*engines: Engine) -> None:
     mapped the region): attached sessions alone do not say so."""
     for engine in engines:
         engine.wait_for_line("2 engine(s) share this namespace", ENGINE_TIMEOUT, anywhere=True)
-        engine.wait_for_line("worker ranks mapped the region; hits are answered",
-                             ENGINE_TIMEOUT, anywhere=True)
+        engine.wait_for_line(SERVING_LINE, ENGINE_TIMEOUT, anywhere=True)
 
 
 def test_two_engines_that_get_one_new_image_at_once_encode_it_once(tiny_model, reference,

@@ -75,7 +75,8 @@ def test_engines_hit_what_was_saved_before_a_kill_9_and_an_upgrade(tiny_model, r
         assert "adopted region" in daemon.log() and "4 entries" in daemon.log()
 
         fresh = run_engine(tiny_model, [A, B], socket=daemon.socket)
-        assert [r["encoder_images"] for r in fresh["requests"]] == [0, 0]
+        assert [r["encoder_images"] for r in fresh["requests"]] == [0, 0], (
+            fresh["output"][-6000:] + daemon.log()[-4000:])
         engine.send("go\n")
         running = engine.finish()
         engine = None
