@@ -36,7 +36,7 @@ pair of engines that runs all its workloads, in this order:
 relative to the event (its downtime left out), and how many requests each
 mode takes after it to return to its steady state (defined in
 benchmarks/serve_report.py: a rolling mean of 3 non-cold TTFTs within 1.2x
-of the mode's repeat-request mean before the event).
+of the mode's repeat-request mean in the second half before the event).
 
 Per workload and mode: TTFT mean/p50/p90/p99, of cold requests (the first
 for their image on the host, from the stream) and of repeat requests, with
@@ -182,7 +182,7 @@ def run_mode(mode: str, run: ModeRun, todo: list[Workload]) -> dict[str, list[di
             row = summarise(label, outcomes, counters, info.pop("zero", None))
             row.update(info)
             if workload.event:
-                row.update(recovery(outcomes, set(workload.affected_engines)))
+                row.update(recovery(row["requests_detail"], set(workload.affected_engines)))
             rows.setdefault(workload.key, []).append(row)
     return rows
 
@@ -219,7 +219,7 @@ def main() -> None:
                     by_key.setdefault(key, []).extend(rows)
         done = True
     finally:
-        if done:
+        if done and not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
         else:
             print(f"!! logs kept in {folder}", flush=True)
@@ -295,6 +295,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=0, help="pixels (default: the "
                         "model's: 224 for the tiny PaliGemma, 448 on cuda)")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the engines' and daemons' logs (a temporary folder)")
     args = parser.parse_args()
     args.modes = args.modes or ",".join(GPU_MODES if args.device == "cuda" else MODES)
     unknown = set(args.modes.split(",")) - set(GPU_MODES)

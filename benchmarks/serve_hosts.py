@@ -29,6 +29,7 @@ CLI = [sys.executable, "-m", "benchmarks.vllm_cli"]
 ENGINE_START_S = 900.0
 STOP_S = 60.0
 START_RETRIES = 1
+SERVING = "ec-daemon serving on "  # the daemon's line once it serves
 ENCODER_INPUTS = re.compile(r"encoder inputs: (\d+)")
 CONNECTOR_COUNTER = re.compile(r"^vllm:ec_daemon_(\w+)_total\{[^}]*\} ([0-9.e+-]+)$", re.M)
 
@@ -191,9 +192,12 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = folder / "daemon.log"
 
-    def start(self, *, fresh: bool = False) -> None:
+    def start(self, *, fresh: bool = False) -> str:
         """Start and wait until it serves; `fresh` empties what a previous
-        daemon on the socket left, otherwise it is adopted."""
+        daemon on the socket left, otherwise it is adopted. Returns what
+        became of the previous region (the daemon's own line: "adopted
+        region ...: N entries ..." or "starting with an empty cache: why")."""
+        starts = self._log().count(SERVING)
         argv = [sys.executable, "-m", "ec_daemon", "--cpu-bytes", self.cpu_bytes,
                 "--socket", self.uri]
         if fresh:
@@ -205,12 +209,21 @@ class Daemon:
                                          stderr=log, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         deadline = time.monotonic() + 60
-        # The socket appears once it serves (a stopping daemon removes it).
-        while not (self.folder / "ec.sock").exists():
+        # Its socket is bound before it adopts or pre-faults the region: its
+        # "serving on" line says when it serves.
+        while self._log().count(SERVING) == starts:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("ec-daemon did not start:\n" + self.log_path.read_text())
+                raise RuntimeError("ec-daemon did not start:\n" + self._log())
             time.sleep(0.02)
+        lines = self._log().splitlines()
+        served = max(i for i, line in enumerate(lines) if SERVING in line)
+        return next((line.split("ec_daemon: ", 1)[-1] for line in reversed(lines[:served])
+                     if "adopted region" in line or "starting with an empty cache" in line),
+                    "")
+
+    def _log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
         if self.proc is not None:

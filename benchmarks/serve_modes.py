@@ -175,10 +175,11 @@ class ModeRun:
             daemon = self.daemons[0]
             old = daemon.proc.pid if daemon.proc else None
             daemon.stop()
-            daemon.start()  # not fresh: it adopts the region its predecessor left
-            adopted = ADOPTED.findall(daemon.log_path.read_text())
+            adoption = daemon.start()  # not fresh: it adopts the region its predecessor left
+            adopted = ADOPTED.search(adoption)
             return {"restarted": daemon.proc is not None and daemon.proc.pid != old,
-                    "adopted_entries": int(adopted[-1]) if adopted else 0}, {"daemon-0"}
+                    "adoption": adoption,
+                    "adopted_entries": int(adopted.group(1)) if adopted else 0}, {"daemon-0"}
         if workload.workload == "d" and tier:
             return {"publish_wait_s": self._wait_published()}, set()
         return {"restarted": False}, set()
