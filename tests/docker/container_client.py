@@ -31,7 +31,7 @@ import numpy as np
 
 from ec_client.scheduler import SchedulerDelegate
 from ec_client.worker import WorkerDelegate
-from ec_protocol.protocol import Layout, default_socket_uri
+from ec_protocol.protocol import Layout, Role, default_socket_uri
 
 LAYOUT = Layout("docker-test-model", "mixed", {"image": 2048})
 SOCKET = os.environ.get("EC_DAEMON_SOCKET") or default_socket_uri()
@@ -163,7 +163,7 @@ def load(scheduler: SchedulerDelegate, worker: WorkerDelegate, keys: list[str],
 class Engine:
     """A scheduler side and one worker rank of one engine."""
 
-    def __init__(self, engine_id: str, role: str) -> None:
+    def __init__(self, engine_id: str, role: Role) -> None:
         self.scheduler = SchedulerDelegate(SOCKET, engine_id=engine_id, layout=LAYOUT,
                                            role=role)
         self.worker = WorkerDelegate(SOCKET, engine_id=engine_id, layout=LAYOUT, role=role)
