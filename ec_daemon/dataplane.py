@@ -2,7 +2,8 @@
 
 It owns the cache and everything that listens to it: convergence (who makes
 a wanted item), the watchers (`watch`), the second tier (`remote`: publishing
-saves, and `promotions` from it), the wake-ups of saves waiting for pages,
+saves, and `promotions` from it), the workers' saves (`saves`: allocations,
+waiting for pages, reports, on the unary calls and on the session stream),
 and the upkeep that expires sessions. The servicer (`service`) only converts
 protobuf and calls in here, as MLServer's servicers hand their work to its
 data plane, so the waiting, retrying and announcing are read (and tested)
@@ -36,26 +37,15 @@ from ec_daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
     InvariantViolated,
-    ResourceExhausted,
 )
-from ec_daemon.events import (
-    AllocOutcome,
-    AllocResult,
-    ClientMessage,
-    HeartbeatEcho,
-    ReportStatus,
-)
+from ec_daemon.events import ClientMessage, HeartbeatEcho
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.promotions import Promotions
 from ec_daemon.records import Entry, Session, State
+from ec_daemon.saves import SPACE, Saves
 from ec_daemon.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
-
-# A save waits this part of --alloc-wait-seconds for hidden pages to come
-# back before it evicts more ready entries instead.
-HIDDEN_PATIENCE_FRACTION = 0.1
-SPACE = "space"  # the Wakeups key of pages coming back
 
 
 class DataPlane:
@@ -84,10 +74,12 @@ class DataPlane:
         self.tier = tier
         self.convergence = Convergence(
             cache, remote_available=tier.available if tier is not None else None)
+        self.saves = Saves(cache, self.convergence, self.wakeups, alloc_wait_seconds)
         self.promotions: Promotions | None = None
         if tier is not None:
             self.promotions = Promotions(cache, self.convergence, tier, region_file,
-                                         allocate=self.allocate_waiting, verify=self.verify)
+                                         allocate=self.saves.allocate_waiting,
+                                         verify=self.verify)
             self.convergence.start_promotion = self.promotions.start
 
     # ----------------------------------------------------------- sessions
@@ -158,60 +150,6 @@ class DataPlane:
         return dataclasses.replace(snapshot, watchers=self.watchers.count,
                                    dropped_watchers=self.watchers.dropped)
 
-    # -------------------------------------------------------------- saves
-
-    async def allocate(self, session_id: str, mm_hash: str, nbytes: int,
-                       shape: tuple[int, ...], dtype: str) -> AllocResult:
-        """A worker's save asks for pages (`allocate_waiting`). Raises
-        ResourceExhausted when none came free in time: an engine waiting for
-        this save encodes it instead."""
-        try:
-            return await self.allocate_waiting(lambda: self.cache.sessions.get(session_id),
-                                               mm_hash, nbytes, shape, dtype)
-        except ResourceExhausted:
-            session = self.cache.sessions.find(session_id)
-            if session is not None:
-                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
-            raise
-
-    async def allocate_waiting(self, session_of: Callable[[], Session], mm_hash: str,
-                               nbytes: int, shape: tuple[int, ...], dtype: str) -> AllocResult:
-        """Allocate for the session `session_of()` returns (it may end while
-        this waits), waiting for hidden pages within --alloc-wait-seconds."""
-        started = time.monotonic()
-        deadline = started + self.alloc_wait_seconds
-        # Past this, hidden pages held back (a load in flight, a ghost) no
-        # longer count as coming back: more ready entries are evicted instead.
-        patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
-        impatient = False  # once only: the victims it hides are then counted as coming
-        while True:
-            session = session_of()
-            count_hidden = impatient or time.monotonic() < patience
-            impatient = impatient or not count_hidden
-            result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
-                                         count_hidden=count_hidden)
-            if result.outcome is not AllocOutcome.WAIT:
-                return result
-            wake_by = deadline if impatient else patience
-            if not await self.wakeups.wait((SPACE,), wake_by) and time.monotonic() >= deadline:
-                raise self.cache.refuse_waited_save(nbytes)
-
-    def report(self, session: Session, saved: list[str],
-               aborted: list[str]) -> tuple[list[ReportStatus], list[ReportStatus]]:
-        """A worker's saves landed (`saved` become ready) or were given up
-        (`aborted`, allocated or not: a waiting engine encodes them); the
-        status of each. Raises FailedPrecondition or InvalidArgument, having
-        changed nothing."""
-        if session.rank is None:
-            raise FailedPrecondition("only worker sessions report saves")
-        for mm_hash in aborted:  # before any save is applied: an error changes nothing
-            validate_mm_hash(mm_hash)
-        statuses = self.cache.commit(session, saved)  # validates all before changing any
-        aborts = self.cache.abort(session, aborted)
-        for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
-            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
-        return statuses, aborts
-
     def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
         if not namespace:
             raise InvalidArgument("namespace is empty (use the one Attach returned)")
@@ -240,8 +178,10 @@ class DataPlane:
         return session
 
     def apply(self, session: Session, message: ClientMessage) -> None:
-        """Acknowledgements, touches, then the heartbeat (whose echo follows
-        the lease renewal). Everything is checked before anything is applied."""
+        """A worker's reports then allocations (answered on the stream, a
+        refusal too), acknowledgements, touches, then the heartbeat (whose
+        echo follows the lease renewal). Everything is checked before
+        anything is applied."""
         m, beat = message, message.heartbeat
         if (m.acks or m.holds or m.touches or (beat is not None and beat.lookups)) \
                 and not session.is_scheduler:
@@ -251,9 +191,13 @@ class DataPlane:
                                                          and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
                                      "want, release or yield items")
-        for mm_hash in (*m.wants, *m.releases, *m.yields):
+        if (m.allocations or m.reports) and session.rank is None:
+            raise FailedPrecondition("only worker sessions save")
+        for mm_hash in (*m.wants, *m.releases, *m.yields, *(r.mm_hash for r in m.reports)):
             validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
+        if m.reports or m.allocations:
+            self.saves.on_stream(session, m.reports, m.allocations)
         if m.acks:
             self.cache.acknowledge(session, m.acks)
         if m.holds:
@@ -369,3 +313,4 @@ class DataPlane:
             session.wake()
         if self.promotions is not None:
             self.promotions.cancel()
+        self.saves.cancel()

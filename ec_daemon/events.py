@@ -8,7 +8,7 @@ directly.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Extent = tuple[int, int]  # (byte offset, byte length)
 
@@ -102,10 +102,32 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class SaveAllocate:
+    """A worker's save asked for on its stream (as an Allocate call)."""
+
+    request_id: int
+    mm_hash: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """A save that landed (`saved`) or was given up, on the stream;
+    `request_id` 0 is not answered."""
+
+    request_id: int
+    mm_hash: str
+    saved: bool
+
+
+@dataclass(frozen=True)
 class ClientMessage:
     """One message of a session stream (`wire.client_message`): entries
     acknowledged, held and touched (mm_hash, entry_id[, loads]), items
-    wanted, released and yielded, and the heartbeat if it carries one."""
+    wanted, released and yielded, the heartbeat if it carries one, and a
+    worker's saves (allocations asked for, reports)."""
 
     acks: list[tuple[str, int]]
     holds: list[tuple[str, int]]
@@ -114,9 +136,29 @@ class ClientMessage:
     releases: list[str]
     yields: list[str]
     heartbeat: Heartbeat | None = None
+    allocations: list[SaveAllocate] = field(default_factory=list)
+    reports: list[SaveReport] = field(default_factory=list)
 
 
 class ReportStatus(enum.Enum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"
     UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class AllocationAnswer:
+    """To a worker's stream: the answer to its allocation `request_id`, the
+    result or the error an Allocate call would have raised."""
+
+    request_id: int
+    result: AllocResult | None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class ReportAnswer:
+    """To a worker's stream: the status of its report `request_id`."""
+
+    request_id: int
+    status: ReportStatus

@@ -42,7 +42,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRet
     """End the call with the status of `exc`: a CacheError's own code, and
     INTERNAL (logged with its stack) for anything else."""
     if isinstance(exc, CacheError):
-        await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        await context.abort(wire.status_code(exc), str(exc))
     log.error("internal error: %s", exc, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
     raise AssertionError("unreachable")
@@ -95,7 +95,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         return pb.AttachReply(
             session_id=session.session_id, session_index=session.index, region=self.region,
             namespace=session.namespace, lease_ms=int(lease_seconds * 1000),
-            heartbeat_ms=heartbeat_ms)
+            heartbeat_ms=heartbeat_ms, stream_saves=True)
 
     @grpc_errors
     async def Detach(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -104,8 +104,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     @grpc_errors
     async def Allocate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        result = await self.plane.allocate(request.session_id, request.mm_hash, request.nbytes,
-                                           tuple(request.shape), request.dtype)
+        result = await self.plane.saves.allocate(request.session_id, request.mm_hash,
+                                                 request.nbytes, tuple(request.shape),
+                                                 request.dtype)
         return wire.alloc_reply(result)
 
     @grpc_errors
@@ -113,7 +114,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session = self.plane.session(request.session_id)
         saved = wire.batch(request.saved, "saved")
         aborted = wire.batch(request.aborted, "aborted")
-        statuses, aborts = self.plane.report(session, saved, aborted)
+        statuses, aborts = self.plane.saves.report(session, saved, aborted)
         return pb.ReportReply(saved=[wire.REPORT_STATUS[s] for s in statuses],
                               aborted=[wire.REPORT_STATUS[s] for s in aborts])
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from ec_daemon.cache import Cache
-from ec_daemon.errors import InvalidArgument
+from ec_daemon.errors import CacheError, InvalidArgument
 from ec_daemon.events import (
+    AllocationAnswer,
     AllocOutcome,
     AllocResult,
     AnswerEvent,
@@ -22,7 +25,10 @@ from ec_daemon.events import (
     NamespaceInfoEvent,
     RanksEvent,
     ReadyEvent,
+    ReportAnswer,
     ReportStatus,
+    SaveAllocate,
+    SaveReport,
     SnapshotDoneEvent,
     Verdict,
 )
@@ -133,7 +139,21 @@ def client_message(message: Any) -> ClientMessage:
         acks=refs(message.acks, "acks"), holds=refs(message.holds, "holds"),
         touches=touches(message.touches), wants=batch(message.wants, "wants"),
         releases=batch(message.releases, "releases"), yields=batch(message.yields, "yields"),
-        heartbeat=None if beat is None else Heartbeat(beat.seq, beat.lookups, beat.hits))
+        heartbeat=None if beat is None else Heartbeat(beat.seq, beat.lookups, beat.hits),
+        allocations=save_allocations(message.allocations),
+        reports=[SaveReport(r.request_id, r.mm_hash, r.saved)
+                 for r in batch(message.reports, "reports")])
+
+
+def save_allocations(values: Any) -> list[SaveAllocate]:
+    """A stream's allocations, bounded; each must carry a request id."""
+    allocations = []
+    for a in batch(values, "allocations"):
+        if not a.request_id:
+            raise InvalidArgument("an allocation on the stream needs a request_id (not 0)")
+        allocations.append(SaveAllocate(a.request_id, a.mm_hash, a.nbytes, tuple(a.shape),
+                                        a.dtype))
+    return allocations
 
 
 def extents(values: tuple[tuple[int, int], ...]) -> list[Any]:
@@ -152,6 +172,24 @@ def lookup_result(cache: Cache, entry: Entry | None) -> Any:
 def alloc_reply(result: AllocResult) -> Any:
     return pb.AllocateReply(status=ALLOC_STATUS[result.outcome], entry_id=result.entry_id,
                             extents=extents(result.extents))
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status a call failing with `exc` ends with: a CacheError's own,
+    INTERNAL for anything else."""
+    return getattr(grpc.StatusCode, exc.code) if isinstance(exc, CacheError) \
+        else grpc.StatusCode.INTERNAL
+
+
+def _add_allocation(message: Any, answer: AllocationAnswer) -> None:
+    result, error = answer.result, answer.error
+    if result is not None:
+        message.allocations.add(request_id=answer.request_id,
+                                status=ALLOC_STATUS[result.outcome], entry_id=result.entry_id,
+                                extents=extents(result.extents))
+    elif error is not None:
+        message.allocations.add(request_id=answer.request_id,
+                                error_code=status_code(error).value[0], error=str(error))
 
 
 def daemon_message(events: list[Any]) -> Any:
@@ -177,6 +215,11 @@ def daemon_message(events: list[Any]) -> Any:
         elif isinstance(event, RanksEvent):  # the latest wins
             message.ranks.mapped = event.mapped
             message.ranks.world_size = event.world_size
+        elif isinstance(event, AllocationAnswer):
+            _add_allocation(message, event)
+        elif isinstance(event, ReportAnswer):
+            message.reported.add(request_id=event.request_id,
+                                 status=REPORT_STATUS[event.status])
     return message
 
 
@@ -187,6 +230,9 @@ def event_size(event: Any) -> int:
             + 24 * len(event.extents)
     if isinstance(event, EvictedEvent | AnswerEvent):
         return 24 + len(event.mm_hash)
+    if isinstance(event, AllocationAnswer):
+        return 32 + (24 * len(event.result.extents) if event.result is not None
+                     else len(str(event.error)))
     return 12
 
 

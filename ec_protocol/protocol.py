@@ -4,6 +4,14 @@ Both packages import the generated module through here. PROTOCOL_VERSION is
 checked at Attach; RETRYABLE says which statuses a client may retry after
 reconnecting (the daemon restarted or is briefly overloaded) rather than
 treat as its own mistake.
+
+Saves on the session stream (ClientMessage.allocations and reports) did not
+change the version: a daemon that takes them says so at Attach
+(AttachReply.stream_saves), and a client sends them only then, so a new
+client saves by Allocate and Report calls against a daemon of protocol 3
+that would drop them unread (proto3 ignores unknown fields), and an older
+client's calls still work against a new daemon. A bump would instead have
+cut both off from each other at Attach for a change that breaks neither.
 """
 
 from __future__ import annotations
