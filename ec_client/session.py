@@ -77,6 +77,7 @@ class Attachment:
     region: RegionInfo
     lease_ms: int
     heartbeat_ms: int
+    stream_saves: bool = False  # the daemon takes saves on the stream (`ec_client.saves`)
 
 
 def default_client_name() -> str:
@@ -166,6 +167,16 @@ class SessionLink:
         outbox.put(message)
         return True
 
+    def send_on(self, attachment: Attachment, message: Any) -> bool:
+        """`send`, only while `attachment` is the current one (a message
+        that names what it learnt from that session, such as a save's
+        extents, must not reach a later one). False: dropped."""
+        with self._attached:  # the stream's end clears both under this lock
+            if self._attachment is not attachment or self._outbox is None:
+                return False
+            self._outbox.put(message)
+        return True
+
     def send_acks(self, acks: Refs) -> bool:
         """Queue acknowledgements (mm_hash, entry_id), at most MAX_BATCH per
         message, built on the link's thread so the caller pays for a queue
@@ -228,7 +239,8 @@ class SessionLink:
             session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
             region=RegionInfo(region.path, region.size_bytes, region.generation,
                               region.page_bytes, region.data_offset),
-            lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms)
+            lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms,
+            stream_saves=reply.stream_saves)
         lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         first = pb.ClientMessage(open_session_id=attachment.session_id)

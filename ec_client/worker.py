@@ -4,12 +4,14 @@ It attaches as "worker rank k of n" (a session for saves only) and copies
 with a backend from `ec_client.copy`.
 
 - `save` is off the critical path: it queues the output (keeping it alive)
-  for a background thread that allocates extents, copies, and reports the
-  save. The queue is bounded in bytes (`save_queue_bytes`): outputs held for
-  saving live outside vLLM's encoder budget, so a full queue drops the save.
-  An entry another engine is already writing is dropped, and a full cache
-  (RESOURCE_EXHAUSTED) just means this output is not cached. Only the
-  `save_rank` writes (all TP ranks hold identical outputs).
+  for the saver's thread (`ec_client.saver`), which allocates extents,
+  copies, and reports the save, on the session stream where the daemon
+  takes saves there (no call per save). The queue is bounded in bytes
+  (`save_queue_bytes`): outputs held for saving live outside vLLM's encoder
+  budget, so a full queue drops the save. An entry another engine is
+  already writing is dropped, and a full cache (RESOURCE_EXHAUSTED) just
+  means this output is not cached. Only the `save_rank` writes (all TP
+  ranks hold identical outputs).
 - `load` makes no call to the daemon: it maps the region generation the
   load names (`regions`), copies, then checks the pages' stamps against
   the entry_id. A load either returns exactly the saved bytes or is listed
@@ -21,32 +23,24 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from ec_client.contract import LoadSpec, RegionInfo
-from ec_client.copy import CopyBackend, describe, empty_host, get_backend
+from ec_client.copy import CopyBackend, empty_host, get_backend
 from ec_client.mapping import RegionMapping
 from ec_client.regions import Regions
+from ec_client.saver import Saver
 from ec_client.session import Attachment, LinkListener, SessionLink
 from ec_client.settings import DEFAULT_SAVE_QUEUE_BYTES
 from ec_client.trust import attached_socket_owner
-from ec_protocol.protocol import BOTH, MAX_BATCH, RETRYABLE, SAVING_ROLES, Layout, Role, pb
+from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
-
-# How often the idle saver thread unmaps retired regions.
-PRUNE_SECONDS = 1.0
-# On the save queue: report the saves skipped so far (the queue was too full).
-_REPORT_SKIPS: Any = object()
 
 
 @dataclass
@@ -64,7 +58,9 @@ class WorkerDelegate(LinkListener):
                  allocate_out: Callable[[tuple[int, ...], str], Any] = empty_host,
                  save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
                  token_file: str | None = None, tls_ca: str | None = None,
-                 start: bool = True) -> None:
+                 stream_saves: bool = True, start: bool = True) -> None:
+        """`stream_saves=False`: saves by Allocate and Report calls even where
+        the daemon takes them on the stream (benchmarks compare the two)."""
         self.rank = rank
         self.saves_enabled = role in SAVING_ROLES and rank == save_rank
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
@@ -75,22 +71,14 @@ class WorkerDelegate(LinkListener):
         self._stats_taken: Counter[str] = Counter()
         self.regions = Regions(on_map=self.backend.attach, on_unmap=self.backend.detach,
                                open_mapping=self._open_region)
-        self.save_queue_bytes = save_queue_bytes
-        self._saves: queue.Queue[tuple[str, Any, Any, int] | None] = queue.Queue()
-        self._queued_bytes = 0
         self._region_owner: int | None = None  # the socket's owner at the last attach
-        self._unfinished = 0
-        # Saves skipped for a full queue, told to the daemon by the saver
-        # thread after its current save (another engine may be waiting for
-        # this one's: it then encodes the item itself).
-        self._skipped: list[str] = []
-        self._idle = threading.Condition()
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
             world_size=world_size, client_name=client_name, listener=self)
-        self._saver = threading.Thread(target=self._save_loop, name=f"ec-saver-{rank}",
-                                       daemon=True)
-        self._saver.start()
+        self.saver = Saver(link=self.link, transport=self.transport, regions=self.regions,
+                           backend=self.backend, stats=self.stats,
+                           queue_bytes=save_queue_bytes, use_stream=stream_saves,
+                           name=f"ec-saver-{rank}")
         if start:
             self.link.start()
 
@@ -105,19 +93,7 @@ class WorkerDelegate(LinkListener):
         if self.link.attachment is None:
             self.stats["saves_skipped_detached"] += 1
             return False
-        nbytes = describe(output)[0]
-        with self._idle:
-            if self._queued_bytes + nbytes > self.save_queue_bytes:
-                self.stats["saves_skipped_busy"] += 1
-                if len(self._skipped) < MAX_BATCH:
-                    self._skipped.append(mm_hash)
-                    if len(self._skipped) == 1:  # reported by the saver at once, not
-                        self._saves.put(_REPORT_SKIPS)  # after some later save
-                return False
-            self._queued_bytes += nbytes
-            self._unfinished += 1
-        self._saves.put((mm_hash, output, self.backend.prepare_save(output), nbytes))
-        return True
+        return self.saver.put(mm_hash, output)
 
     def follow_scheduler(self, namespace: str) -> None:
         """The engine's scheduler answers hits from `namespace` (each step's
@@ -138,85 +114,16 @@ class WorkerDelegate(LinkListener):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save landed or was dropped."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
+        return self.saver.flush(timeout)
 
     @property
     def queued_bytes(self) -> int:
-        return self._queued_bytes
+        return self.saver.queued_bytes
 
-    def _save_loop(self) -> None:
-        while True:
-            try:
-                item = self._saves.get(timeout=PRUNE_SECONDS)
-            except queue.Empty:
-                self.regions.prune()
-                continue
-            if item is None:
-                return
-            if item is _REPORT_SKIPS:
-                with self._idle:
-                    skipped, self._skipped = self._skipped, []
-                attachment = self.link.attachment
-                if skipped and attachment is not None:
-                    self._report(attachment, aborted=skipped)
-                continue
-            mm_hash, output, ready, nbytes = item
-            try:
-                self._save_one(mm_hash, output, ready)
-            except Exception:
-                self.stats["save_errors"] += 1
-                log.exception("ec-daemon save of %s failed", mm_hash)
-            finally:
-                del output, ready, item  # release the tensor before waiting again
-                with self._idle:
-                    self._queued_bytes -= nbytes
-                    self._unfinished -= 1
-                    skipped, self._skipped = self._skipped, []
-                    self._idle.notify_all()
-            attachment = self.link.attachment
-            if skipped and attachment is not None:
-                self._report(attachment, aborted=skipped)
-
-    def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
-        attachment = self.link.attachment
-        if attachment is None:
-            self.stats["saves_skipped_detached"] += 1
-            return
-        nbytes, shape, dtype = describe(output)
-        request = pb.AllocateRequest(session_id=attachment.session_id, mm_hash=mm_hash,
-                                     nbytes=nbytes, shape=shape, dtype=dtype)
-        try:
-            reply = self.transport.call("Allocate", request)
-        except grpc.RpcError as exc:
-            self.stats["saves_refused" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                       else "saves_failed"] += 1
-            log.debug("ec-daemon did not take %s: %s", mm_hash, exc.details())
-            if exc.code() in RETRYABLE:  # it may have been applied: do not leave it pending
-                self._report(attachment, aborted=[mm_hash])
-            return
-        if reply.status != pb.ALLOCATED:
-            self.stats["saves_already_cached"] += 1
-            return
-        extents = [(e.offset, e.length) for e in reply.extents]
-        try:
-            with self.regions.use(attachment.region) as (mapping, stamps):
-                # A writer frozen past its lease and its quarantine must not
-                # copy into pages reused since: copy only while the session is
-                # known alive and the pages still carry this allocation's stamp.
-                if not self.link.fresh() or not stamps.holds(extents, reply.entry_id):
-                    self.stats["saves_stale"] += 1
-                    self._report(attachment, aborted=[mm_hash])
-                    return
-                self.backend.save(output, mapping, extents, ready)
-        except Exception:
-            self._report(attachment, aborted=[mm_hash])
-            raise
-        reply = self._report(attachment, saved=[mm_hash], retries=2)
-        if reply is None:  # the entry would stay pending for this session's life
-            self._report(attachment, aborted=[mm_hash])
-        accepted = reply is not None and reply.saved[0] == pb.ACCEPTED
-        self.stats["saves_done" if accepted else "saves_lost"] += 1
+    @property
+    def save_messages(self) -> int:
+        """Messages sent on the session stream for saves (allocations, reports)."""
+        return self.saver.stream.messages
 
     # ------------------------------------------------------------- loads
 
@@ -265,18 +172,6 @@ class WorkerDelegate(LinkListener):
 
     # ------------------------------------------------------------ common
 
-    def _report(self, attachment: Attachment, retries: int = 0, **lists: list[Any]) -> Any:
-        request = pb.ReportRequest(session_id=attachment.session_id, **lists)
-        for attempt in range(retries + 1):
-            try:
-                return self.transport.call("Report", request)
-            except grpc.RpcError as exc:
-                if attempt == retries or exc.code() not in RETRYABLE:
-                    log.warning("ec-daemon report failed: %s %s", exc.code().name,
-                                exc.details())
-                    return None
-        return None
-
     def _open_region(self, info: RegionInfo) -> RegionMapping:
         """Map a region the daemon named, only if its file belongs to the user
         serving the socket (or root): raises UntrustedError otherwise. With
@@ -294,13 +189,16 @@ class WorkerDelegate(LinkListener):
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
                  attachment.index, attachment.region.generation)
 
+    def on_message(self, message: Any) -> None:
+        if message.allocations or message.reported:
+            self.saver.stream.on_message(message)
+
     def on_detached(self) -> None:
+        self.saver.stream.detached()
         self.regions.make_current(None)
 
     def close(self) -> None:
-        self.flush(timeout=self.transport.deadline_seconds)
-        self._saves.put(None)
-        self._saver.join(timeout=2)
+        self.saver.close(timeout=self.transport.deadline_seconds)
         self.link.stop()
         self.regions.close()
         self.transport.close()

@@ -395,3 +395,39 @@ def churn_main(socket: str, engine_id: str, seed: int, keys: int, seconds: float
     conn.send(counts)
     scheduler.close()
     worker.close()
+
+
+# ------------------------------------------------ savers on the stream
+
+
+def stream_saver_main(socket: str, engine_id: str, mm_hash: str, nbytes: int, pause: str,
+                      conn: Any) -> None:
+    """A producer worker saving `mm_hash` (`nbytes` of 0xAB) on its session
+    stream, held up where `pause` says: "copy" (sends "copying" from inside
+    the copy, then hangs there until killed), or "check" (sends the region
+    path and the extents the daemon answered, just before the saver checks
+    its session and stamps, then waits for a "go" and sends its stats once
+    the save is done)."""
+    worker = WorkerDelegate(socket, engine_id=engine_id, layout=LAYOUT, role="producer")
+    _attached(worker)
+    attachment = worker.link.attachment
+    assert attachment is not None and attachment.stream_saves
+    if pause == "copy":
+        def hang(*args: Any) -> None:
+            conn.send("copying")
+            time.sleep(600)
+
+        worker.backend.save = hang  # type: ignore[method-assign]
+    else:
+        use = worker.regions.use
+
+        def held(info: Any) -> Any:  # the saver maps the region, then checks and copies
+            conn.send(("answered", info.path))
+            assert conn.recv()[0] == "go"
+            return use(info)
+
+        worker.regions.use = held  # type: ignore[method-assign]
+    assert worker.save(mm_hash, np.full(nbytes, 0xAB, np.uint8))
+    worker.flush(60)
+    conn.send(dict(worker.stats))
+    worker.close()

@@ -241,7 +241,7 @@ def saving(tmp_path) -> Iterator[WorkerDelegate]:
 @pytest.mark.parametrize("fail", [False, True], ids=["saved", "failed"])
 def test_the_save_queue_is_bounded_in_bytes(saving, fail):
     saver = Saver(fail)
-    saving._save_one = saver
+    saving.saver._save_one = saver
     chunk = np.zeros(1000, np.uint8)
     try:
         assert saving.save("a", chunk)

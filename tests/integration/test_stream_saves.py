@@ -1,0 +1,137 @@
+"""Saves on the worker's session stream against the real daemon: no call
+per save, the same invariants as the unary calls (a pending entry is never
+served, a dead writer's pages are quarantined, a frozen writer never
+overwrites, an entry cached already is said so), and the unary calls still
+work for tools and old clients."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from ec_client.scheduler import SchedulerDelegate
+from ec_client.worker import WorkerDelegate
+from tests.integration import engines
+from tests.integration.daemon import Daemon
+from tests.integration.engines import Proc
+
+pytestmark = pytest.mark.integration
+LEASE = 2.0
+MiB = 1 << 20
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def leased() -> Iterator[Daemon]:
+    with Daemon(cpu_bytes="64MiB", extra=("--lease-seconds", str(LEASE))) as d:
+        yield d
+
+
+def worker_on(daemon: Daemon, engine_id: str, **options: object) -> WorkerDelegate:
+    options.setdefault("role", "producer")
+    worker = WorkerDelegate(daemon.socket, engine_id=engine_id, layout=engines.LAYOUT,
+                            **options)  # type: ignore[arg-type]
+    assert worker.link.wait_attached(10) is not None
+    return worker
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_saves_land_and_are_served_by_either_path(daemon, stream):
+    engine = f"engine-{stream}"
+    scheduler = SchedulerDelegate(daemon.socket, engine_id=engine, layout=engines.LAYOUT)
+    worker = worker_on(daemon, engine, role="both", stream_saves=stream)
+    outputs = {f"{stream}-{i}": np.full(300_000 + i, i, np.uint8) for i in range(40)}
+    try:
+        for mm_hash, output in outputs.items():
+            assert worker.save(mm_hash, output)
+        assert worker.flush(30)
+        assert worker.stats["saves_done"] == len(outputs)
+        # The stream path makes no call but the Attach; the unary one two a save.
+        calls = sum(worker.transport.calls.values())
+        assert calls == (1 if stream else 1 + 2 * len(outputs))
+        assert (worker.save_messages > 0) == stream
+        assert scheduler.link.wait_attached(10) is not None
+        daemon.wait_for(lambda: scheduler.serving() and all(scheduler.view.get(h)
+                                                             for h in outputs),
+                        what="the ready events, every rank mapped")
+        for mm_hash in outputs:
+            assert scheduler.has_item(mm_hash)
+            scheduler.after_alloc(f"r-{mm_hash}", mm_hash)
+        metadata = scheduler.build_step_metadata()
+        result = worker.load(metadata.loads, metadata.regions)
+        scheduler.apply_worker_output(result.done, list(result.failed))
+        assert result.failed == {}
+        for mm_hash, output in outputs.items():
+            assert np.array_equal(result.loaded[mm_hash], output)
+    finally:
+        worker.close()
+        scheduler.close()
+    stats = daemon.stats()
+    assert stats["pending_bytes"] == 0 and stats["saves"] == len(outputs)
+
+
+def test_a_key_cached_already_is_said_so_and_a_full_cache_refuses(daemon):
+    first, second = worker_on(daemon, "first"), worker_on(daemon, "second")
+    try:
+        assert first.save("same", np.ones(1000, np.uint8)) and first.flush(10)
+        assert second.save("same", np.ones(1000, np.uint8)) and second.flush(10)
+        assert second.stats["saves_already_cached"] == 1 and "saves_done" not in second.stats
+        assert first.save("huge", np.ones(65 * MiB, np.uint8)) and first.flush(10)
+        assert first.stats["saves_refused"] == 1
+    finally:
+        first.close()
+        second.close()
+    assert daemon.stats()["pending_bytes"] == 0
+
+
+def test_a_stream_saver_killed_mid_copy_leaves_nothing_pending(leased, procs):
+    saver = Proc(engines.stream_saver_main, leased.socket, "dying", "victim", 4 * MiB, "copy")
+    procs.append(saver)
+    assert saver.recv() == "copying"
+    assert leased.stats()["pending_bytes"] == 4 * MiB
+    (result,) = leased.lookup(engines.LAYOUT, "victim")
+    assert result.state == engines.pb.ABSENT  # pending: never served
+    saver.kill()
+    leased.wait_for(lambda: leased.stats()["pending_bytes"] == 0, what="the save dropped")
+    stats = leased.stats()
+    assert stats["quarantined_bytes"] >= 4 * MiB and stats["saves"] == 0
+    assert leased.lookup(engines.LAYOUT, "victim")[0].state == engines.pb.ABSENT
+    # The key is free for another writer, on the stream too.
+    again = worker_on(leased, "next")
+    try:
+        assert again.save("victim", np.ones(1000, np.uint8)) and again.flush(10)
+        assert again.stats["saves_done"] == 1
+    finally:
+        again.close()
+
+
+def test_a_stream_saver_frozen_past_its_lease_never_copies(leased, procs):
+    saver = Proc(engines.stream_saver_main, leased.socket, "frozen", "cold", MiB, "check")
+    procs.append(saver)
+    answered, region_path = saver.recv()
+    assert answered == "answered" and leased.stats()["pending_bytes"] == MiB
+    saver.signal(signal.SIGSTOP)
+    try:
+        leased.wait_for(lambda: leased.stats()["pending_bytes"] == 0, timeout=3 * LEASE + 2,
+                        what="the frozen saver's session to expire")
+        time.sleep(0.5)
+    finally:
+        saver.signal(signal.SIGCONT)
+    saver.send("go")
+    stats = saver.recv()
+    assert stats.get("saves_stale") == 1 and "saves_done" not in stats \
+        and "save_errors" not in stats
+    assert leased.lookup(engines.LAYOUT, "cold")[0].state == engines.pb.ABSENT
+    with open(region_path, "rb") as region:  # its bytes are nowhere in the region
+        assert bytes([0xAB]) * 4096 not in region.read()
