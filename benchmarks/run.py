@@ -15,7 +15,10 @@ process tree, printed as tables and written to results/bench-<time>.json.
 9. warm restart: adoption time by entries and region size vs reading the
    index alone, the index's cost to saves (core, and two daemons on vs off),
    seconds until engines hit again, the hit rate around a kill -9
-   (benchmarks/warm_restart.py).
+   (benchmarks/warm_restart.py);
+10. the daemon's CPU per stored 1 MiB save, two worker processes saving
+   through WorkerDelegate as fast as they can: Allocate and Report calls
+   (the baseline) vs saves on the session stream (benchmarks/saves.py).
 `--quick` shrinks every benchmark (a couple of minutes in all) to check that
 they run; its numbers are not results. This machine is noisy: ratios hold,
 absolute times do not.
@@ -34,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import concurrency, micro, remote, tier, warm_restart
+from benchmarks import concurrency, micro, remote, saves, tier, warm_restart
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -53,6 +56,7 @@ class Sizes:
         self.concurrency_seconds = 1.5 if quick else 10.0
         self.memory_entries = 50_000 if quick else 1_000_000
         self.watcher_repeat = 1 if quick else 5
+        self.saves_each = 100 if quick else 500
 
 
 def table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -163,6 +167,9 @@ TARGETS: list[tuple[str, str, float, Check]] = [
                 if row["parser"] == "hiredis"]),
     ("saves and hits, second tier on / off", "min", 0.95,
      lambda r: [row["ratio"] for row in r.get("tier", [])]),
+    ("daemon CPU per stored 1 MiB save, on the session stream (ms)", "max", 0.1,
+     lambda r: [row["daemon_cpu_ms_per_save"] for row in r.get("saves", [])
+                if row["path"] == "stream"]),
     ("saves through the daemon, warm restart on / off", "min", 0.95,
      lambda r: [r["warm"]["daemon_saves"]["ratio"]] if "warm" in r else []),
     ("seconds from a restarted daemon's start to an engine's hit, 100k entries", "max", 1.0,
@@ -201,30 +208,33 @@ def main() -> None:
     sizes = Sizes(args.quick)
     started = time.monotonic()
     results: dict[str, Any] = {"quick": args.quick}
-    print(">> 1/9 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+    print(">> 1/10 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
     results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
         args.vllm_python, args.torchvision, sizes.upstream_scale)
-    print(">> 2/9 copy throughput", flush=True)
+    print(">> 2/10 copy throughput", flush=True)
     results["copy"] = micro.copy_throughput(sizes.copy_sizes)
-    print(">> 3/9 stamp check", flush=True)
+    print(">> 3/10 stamp check", flush=True)
     results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
-    print(">> 4/9 allocator quality", flush=True)
+    print(">> 4/10 allocator quality", flush=True)
     results["allocator"] = micro.allocator_quality(**sizes.allocator)
-    print(">> 5/9 start-up", flush=True)
+    print(">> 5/10 start-up", flush=True)
     results["startup"] = micro.startup(**sizes.startup)
-    print(f">> 6/9 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
+    print(f">> 6/10 eight engines at 100 steps/s (three mixes, {sizes.concurrency_seconds:g} s "
           "each)", flush=True)
     results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
-    print(">> 7/9 memory, and one eviction round published to 1 vs 200 watchers", flush=True)
+    print(">> 7/10 memory, and one eviction round published to 1 vs 200 watchers", flush=True)
     results["memory"] = micro.memory(sizes.memory_entries)
     results["watchers"] = micro.watcher_fanout(repeat=sizes.watcher_repeat)
-    print(">> 8/9 second tier (a local redis-server)", flush=True)
+    print(">> 8/10 second tier (a local redis-server)", flush=True)
     results["remote"] = remote.measure(quick=args.quick)
     results["tier"] = tier.measure(args.quick)
     results["promotion"] = tier.promotion_latency(args.quick)
-    print(">> 9/9 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
+    print(">> 9/10 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
           "an engine: a few minutes)", flush=True)
     results["warm"] = warm_restart.measure(args.quick)
+    print(f">> 10/10 daemon CPU per save: 2 workers x {sizes.saves_each} saves of 1 MiB, "
+          "unary calls vs the session stream", flush=True)
+    results["saves"] = saves.measure(sizes.saves_each)
     results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
@@ -286,6 +296,10 @@ def main() -> None:
     print()
     print(table("9d. engines back: a daemon started on a crashed region", [warm["engines_back"]],
                 list(warm["engines_back"])))
+    print()
+    print(table("10. daemon CPU per stored 1 MiB save, 2 worker processes as fast as they can "
+                "(ratio = vs unary calls; msgs = stream messages sent per save)",
+                results["saves"], saves.COLUMNS))
     print()
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
         print(table(f"{number}. {name}", [results[name]], list(results[name])))
