@@ -158,6 +158,7 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
     """An engine's scheduler side. Commands: step (hashes, plan) -> (hits,
     StepMetadata); report (done, failed) -> (loads in flight, requests made
     unavailable); wait_hit hash -> True once it hits (no load planned);
+    wait_ranks -> True once hits are answered (every rank mapped the region);
     wait_serving -> True once hits are answered and wants sent;
     ensure (hashes, seconds) -> `ensure_within`;
     watch (hashes, seconds) -> see `_watch`; state -> dict; close."""
@@ -172,6 +173,9 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
         elif command == "report":
             scheduler.apply_worker_output(*payload)
             conn.send((scheduler.view.inflight(), scheduler.take_unavailable_requests()))
+        elif command == "wait_ranks":  # hits answered (every rank mapped the region)
+            wait_until(scheduler.serving, "the scheduler never served hits")
+            conn.send(True)
         elif command == "wait_serving":  # hits answered, wants sent
             wait_until(lambda: scheduler.serving() and scheduler.wanting,
                        "the scheduler never served with wants")

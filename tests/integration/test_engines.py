@@ -41,6 +41,7 @@ def test_engine_b_loads_exactly_what_engine_a_saved(big_daemon, procs):
     worker = Proc(engines.worker_main, big_daemon.socket, "engine-B", 0, 1, True)
     procs.extend([scheduler, worker])
     assert (scheduler.recv(), worker.recv()) == ("ready", "ready")
+    assert scheduler.call("wait_ranks")  # the view heard that the rank mapped the region
     hits, metadata = scheduler.call("step", (hashes, True))
     assert hits == [True] * count
     assert [s.mm_hash for s in metadata.loads] == hashes
