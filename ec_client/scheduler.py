@@ -173,9 +173,10 @@ class SchedulerDelegate(LinkListener):
         current = self._current
         if current is None or not self.can_load or not self.link.fresh():
             return False
-        entry = self.view.claim(mm_hash)  # a lookup (counted) while the ranks map, a miss
+        entry = self.view.claim(mm_hash)  # a lookup, a miss while the ranks map
         if entry is None or not self._ranks_mapped or self.view.epoch != current.epoch:
             return False
+        self.view.served()  # counted a hit only when it is one
         self._hits_this_step[mm_hash] = (entry, current)
         return True
 

@@ -75,12 +75,18 @@ class ReadyView:
 
     def claim(self, mm_hash: str) -> ViewEntry | None:
         """The entry if ready; it then stays loadable until `end_step`.
+        Counted as a lookup; the caller counts it a hit (`served`) only when
+        it serves it (a ready entry is still a miss while the ranks map).
         Lock-free (see the module docstring)."""
         self._claimed.add(mm_hash)
-        entry = self._entries.get(mm_hash)
         lookups, hits = self._counts
-        self._counts = (lookups + 1, hits + (entry is not None))
-        return entry
+        self._counts = (lookups + 1, hits)
+        return self._entries.get(mm_hash)
+
+    def served(self) -> None:
+        """The last claim was a hit (the daemon's hit counters follow these)."""
+        lookups, hits = self._counts
+        self._counts = (lookups, hits + 1)
 
     def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are

@@ -355,6 +355,20 @@ def test_hits_wait_until_every_worker_rank_mapped_the_region(two_ranks):
     assert not d.has_item("a")
 
 
+def test_a_ready_item_missed_while_the_ranks_map_is_counted_a_lookup_not_a_hit(delegate):
+    """The daemon's hit counters are the engines' hits: a lookup that found
+    the entry but missed (a rank had not mapped the region) is no hit."""
+    delegate.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
+    assert not delegate.has_item("a")
+    beat = delegate.heartbeat_message().heartbeat
+    assert (beat.lookups, beat.hits) == (1, 0)
+    delegate.build_step_metadata()
+    delegate.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    assert delegate.has_item("a")
+    beat = delegate.heartbeat_message().heartbeat
+    assert (beat.lookups, beat.hits) == (1, 1)
+
+
 def test_a_rank_the_executor_does_not_count_must_map_the_region_too(delegate):
     """Under an executor that reports one rank's output (`ranks` 1), the
     workers' world size still says how many ranks load."""
