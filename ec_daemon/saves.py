@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # back before it evicts more ready entries instead.
 HIDDEN_PATIENCE_FRACTION = 0.1
 SPACE = "space"  # the Wakeups key of pages coming back
+# The most stream allocations of one session waiting for pages at once (a
+# client saves SAVE_BATCH at a time); past it one is refused at once, so a
+# misbehaving client cannot make every page coming back wake thousands.
+WAITING_PER_SESSION = 64
 
 
 class Saves:
@@ -53,6 +57,7 @@ class Saves:
         self.wakeups = wakeups
         self.alloc_wait_seconds = alloc_wait_seconds
         self._waiting: set[asyncio.Future[None]] = set()  # stream saves waiting for pages
+        self._waiting_of: dict[str, int] = {}  # session id -> how many of them
 
     async def allocate(self, session_id: str, mm_hash: str, nbytes: int,
                        shape: tuple[int, ...], dtype: str) -> AllocResult:
@@ -145,11 +150,23 @@ class Saves:
             self._refuse_on_stream(session, asked, exc)
             return
         if result.outcome is AllocOutcome.WAIT:
+            waiting = self._waiting_of.get(session.session_id, 0)
+            if waiting >= WAITING_PER_SESSION:
+                self._refuse_on_stream(session, asked, ResourceExhausted(
+                    f"{waiting} saves of this session already wait for pages"))
+                return
+            self._waiting_of[session.session_id] = waiting + 1
             task = asyncio.ensure_future(self._allocate_later(session, asked))
             self._waiting.add(task)
-            task.add_done_callback(self._waiting.discard)
+            task.add_done_callback(lambda t: self._done_waiting(t, session.session_id))
             return
         session.send(AllocationAnswer(asked.request_id, result))
+
+    def _done_waiting(self, task: asyncio.Future[None], session_id: str) -> None:
+        self._waiting.discard(task)
+        left = self._waiting_of.pop(session_id, 1) - 1
+        if left:
+            self._waiting_of[session_id] = left
 
     async def _allocate_later(self, session: Session, asked: SaveAllocate) -> None:
         """A stream's allocation that waits for pages; a session that ends

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ec_daemon import saves as saves_module
 from ec_daemon import wire
 from ec_daemon.dataplane import SPACE, DataPlane
 from ec_daemon.errors import FailedPrecondition, InvalidArgument
@@ -151,6 +152,32 @@ def test_a_session_that_ends_while_its_allocation_waits_allocates_nothing():
     asyncio.run(scenario())
     assert cache.state_of("ns", "new") is None and not plane.saves._waiting
     assert cache.pending_pages == 0
+
+
+def test_a_session_has_at_most_so_many_allocations_waiting_for_pages():
+    """A misbehaving client cannot park thousands of waiting allocations
+    (each woken by every page that comes back): past the bound one is
+    refused at once, and the bound frees as the waits end."""
+    cache = make_cache(pages=16)
+    plane, view, w = plane_of(cache, alloc_wait_seconds=0.2), scheduler(cache), worker(cache)
+    allocate(cache, w, "pending", pages=8)
+    save(cache, w, "ready", pages=8)
+    drain(view)
+    bound = saves_module.WAITING_PER_SESSION
+
+    async def scenario():
+        plane.apply(w, message(allocations=[ask(i + 1, f"new{i}", 8) for i in range(bound + 1)]))
+        (refused,) = drain(w)
+        assert refused.request_id == bound + 1 and refused.result is None
+        assert wire.status_code(refused.error).name == "RESOURCE_EXHAUSTED"
+        assert len(plane.saves._waiting) == bound
+        deadline = time.monotonic() + 10
+        while plane.saves._waiting:  # the waits end (refused after the wait)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert len(drain(w)) == bound and not plane.saves._waiting_of
+
+    asyncio.run(scenario())
 
 
 def test_a_heartbeat_on_a_saving_message_is_still_echoed():
