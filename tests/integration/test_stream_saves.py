@@ -135,3 +135,77 @@ def test_a_stream_saver_frozen_past_its_lease_never_copies(leased, procs):
     assert leased.lookup(engines.LAYOUT, "cold")[0].state == engines.pb.ABSENT
     with open(region_path, "rb") as region:  # its bytes are nowhere in the region
         assert bytes([0xAB]) * 4096 not in region.read()
+
+
+def test_a_daemon_frozen_past_the_deadline_mid_save_costs_the_saver_that_deadline_only():
+    """A daemon stopped (SIGSTOP) with saves in flight on the stream, for
+    longer than the worker's deadline: each save is given up at the
+    deadline (the engine's `save` never blocks), the answers that arrive
+    after SIGCONT are aborted (nothing stays pending), and saves land again."""
+    with Daemon(cpu_bytes="64MiB") as daemon:
+        assert daemon.proc is not None
+        worker = worker_on(daemon, "frozen-daemon", deadline_seconds=1.0)
+        try:
+            assert worker.save("before", np.full(MiB, 1, np.uint8)) and worker.flush(10)
+            daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                for i in range(4):
+                    assert worker.save(f"during-{i}", np.full(MiB, 2 + i, np.uint8))
+                assert time.monotonic() - started < 0.5  # queued, not waited for
+                assert worker.flush(10)  # each given up at its deadline
+                assert worker.stats["saves_failed"] >= 1
+                time.sleep(1.5)  # frozen well past the deadline
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+            daemon.wait_for(lambda: daemon.stats()["pending_bytes"] == 0,
+                            what="allocations answered after their deadline aborted")
+            # Once the link is fresh again, saves land as before.
+            saved = daemon.wait_for(lambda: worker.save(f"after-{time.monotonic()}",
+                                                        np.full(MiB, 9, np.uint8))
+                                    and worker.flush(5) and worker.stats["saves_done"] >= 2,
+                                    what="a save after the daemon came back")
+            assert saved
+        finally:
+            worker.close()
+        assert daemon.stats()["pending_bytes"] == 0
+
+
+def test_a_daemon_killed_and_restarted_mid_save_loses_those_saves_and_serves_later_ones():
+    """kill -9 of the daemon with saves in flight on the stream, then a new
+    daemon on the same socket: the worker re-attaches, saves land again,
+    and every load returns exactly the bytes saved (a save half-done at the
+    kill is never served)."""
+    with Daemon(cpu_bytes="64MiB") as daemon:
+        worker = worker_on(daemon, "restarted", role="both")
+        scheduler = SchedulerDelegate(daemon.socket, engine_id="restarted",
+                                      layout=engines.LAYOUT)
+        outputs: dict[str, np.ndarray] = {}
+        try:
+            for i in range(16):
+                outputs[f"k{i}"] = np.full(MiB + i, i + 1, np.uint8)
+                worker.save(f"k{i}", outputs[f"k{i}"])
+            daemon.kill()
+            assert worker.flush(15)  # every save in flight ended (failed or lost)
+            daemon.start()
+            for i in range(16, 20):
+                outputs[f"k{i}"] = np.full(MiB + i, i + 1, np.uint8)
+                daemon.wait_for(lambda i=i: worker.save(f"k{i}", outputs[f"k{i}"])
+                                and worker.flush(5) and daemon.lookup(
+                                    engines.LAYOUT, f"k{i}")[0].state == engines.pb.READY,
+                                timeout=20, what=f"k{i} saved on the new daemon")
+            daemon.wait_for(lambda: scheduler.serving(), timeout=20, what="the view back")
+            ready = [h for h in outputs if scheduler.has_item(h)]
+            for mm_hash in ready:
+                scheduler.after_alloc(f"r-{mm_hash}", mm_hash)
+            assert {f"k{i}" for i in range(16, 20)} <= set(ready)
+            metadata = scheduler.build_step_metadata()
+            result = worker.load(metadata.loads, metadata.regions)
+            scheduler.apply_worker_output(result.done, list(result.failed))
+            assert result.failed == {} and set(result.loaded) == set(ready)
+            for mm_hash in ready:
+                assert np.array_equal(result.loaded[mm_hash], outputs[mm_hash])
+        finally:
+            worker.close()
+            scheduler.close()
+        assert daemon.stats()["pending_bytes"] == 0
