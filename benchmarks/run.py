@@ -190,7 +190,10 @@ TARGETS: list[tuple[str, str, float, Check]] = [
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for what, kind, limit, values_of in TARGETS:
-        values = values_of(results)
+        try:
+            values = values_of(results)
+        except KeyError:  # its section was not run (--only)
+            values = []
         if not values:
             rows.append({"target": what, "limit": limit, "measured": None, "met": "not run"})
             continue
@@ -203,6 +206,17 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------ main
 
+def _sections(value: str) -> set[int]:
+    """`--only`: section numbers, comma-separated, each 1-10."""
+    try:
+        numbers = {int(part) for part in value.split(",") if part.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of section numbers: {value!r}") from None
+    if not numbers or not numbers <= set(range(1, 11)):
+        raise argparse.ArgumentTypeError(f"sections are 1-10, got {value!r}")
+    return numbers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,44 +225,58 @@ def main() -> None:
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="shrink every benchmark: checks they run, measures nothing")
+    parser.add_argument("--only", type=_sections, default=set(range(1, 11)), metavar="N,N",
+                        help="run only these sections (1-10), e.g. --only 1,6,10")
     args = parser.parse_args()
+    run = args.only.__contains__
     sizes = Sizes(args.quick)
     started = time.monotonic()
     results: dict[str, Any] = {"quick": args.quick}
-    print(">> 1/10 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
-    results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
-        args.vllm_python, args.torchvision, sizes.upstream_scale)
-    print(">> 2/10 copy throughput", flush=True)
-    results["copy"] = micro.copy_throughput(sizes.copy_sizes)
-    print(">> 3/10 stamp check", flush=True)
-    results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
-    print(">> 4/10 allocator quality", flush=True)
-    results["allocator"] = micro.allocator_quality(**sizes.allocator)
-    print(">> 5/10 start-up", flush=True)
-    results["startup"] = micro.startup(**sizes.startup)
-    print(f">> 6/10 eight engines at 100 steps/s (three mixes), then sixteen "
-          f"({sizes.concurrency_seconds:g} s each)", flush=True)
-    results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
-    print(">> 7/10 memory, and one eviction round published to 1 vs 200 watchers", flush=True)
-    results["memory"] = micro.memory(sizes.memory_entries)
-    results["watchers"] = micro.watcher_fanout(repeat=sizes.watcher_repeat)
-    print(">> 8/10 second tier (a local redis-server)", flush=True)
-    results["remote"] = remote.measure(quick=args.quick)
-    results["tier"] = tier.measure(args.quick)
-    results["promotion"] = tier.promotion_latency(args.quick)
-    print(">> 9/10 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
-          "an engine: a few minutes)", flush=True)
-    results["warm"] = warm_restart.measure(args.quick)
-    print(f">> 10/10 daemon CPU per save: 2 workers x {sizes.saves_each} saves of 1 MiB, "
-          "unary calls vs the session stream", flush=True)
-    results["saves"] = saves.measure(sizes.saves_each)
+    if run(1):
+        print(">> 1/10 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+        results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
+            args.vllm_python, args.torchvision, sizes.upstream_scale)
+    if run(2):
+        print(">> 2/10 copy throughput", flush=True)
+        results["copy"] = micro.copy_throughput(sizes.copy_sizes)
+    if run(3):
+        print(">> 3/10 stamp check", flush=True)
+        results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
+    if run(4):
+        print(">> 4/10 allocator quality", flush=True)
+        results["allocator"] = micro.allocator_quality(**sizes.allocator)
+    if run(5):
+        print(">> 5/10 start-up", flush=True)
+        results["startup"] = micro.startup(**sizes.startup)
+    if run(6):
+        print(f">> 6/10 eight engines at 100 steps/s (three mixes), then sixteen "
+              f"({sizes.concurrency_seconds:g} s each)", flush=True)
+        results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
+    if run(7):
+        print(">> 7/10 memory, and one eviction round published to 1 vs 200 watchers",
+              flush=True)
+        results["memory"] = micro.memory(sizes.memory_entries)
+        results["watchers"] = micro.watcher_fanout(repeat=sizes.watcher_repeat)
+    if run(8):
+        print(">> 8/10 second tier (a local redis-server)", flush=True)
+        results["remote"] = remote.measure(quick=args.quick)
+        results["tier"] = tier.measure(args.quick)
+        results["promotion"] = tier.promotion_latency(args.quick)
+    if run(9):
+        print(">> 9/10 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
+              "an engine: a few minutes)", flush=True)
+        results["warm"] = warm_restart.measure(args.quick)
+    if run(10):
+        print(f">> 10/10 daemon CPU per save: 2 workers x {sizes.saves_each} saves of 1 MiB, "
+              "unary calls vs the session stream", flush=True)
+        results["saves"] = saves.measure(sizes.saves_each)
     results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
     print()
     if args.quick:
         print("!! --quick: every benchmark shrunk; these numbers are not results\n")
-    if results["scheduler"]:
+    if results.get("scheduler"):
         print(table("1. scheduler step (us; ratio = ours / upstream; msgs/hit and worker "
                     "RPCs/step: ours)", results["scheduler"],
                     ["case", "hits", "evict", "ours_blocking_rpcs_per_step", "ours_median_us",
@@ -257,65 +285,80 @@ def main() -> None:
                      "upstream_meta_bytes", "ratio_meta_bytes", "msgs_per_hit",
                      "worker_rpcs_per_step"]))
         print()
-    print(table("2. copy (GB/s; ratio = cpu backend / numpy)", results["copy"],
-                ["bytes", "save_gbps", "numpy_in_gbps", "save_ratio", "load_gbps",
-                 "numpy_out_gbps", "load_ratio"]))
-    print()
-    print(table("3. stamp check after a load (us; ratio = check / copy)", results["stamps"],
-                ["entry_bytes", "pages", "extents", "check_us", "copy_us", "ratio"]))
-    print()
-    print(table("6. 8 and 16 engines at 100 steps/s (floor = the `no items` mix)",
-                results["concurrency"],
-                ["engines", "mix", "steps_per_s_asked", "steps_per_s_each", "steps_per_s_min",
-                 "loads_per_s_host", "hit_ratio", "step_p50_us", "step_p99_us",
-                 "blocking_rpcs_per_step", "worker_rpcs_per_step", "msgs_per_step",
-                 "event_lag_p50_ms", "event_lag_p99_ms", "lag_p99_vs_floor",
-                 "lag_after_reply_p99_ms", "fanout_spread_p99_ms", "daemon_cpu_percent",
-                 "host_cpu_busy_percent"]))
-    print()
-    print(table("8a. second tier: raw GET vs verified fetch, and fetch + copy into the "
-                "region (GB/s; ratio = GET time / ours)", results["remote"],
-                ["parser", "MiB", "get_gbps", "fetch_gbps", "fetch_ratio", "promote_gbps",
-                 "promote_ratio"]))
-    print()
-    print(table("8b. second tier on vs off, same host (ratio = on / off)", results["tier"],
-                ["what", "off", "on", "ratio"]))
-    print()
-    print(table("8c. promotion end to end: a miss deferred until the entry is ready (best)",
-                results["promotion"], ["MiB", "promote_ms", "promote_gbps"]))
-    print()
-    warm = results["warm"]
-    print(table("9a. adoption of a crashed region (ms; ratio = adoption in all / reading "
-                "the index alone)", warm["adoption"],
-                ["entries", "region_GiB", "index_MiB", "read_index_ms", "adopt_ms",
-                 "restore_ms", "total_ms", "ratio_to_read"]))
-    print()
-    print(table("9b. the index's cost to saves (ratio = on / off)",
-                [{"what": "saves/s on the cache core (with evictions)",
-                  "off": warm["index_cost"]["off_saves_per_s"],
-                  "on": warm["index_cost"]["on_saves_per_s"],
-                  "ratio": warm["index_cost"]["ratio"]}, warm["daemon_saves"]],
-                ["what", "off", "on", "ratio"]))
-    print()
-    print(table("9c. a kill -9 around an engine (hit rates; first_hit_s from the kill)",
-                warm["hit_rate"], ["start", "hit_rate_before", "hit_rate_first_s",
-                                   "hit_rate_after", "first_hit_s", "curve_first_5s"]))
-    print()
-    print(table("9d. engines back: a daemon started on a crashed region", [warm["engines_back"]],
-                list(warm["engines_back"])))
-    print()
-    print(table("10. daemon CPU per stored 1 MiB save, 2 worker processes as fast as they can "
-                "(ratio = vs unary calls; msgs = stream messages sent per save)",
-                results["saves"], saves.COLUMNS))
-    print()
+    if "copy" in results:
+        print(table("2. copy (GB/s; ratio = cpu backend / numpy)", results["copy"],
+                    ["bytes", "save_gbps", "numpy_in_gbps", "save_ratio", "load_gbps",
+                     "numpy_out_gbps", "load_ratio"]))
+        print()
+    if "stamps" in results:
+        print(table("3. stamp check after a load (us; ratio = check / copy)",
+                    results["stamps"],
+                    ["entry_bytes", "pages", "extents", "check_us", "copy_us", "ratio"]))
+        print()
+    if "concurrency" in results:
+        print(table("6. 8 and 16 engines at 100 steps/s (floor = the `no items` mix)",
+                    results["concurrency"],
+                    ["engines", "mix", "steps_per_s_asked", "steps_per_s_each",
+                     "steps_per_s_min", "loads_per_s_host", "hit_ratio", "step_p50_us",
+                     "step_p99_us",
+                     "blocking_rpcs_per_step", "worker_rpcs_per_step", "msgs_per_step",
+                     "event_lag_p50_ms", "event_lag_p99_ms", "lag_p99_vs_floor",
+                     "lag_after_reply_p99_ms", "fanout_spread_p99_ms", "daemon_cpu_percent",
+                     "host_cpu_busy_percent"]))
+        print()
+    if "remote" in results:
+        print(table("8a. second tier: raw GET vs verified fetch, and fetch + copy into the "
+                    "region (GB/s; ratio = GET time / ours)", results["remote"],
+                    ["parser", "MiB", "get_gbps", "fetch_gbps", "fetch_ratio", "promote_gbps",
+                     "promote_ratio"]))
+        print()
+    if "tier" in results:
+        print(table("8b. second tier on vs off, same host (ratio = on / off)",
+                    results["tier"],
+                    ["what", "off", "on", "ratio"]))
+        print()
+    if "promotion" in results:
+        print(table("8c. promotion end to end: a miss deferred until the entry is ready "
+                    "(best)", results["promotion"], ["MiB", "promote_ms", "promote_gbps"]))
+        print()
+    if "warm" in results:
+        warm = results["warm"]
+        print(table("9a. adoption of a crashed region (ms; ratio = adoption in all / reading "
+                    "the index alone)", warm["adoption"],
+                    ["entries", "region_GiB", "index_MiB", "read_index_ms", "adopt_ms",
+                     "restore_ms", "total_ms", "ratio_to_read"]))
+        print()
+        print(table("9b. the index's cost to saves (ratio = on / off)",
+                    [{"what": "saves/s on the cache core (with evictions)",
+                      "off": warm["index_cost"]["off_saves_per_s"],
+                      "on": warm["index_cost"]["on_saves_per_s"],
+                      "ratio": warm["index_cost"]["ratio"]}, warm["daemon_saves"]],
+                    ["what", "off", "on", "ratio"]))
+        print()
+        print(table("9c. a kill -9 around an engine (hit rates; first_hit_s from the kill)",
+                    warm["hit_rate"], ["start", "hit_rate_before", "hit_rate_first_s",
+                                       "hit_rate_after", "first_hit_s", "curve_first_5s"]))
+        print()
+        print(table("9d. engines back: a daemon started on a crashed region",
+                    [warm["engines_back"]], list(warm["engines_back"])))
+        print()
+    if "saves" in results:
+        print(table("10. daemon CPU per stored 1 MiB save, 2 worker processes as fast as they "
+                    "can (ratio = vs unary calls; msgs = stream messages sent per save)",
+                    results["saves"], saves.COLUMNS))
+        print()
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
+        if name not in results:
+            continue
         print(table(f"{number}. {name}", [results[name]], list(results[name])))
         print()
-    print(table("7b. one eviction round of 16,384 entries published to watchers that read "
-                "nothing meanwhile (ms, on the daemon's loop; ratio = vs 1 watcher), and the "
-                "time for all of them to take their events afterwards", results["watchers"],
-                ["watchers", "entries", "publish_ms", "publish_ratio", "take_all_ms"]))
-    print()
+    if "watchers" in results:
+        print(table("7b. one eviction round of 16,384 entries published to watchers that "
+                    "read nothing meanwhile (ms, on the daemon's loop; ratio = vs 1 watcher), "
+                    "and the time for all of them to take their events afterwards",
+                    results["watchers"],
+                    ["watchers", "entries", "publish_ms", "publish_ratio", "take_all_ms"]))
+        print()
     print(table("targets", results["targets"], ["target", "limit", "measured", "met"]))
     print()
     out = ROOT / "results" / (f"bench-{'quick-' if args.quick else ''}"
