@@ -145,9 +145,14 @@ def _remove_orphaned_shm(before: set[str]) -> None:
 def start_engine(model: Path, images: list[int], socket: str = "", role: str = "ec_both",
                  pause_after: int = 0, copy_backend: str = "cpu",
                  env: dict[str, str] | None = None, wait_start: bool = False,
-                 max_defer_seconds: float = 0, connector: str = "") -> Engine:
+                 max_defer_seconds: float = 0, connector: str = "",
+                 hold_end: bool = False, core: int | None = None) -> Engine:
     """`wait_start`: the engine prints STARTED once built and waits for a
-    line on stdin before its first request."""
+    line on stdin before its first request; `hold_end`: it waits for one
+    after its RESULT before it shuts down. `core`: the engine's processes run
+    on that core only, its forward passes on one OpenMP thread (engines that
+    run at once then cannot starve each other's forward passes; their
+    numerics are a one-thread engine's)."""
     args = [sys.executable, "-m", "tests.vllm.engine_run", str(model),
             "--images", ",".join(map(str, images)), "--role", role,
             "--copy-backend", copy_backend]
@@ -157,6 +162,11 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--pause-after", str(pause_after)]
     if wait_start:
         args += ["--wait-start"]
+    if hold_end:
+        args += ["--hold-end"]
+    if core is not None:
+        args = ["taskset", "-c", str(core), *args]
+        env = {**(env or {}), "VLLM_CPU_OMP_THREADS_BIND": str(core)}
     if max_defer_seconds:
         args += ["--max-defer-seconds", str(max_defer_seconds)]
     if connector:

@@ -3,7 +3,7 @@
     python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
         --role ec_both --copy-backend cpu --connector MODULE:CLASS
         --max-defer-seconds S] [--pause-after N]
-        [--wait-start]
+        [--wait-start] [--hold-end]
 
 Generates greedily for each image seed in turn, one request at a time (the
 tiny PaliGemma of tiny_model.py), counting the images the vision encoder
@@ -12,7 +12,9 @@ really ran on in the worker process after each request, and prints one line
 encoder images, or the error it raised. With --pause-after N it prints
 `PAUSED` after N requests and waits for a line on stdin (the test acts on
 the daemon then); with --wait-start it prints `STARTED` once built and waits
-for a line before its first request (tests start engines at once). Without
+for a line before its first request (tests start engines at once); with
+--hold-end it waits for a line after RESULT before it shuts down (a serving
+engine outlives its saves; vLLM kills an engine 5 s into its shutdown). Without
 --socket the engine has no EC connector (the reference run).
 """
 
@@ -44,6 +46,7 @@ def main() -> int:
                         help="module:Class of the EC connector")
     parser.add_argument("--pause-after", type=int, default=0)
     parser.add_argument("--wait-start", action="store_true")
+    parser.add_argument("--hold-end", action="store_true")
     parser.add_argument("--max-defer-seconds", type=float, default=0)
     args = parser.parse_args()
 
@@ -94,6 +97,8 @@ def main() -> int:
                                                         strict=False)],
             "finish_reason": completion.finish_reason, "encoder_images": encoded})
     print("RESULT " + json.dumps({"requests": requests}), flush=True)
+    if args.hold_end:
+        sys.stdin.readline()
     return 0
 
 
