@@ -217,9 +217,12 @@ def _add_ranks(message: Any, event: RanksEvent) -> None:  # the latest wins
 def _add_allocation(message: Any, answer: AllocationAnswer) -> None:
     result, error = answer.result, answer.error
     if result is not None:
-        message.allocations.add(request_id=answer.request_id,
-                                status=ALLOC_STATUS[result.outcome], entry_id=result.entry_id,
-                                extents=extents(result.extents))
+        added = message.allocations.add(request_id=answer.request_id,
+                                        status=ALLOC_STATUS[result.outcome],
+                                        entry_id=result.entry_id)
+        add_extent = added.extents.add  # in place: no pb.Extent built to be copied
+        for offset, length in result.extents:
+            add_extent(offset=offset, length=length)
     elif error is not None:
         message.allocations.add(request_id=answer.request_id,
                                 error_code=status_code(error).value[0], error=str(error))
