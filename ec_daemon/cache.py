@@ -474,10 +474,12 @@ class Cache:
         usage[1] += entry.nbytes
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += entry.nbytes
-        event = self._ready_event(entry)
-        for view in self.sessions.subscribers(entry.key[0]):
-            view.send(event)
-            view.seen_upto = max(view.seen_upto, entry.entry_id)
+        views = self.sessions.subscribers(entry.key[0])
+        if views:  # the event is built only for someone to hear it
+            event = self._ready_event(entry)
+            for view in views:
+                view.send(event)
+                view.seen_upto = max(view.seen_upto, entry.entry_id)
         self.on_entry_change(entry)  # after the views: a waiter's answer follows its event
         return ReportStatus.ACCEPTED
 
@@ -499,20 +501,23 @@ class Cache:
     def _hide(self, entry: Entry) -> None:
         assert entry.state is State.READY
         self.policy.remove(entry.key)
-        self.index.hidden(entry.entry_id)
+        awaiting = self.sessions.awaited(entry.key[0], entry.entry_id)
+        if awaiting:  # else reclaimed at once: its GONE record says it all
+            self.index.hidden(entry.entry_id)
         entry.state = State.HIDDEN
         self.hidden_pages += entry.pages
         self.ready_entries -= 1
         self.hidden_entries += 1
         self.counters["evictions"] += 1
         self.on_entry_change(entry)
-        entry.awaiting = self.sessions.awaited(entry.key[0], entry.entry_id)
+        if not awaiting:
+            self._reclaim(entry)
+            return
+        entry.awaiting = awaiting
         event = EvictedEvent(entry.mm_hash, entry.entry_id)
-        for view in entry.awaiting:
+        for view in awaiting:
             view.awaiting.add(entry)
             view.send(event)  # ghosts send nothing
-        if not entry.awaiting:
-            self._reclaim(entry)
 
     def _acknowledge(self, entry: Entry, session: Session) -> None:
         entry.awaiting.discard(session)

@@ -143,7 +143,9 @@ class SessionTable:
         """Whom the eviction of entry `entry_id` in `namespace` awaits: the
         namespace's live views, and its ghosts that could have seen it."""
         awaited = set(self.subscribers(namespace))
-        awaited.update(g for g in self._ghosts.get(namespace, ()) if g.seen_upto >= entry_id)
+        ghosts = self._ghosts.get(namespace)
+        if ghosts:
+            awaited.update(g for g in ghosts if g.seen_upto >= entry_id)
         return awaited
 
     def mapped_ranks(self, engine_id: str) -> tuple[int, int]:

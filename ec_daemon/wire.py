@@ -7,6 +7,7 @@ ranges) happens here too, before the core is asked anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -181,15 +182,65 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
         else grpc.StatusCode.INTERNAL
 
 
+def _add_ready(message: Any, event: ReadyEvent) -> None:
+    message.ready.append(pb.EntryInfo(
+        mm_hash=event.mm_hash, entry_id=event.entry_id, nbytes=event.nbytes, shape=event.shape,
+        dtype=event.dtype, extents=extents(event.extents)))
+
+
+def _add_evicted(message: Any, event: EvictedEvent) -> None:
+    message.evicted.append(pb.EntryRef(mm_hash=event.mm_hash, entry_id=event.entry_id))
+
+
+def _add_echo(message: Any, event: HeartbeatEcho) -> None:
+    message.heartbeat_seq = max(message.heartbeat_seq, event.seq)
+
+
+def _add_snapshot_done(message: Any, event: SnapshotDoneEvent) -> None:
+    message.snapshot_done = True
+
+
+def _add_answer(message: Any, event: AnswerEvent) -> None:
+    message.answers.add(mm_hash=event.mm_hash, verdict=VERDICT[event.verdict])
+
+
+def _add_namespace_info(message: Any, event: NamespaceInfoEvent) -> None:  # the latest wins
+    message.namespace_info.engines = event.engines
+    message.namespace_info.remote_tier = event.remote_tier
+
+
+def _add_ranks(message: Any, event: RanksEvent) -> None:  # the latest wins
+    message.ranks.mapped = event.mapped
+    message.ranks.world_size = event.world_size
+
+
 def _add_allocation(message: Any, answer: AllocationAnswer) -> None:
     result, error = answer.result, answer.error
     if result is not None:
-        message.allocations.add(request_id=answer.request_id,
-                                status=ALLOC_STATUS[result.outcome], entry_id=result.entry_id,
-                                extents=extents(result.extents))
+        added = message.allocations.add(request_id=answer.request_id,
+                                        status=ALLOC_STATUS[result.outcome],
+                                        entry_id=result.entry_id)
+        add_extent = added.extents.add  # in place: no pb.Extent built to be copied
+        for offset, length in result.extents:
+            add_extent(offset=offset, length=length)
     elif error is not None:
         message.allocations.add(request_id=answer.request_id,
                                 error_code=status_code(error).value[0], error=str(error))
+
+
+def _add_reported(message: Any, answer: ReportAnswer) -> None:
+    message.reported.add(request_id=answer.request_id, status=REPORT_STATUS[answer.status])
+
+
+# How each event goes into a DaemonMessage, by its exact type (a dict
+# lookup: a save's answers are most of the events and were last in an
+# isinstance chain).
+_ADD: dict[type, Callable[[Any, Any], None]] = {
+    ReadyEvent: _add_ready, EvictedEvent: _add_evicted, HeartbeatEcho: _add_echo,
+    SnapshotDoneEvent: _add_snapshot_done, AnswerEvent: _add_answer,
+    NamespaceInfoEvent: _add_namespace_info, RanksEvent: _add_ranks,
+    AllocationAnswer: _add_allocation, ReportAnswer: _add_reported,
+}
 
 
 def daemon_message(events: list[Any]) -> Any:
@@ -197,43 +248,31 @@ def daemon_message(events: list[Any]) -> Any:
     within a kind: a view applies ready, then evicted)."""
     message = pb.DaemonMessage()
     for event in events:
-        if isinstance(event, ReadyEvent):
-            message.ready.append(pb.EntryInfo(
-                mm_hash=event.mm_hash, entry_id=event.entry_id, nbytes=event.nbytes,
-                shape=event.shape, dtype=event.dtype, extents=extents(event.extents)))
-        elif isinstance(event, EvictedEvent):
-            message.evicted.append(pb.EntryRef(mm_hash=event.mm_hash, entry_id=event.entry_id))
-        elif isinstance(event, HeartbeatEcho):
-            message.heartbeat_seq = max(message.heartbeat_seq, event.seq)
-        elif isinstance(event, SnapshotDoneEvent):
-            message.snapshot_done = True
-        elif isinstance(event, AnswerEvent):
-            message.answers.add(mm_hash=event.mm_hash, verdict=VERDICT[event.verdict])
-        elif isinstance(event, NamespaceInfoEvent):  # the latest wins
-            message.namespace_info.engines = event.engines
-            message.namespace_info.remote_tier = event.remote_tier
-        elif isinstance(event, RanksEvent):  # the latest wins
-            message.ranks.mapped = event.mapped
-            message.ranks.world_size = event.world_size
-        elif isinstance(event, AllocationAnswer):
-            _add_allocation(message, event)
-        elif isinstance(event, ReportAnswer):
-            message.reported.add(request_id=event.request_id,
-                                 status=REPORT_STATUS[event.status])
+        _ADD[type(event)](message, event)
     return message
+
+
+def _ready_size(event: ReadyEvent) -> int:
+    return 64 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
+        + 24 * len(event.extents)
+
+
+def _allocation_size(event: AllocationAnswer) -> int:
+    return 32 + (24 * len(event.result.extents) if event.result is not None
+                 else len(str(event.error)))
+
+
+_SIZE: dict[type, Callable[[Any], int]] = {
+    ReadyEvent: _ready_size, AllocationAnswer: _allocation_size,
+    EvictedEvent: lambda event: 24 + len(event.mm_hash),
+    AnswerEvent: lambda event: 24 + len(event.mm_hash),
+}
 
 
 def event_size(event: Any) -> int:
     """An upper estimate of an event's encoded size, to cap messages."""
-    if isinstance(event, ReadyEvent):
-        return 64 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
-            + 24 * len(event.extents)
-    if isinstance(event, EvictedEvent | AnswerEvent):
-        return 24 + len(event.mm_hash)
-    if isinstance(event, AllocationAnswer):
-        return 32 + (24 * len(event.result.extents) if event.result is not None
-                     else len(str(event.error)))
-    return 12
+    size = _SIZE.get(type(event))
+    return 12 if size is None else size(event)
 
 
 def _saturated(counter: int) -> int:
