@@ -173,10 +173,10 @@ class SchedulerDelegate(LinkListener):
         current = self._current
         if current is None or not self.can_load or not self.link.fresh():
             return False
-        entry = self.view.claim(mm_hash)  # a lookup, a miss while the ranks map
-        if entry is None or not self._ranks_mapped or self.view.epoch != current.epoch:
+        # A ready entry is a miss while the ranks map.
+        entry = self.view.claim(mm_hash, current.epoch, self._ranks_mapped)
+        if entry is None:
             return False
-        self.view.served()  # counted a hit only when it is one
         self._hits_this_step[mm_hash] = (entry, current)
         return True
 
