@@ -97,12 +97,14 @@ class ReadyView:
             return True  # nothing claimed or dispatched since the last boundary
         with self._lock:
             self._claimed.clear()
-            if lineage == self.lineage:
-                touches = self._touches
+            if dispatched and lineage == self.lineage:
+                inflight, touches = self._inflight, self._touches
                 for ref in dispatched:
-                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
+                    inflight[ref] = inflight.get(ref, 0) + 1
                     if ref in touches or len(touches) < MAX_PENDING_TOUCHES:
                         touches[ref] = touches.get(ref, 0) + 1
+            if not self._deferred:
+                return True
             deferred, self._deferred = self._deferred, []
             acks = []
             for ref in deferred:
