@@ -329,7 +329,8 @@ class StreamCount:
     def __init__(self, link: Any) -> None:
         self.sent = count_sends(link)  # thread ident -> messages
         self.heartbeats = self.touches = 0
-        heartbeat = link.heartbeat_message
+        listener = link.listener  # builds each heartbeat (LinkListener)
+        heartbeat = listener.heartbeat_message
 
         def counted_heartbeat() -> Any:
             message = heartbeat()
@@ -337,7 +338,7 @@ class StreamCount:
             self.touches += sum(max(1, t.loads) for t in message.touches)
             return message
 
-        link.heartbeat_message = counted_heartbeat
+        listener.heartbeat_message = counted_heartbeat
 
     def from_this_thread(self) -> int:
         return self.sent.get(threading.get_ident(), 0)

@@ -115,8 +115,11 @@ class SchedulerDelegate(LinkListener):
                  client_name: str = "", token_file: str | None = None,
                  tls_ca: str | None = None, start: bool = True,
                  max_defer_seconds: float = DEFAULT_MAX_DEFER_SECONDS,
-                 answer_wait_seconds: float = DEFAULT_ANSWER_WAIT_SECONDS) -> None:
-        """`ranks`: how many worker ranks load (and report) each dispatched load."""
+                 answer_wait_seconds: float = DEFAULT_ANSWER_WAIT_SECONDS,
+                 metadata_type: type[StepMetadata] = StepMetadata) -> None:
+        """`ranks`: how many worker ranks load (and report) each dispatched load.
+        `metadata_type`: what `build_step_metadata` returns (the vLLM
+        connector's subclass, so the step's metadata is built once)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
         self.answer_wait_seconds = answer_wait_seconds
@@ -135,6 +138,7 @@ class SchedulerDelegate(LinkListener):
         self._unmapped_since: float | None = None  # warned about on a heartbeat past a bound
         self.can_load = role in LOADING_ROLES
         self.ranks = ranks
+        self._metadata_type = metadata_type
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
@@ -173,10 +177,10 @@ class SchedulerDelegate(LinkListener):
         current = self._current
         if current is None or not self.can_load or not self.link.fresh():
             return False
-        entry = self.view.claim(mm_hash)  # a lookup, a miss while the ranks map
-        if entry is None or not self._ranks_mapped or self.view.epoch != current.epoch:
+        # A ready entry is a miss while the ranks map.
+        entry = self.view.claim(mm_hash, current.epoch, self._ranks_mapped)
+        if entry is None:
             return False
-        self.view.served()  # counted a hit only when it is one
         self._hits_this_step[mm_hash] = (entry, current)
         return True
 
@@ -323,55 +327,66 @@ class SchedulerDelegate(LinkListener):
         told to encode for requests none of which ran this step (none among
         the `scheduled` request ids: no KV room, no budget, waiting for
         another item; with None, any not being encoded) are offered to an
-        engine that waits for them (`yields`): it encodes, this one waits."""
+        engine that waits for them (`yields`): it encodes, this one waits.
+        Returns an instance of the delegate's `metadata_type`."""
         if self._claimed:
             self._step_aside(scheduled)
         self._wait_left = self.answer_wait_seconds
-        planned, self._planned = self._planned, {}
         if self._hits_this_step:
-            self._hits_this_step = {}
+            self._hits_this_step.clear()
         now = time.monotonic()
         if (self._dispatched or self._wants) and now >= self._next_expiry:
             self._expire(now)
+        view, attached = self.view, self._current  # read once: the link thread may replace it
+        metadata = self._metadata_type()
+        lineage = view.lineage
+        planned = self._planned
         if not planned:
-            self.view.end_step((), self.view.lineage, self._send)
-            return StepMetadata(keep=self._keep_now(), namespace=self._namespace())
-        metadata = StepMetadata()
-        loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
-        lineage = self.view.lineage
-        in_view: Refs = []  # loads the view counts (older ones: see has_item)
-        nbytes = 0
-        for spec, request_ids, current in planned.values():
-            ref = (spec.mm_hash, spec.entry_id)
-            dispatched[spec.transfer_id] = _Transfer(ref, current.lineage, spec.generation,
-                                                     self.ranks, request_ids, now)
-            self._count_loading(spec.generation, 1)
-            if current.lineage == lineage:
-                in_view.append(ref)
-            loads.append(spec)
-            regions[current.region.generation] = current.region
-            nbytes += spec.nbytes
-        self.view.end_step(in_view, lineage, self._send)
-        metadata.keep = self._keep_now()
-        metadata.namespace = self._namespace()
-        self._loads += len(loads)
-        self._load_bytes += nbytes
+            view.end_step((), lineage, self._send)
+        else:
+            self._planned = {}
+            loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
+            loading, ranks = self._loading, self.ranks
+            in_view: Refs = []  # loads the view counts (older ones: see has_item)
+            nbytes = 0
+            for spec, request_ids, current in planned.values():
+                ref = (spec.mm_hash, spec.entry_id)
+                generation = spec.generation
+                dispatched[spec.transfer_id] = _Transfer(ref, current.lineage, generation,
+                                                         ranks, request_ids, now)
+                count = loading.get(generation, 0)
+                loading[generation] = count + 1
+                if not count:
+                    self._keep = None
+                if current.lineage == lineage:
+                    in_view.append(ref)
+                loads.append(spec)
+                regions[generation] = current.region
+                nbytes += spec.nbytes
+            view.end_step(in_view, lineage, self._send)
+            self._loads += len(loads)
+            self._load_bytes += nbytes
+        if attached is None:
+            metadata.keep = self._keep_now(None)
+        else:
+            metadata.keep = self._keep_now(attached.region.generation)
+            metadata.namespace = attached.namespace
         return metadata
 
     def apply_worker_output(self, done: Iterable[int] = (),
                             failed: Iterable[int] = ()) -> None:
         """One report per rank and transfer: `done` landed and verified,
         `failed` must not be used (their requests become unavailable)."""
-        finished: list[_Transfer] = []
+        failed = tuple(failed)
         for transfer_id in failed:
             transfer = self._dispatched.get(transfer_id)
             if transfer is not None and not transfer.failed:
                 transfer.failed = True
                 self._unavailable.update(transfer.request_ids)
                 self._load_failures += 1
-            self._reported(transfer_id, finished)
-        for transfer_id in done:
-            self._reported(transfer_id, finished)
+        finished: list[_Transfer] = []
+        self._reported(failed, finished)
+        self._reported(done, finished)
         if finished:
             self._finish(finished)
 
@@ -405,42 +420,37 @@ class SchedulerDelegate(LinkListener):
                 if scheduled is None or not any(r in scheduled for r in requests)]
         self._send_items("yields", idle)
 
-    def _reported(self, transfer_id: int, finished: list[_Transfer]) -> None:
-        transfer = self._dispatched.get(transfer_id)
-        if transfer is None:
-            return
-        transfer.left -= 1
-        if transfer.left <= 0:
-            del self._dispatched[transfer_id]
-            finished.append(transfer)
+    def _reported(self, transfer_ids: Iterable[int], finished: list[_Transfer]) -> None:
+        """One rank reported each of `transfer_ids`; those all ranks reported
+        go to `finished`."""
+        dispatched = self._dispatched
+        for transfer_id in transfer_ids:
+            transfer = dispatched.get(transfer_id)
+            if transfer is None:
+                continue
+            transfer.left -= 1
+            if transfer.left <= 0:
+                del dispatched[transfer_id]
+                finished.append(transfer)
 
     def _finish(self, transfers: list[_Transfer]) -> None:
         """These loads landed on every rank: the view may acknowledge."""
         lineage = self.view.lineage
+        loading = self._loading
+        refs: Refs = []
         for transfer in transfers:
-            self._count_loading(transfer.generation, -1)
-        self.view.finish([t.ref for t in transfers if t.lineage == lineage], lineage,
-                         self._send)
+            left = loading.get(transfer.generation, 0) - 1
+            if left > 0:
+                loading[transfer.generation] = left
+            elif loading.pop(transfer.generation, None) is not None:
+                self._keep = None  # the generation left StepMetadata.keep
+            if transfer.lineage == lineage:
+                refs.append(transfer.ref)
+        self.view.finish(refs, lineage, self._send)
 
-    def _count_loading(self, generation: int, change: int) -> None:
-        """Loads in flight per region generation (for StepMetadata.keep)."""
-        had = generation in self._loading
-        left = self._loading.get(generation, 0) + change
-        if left > 0:
-            self._loading[generation] = left
-        else:
-            self._loading.pop(generation, None)
-        if had != (left > 0):
-            self._keep = None
-
-    def _namespace(self) -> str:
-        current = self._current
-        return current.namespace if current is not None else ""
-
-    def _keep_now(self) -> frozenset[int]:
-        """StepMetadata.keep, rebuilt only when it changed."""
-        attached = self._current
-        generation = attached.region.generation if attached is not None else None
+    def _keep_now(self, generation: int | None) -> frozenset[int]:
+        """StepMetadata.keep while attached to region `generation`, rebuilt
+        only when it changed."""
         cached = self._keep
         if cached is not None and cached[0] == generation:
             return cached[1]

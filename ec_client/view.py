@@ -73,20 +73,21 @@ class ReadyView:
 
     # ------------------------------------------------- engine thread
 
-    def claim(self, mm_hash: str) -> ViewEntry | None:
-        """The entry if ready; it then stays loadable until `end_step`.
-        Counted as a lookup; the caller counts it a hit (`served`) only when
-        it serves it (a ready entry is still a miss while the ranks map).
-        Lock-free (see the module docstring)."""
+    def claim(self, mm_hash: str, epoch: int | None = None,
+              serve: bool = True) -> ViewEntry | None:
+        """A lookup: the entry if it is ready, `serve` and the view is still
+        at `epoch` (None: any), counted a hit; it then stays loadable until
+        `end_step`. Otherwise None, a miss (a ready entry not served: the
+        ranks still map). Lock-free (see the module docstring); the epoch is
+        read after the entry (see `SchedulerDelegate.has_item`)."""
         self._claimed.add(mm_hash)
+        entry = self._entries.get(mm_hash)
         lookups, hits = self._counts
-        self._counts = (lookups + 1, hits)
-        return self._entries.get(mm_hash)
-
-    def served(self) -> None:
-        """The last claim was a hit (the daemon's hit counters follow these)."""
-        lookups, hits = self._counts
-        self._counts = (lookups, hits + 1)
+        if entry is None or not serve or (epoch is not None and self.epoch != epoch):
+            self._counts = (lookups + 1, hits)
+            return None
+        self._counts = (lookups + 1, hits + 1)  # the daemon's hit counters follow these
+        return entry
 
     def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are
@@ -96,12 +97,14 @@ class ReadyView:
             return True  # nothing claimed or dispatched since the last boundary
         with self._lock:
             self._claimed.clear()
-            if lineage == self.lineage:
-                touches = self._touches
+            if dispatched and lineage == self.lineage:
+                inflight, touches = self._inflight, self._touches
                 for ref in dispatched:
-                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
+                    inflight[ref] = inflight.get(ref, 0) + 1
                     if ref in touches or len(touches) < MAX_PENDING_TOUCHES:
                         touches[ref] = touches.get(ref, 0) + 1
+            if not self._deferred:
+                return True
             deferred, self._deferred = self._deferred, []
             acks = []
             for ref in deferred:

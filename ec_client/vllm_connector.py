@@ -57,7 +57,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
-from ec_client.contract import LoadSpec, RegionInfo
+from ec_client.contract import StepMetadata
 from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
 from ec_client.settings import ConnectorSettings
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
@@ -104,14 +104,11 @@ STATS_INTERVAL_SECONDS = 1.0
 
 
 @dataclass
-class ECDaemonConnectorMetadata(ECConnectorMetadata):
-    """Scheduler -> workers each step: the loads, with extents, and the
-    regions they name by generation."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    regions: dict[int, RegionInfo] = field(default_factory=dict)
-    keep: frozenset[int] = frozenset()  # generations the scheduler may still load from
-    namespace: str = ""  # the scheduler's: a worker that computed another never saves
+class ECDaemonConnectorMetadata(StepMetadata, ECConnectorMetadata):
+    """Scheduler -> workers each step: `StepMetadata` (the loads, with
+    extents, the regions they name by generation, the generations to keep
+    mapped, the namespace) as vLLM's metadata type. The scheduler delegate
+    builds it directly (`metadata_type`): no copy per step."""
 
 
 @dataclass
@@ -219,7 +216,8 @@ class ECDaemonConnector(ECConnectorBase):
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
                 ranks=expected_reports(vllm_config),
                 max_defer_seconds=self.settings.max_defer_seconds,
-                answer_wait_seconds=self.settings.answer_wait_seconds, **self.settings.transport)
+                answer_wait_seconds=self.settings.answer_wait_seconds,
+                metadata_type=ECDaemonConnectorMetadata, **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
         else:
@@ -340,8 +338,9 @@ class ECDaemonConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
-        step = self._scheduler.build_step_metadata(scheduler_output.num_scheduled_tokens)
-        return ECDaemonConnectorMetadata(step.loads, step.regions, step.keep, step.namespace)
+        metadata = self._scheduler.build_step_metadata(scheduler_output.num_scheduled_tokens)
+        assert isinstance(metadata, ECDaemonConnectorMetadata)  # (metadata_type)
+        return metadata
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         if self._scheduler is None:

@@ -216,15 +216,16 @@ def test_touches_accumulate_per_dispatched_load_until_taken(view):
 def test_counts_are_lookups_and_hits_since_the_view_was_made(view):
     assert view.counts() == (0, 0)
     for key in ("a", "x", "a"):
-        if view.claim(key) is not None:
-            view.served()
+        view.claim(key)
     assert view.counts() == (3, 2)
     view.clear()
     assert view.claim("a") is None
     assert view.counts() == (4, 2)
     view.apply(ready("b", 2), Link())
-    assert view.claim("b") is not None  # found, not served (the ranks still map): a miss
+    assert view.claim("b", serve=False) is None  # found, not served (the ranks still map)
     assert view.counts() == (5, 2)
+    assert view.claim("b", epoch=view.epoch - 1) is None  # the view moved on since
+    assert view.counts() == (6, 2)
 
 
 def test_a_failed_send_is_reported_by_the_step_end(view):
