@@ -118,6 +118,49 @@ def test_put_get_round_trip(node: redis_servers.RedisServer, size: int) -> None:
     store.close()
 
 
+def test_a_put_is_one_set_of_the_parts_as_they_are() -> None:
+    """SET key value PX ttl in RESP: the payload goes out as the caller's own
+    buffer; small parts ride with the command's text (fewer sends)."""
+    from ec_daemon.remote.store import SMALL_PART_BYTES, _set_command
+
+    big = bytearray(SMALL_PART_BYTES * 2)
+    pieces = _set_command("ecd1:v:{é}", [b"head", memoryview(big), b"x"], 1500)
+    assert pieces[0] == b"*5\r\n$3\r\nSET\r\n$11\r\necd1:v:{\xc3\xa9}\r\n$%d\r\nhead" % (
+        len(big) + 5)
+    assert isinstance(pieces[1], memoryview) and pieces[1].obj is big
+    assert pieces[2:] == [b"x\r\n$2\r\nPX\r\n$4\r\n1500\r\n"]
+    assert _set_command("k", [b""], 1) == [b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n"
+                                           b"\r\n$2\r\nPX\r\n$1\r\n1\r\n"]
+
+
+@needs_redis
+def test_put_round_trip_of_parts_and_a_non_ascii_key(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    data = payload(300_000)
+    header = encode(NAMESPACE, "é-ü", (len(data),), "uint8", data)[0]
+    parts = [header, b"", data[:7], memoryview(data)[7:200_000], bytearray(data[200_000:])]
+    store.put(NAMESPACE, "é-ü", parts, 60.0)
+    got = store.get(NAMESPACE, "é-ü")
+    assert got is not None
+    assert bytes(decode(got, namespace=NAMESPACE, mm_hash="é-ü").payload) == data
+    assert node.client().pttl(value_key(NAMESPACE, "é-ü")) > 50_000
+    store.close()
+
+
+@needs_redis
+def test_a_refused_put_is_a_remote_error_and_the_store_goes_on(
+        own_node: redis_servers.RedisServer) -> None:
+    store = open_store(own_node.url)
+    client = own_node.client()
+    client.config_set("maxmemory", 1)
+    with pytest.raises(RemoteError, match=r"put ecd1:v:.*OutOfMemoryError"):
+        put_value(store, "refused", payload(100_000))
+    client.config_set("maxmemory", 0)
+    put_value(store, "refused", payload(100_000))
+    assert store.get(NAMESPACE, "refused") is not None
+    store.close()
+
+
 @needs_redis
 def test_absent_is_none_and_keys_carry_the_namespace(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
@@ -280,6 +323,31 @@ def test_cluster_spreads_values_over_the_nodes(cluster: redis_servers.Cluster) -
     parts = store.get(NAMESPACE, "c-big")
     assert parts is not None and len(parts) > 1
     assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="c-big").payload) == big
+    store.close()
+
+
+@needs_redis
+def test_a_put_to_a_key_that_moved_follows_the_redirection(
+        cluster: redis_servers.Cluster) -> None:
+    """A stale slot table (a resharding) sends the SET to the wrong node: the
+    put goes through redis-py, which follows MOVED."""
+    from ec_daemon.remote.store import RedisStore
+
+    store = open_store(cluster.url)
+    assert isinstance(store, RedisStore)
+    store.ping()
+    key = value_key(NAMESPACE, "moved")
+    owner = cluster.node_of(key)
+    assert store._cluster is not None
+    manager = store._cluster.nodes_manager
+    wrong = next(n for n in store._cluster.get_nodes() if n.port != owner.port)
+    manager.slots_cache[cluster.slot_of(key)] = [wrong]
+    data = payload(50_000)
+    put_value(store, "moved", data)
+    assert owner.client().exists(key)
+    parts = store.get(NAMESPACE, "moved")
+    assert parts is not None
+    assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="moved").payload) == data
     store.close()
 
 
