@@ -68,6 +68,7 @@ GAUGES = {
 BAD_VALUE_LOG_S = 60.0
 UPKEEP_S = 5.0  # the index: expired entries swept, the store's clock read, this often
 RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
+FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is read again this late
 
 
 def latency_histogram() -> Histogram:
@@ -227,6 +228,9 @@ class RemoteTier:
                 self._sweep()
             if found:
                 self._absorb(found)
+                # Let announcements gather (each read costs 0.3 ms of CPU; a
+                # publishing host would read back each of its own alone).
+                self._stopping.wait(FOLLOW_PAUSE_S)
 
     # ------------------------------------------------------------ publish
 
