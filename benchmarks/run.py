@@ -11,7 +11,8 @@ process tree, printed as tables and written to results/bench-<time>.json.
    1M entries, and one eviction round published to 1 vs 200 watchers;
    8. the second tier: a verified fetch and a promotion vs a raw
    redis GET of the same bytes, promotion end to end through two daemons,
-   and saves and hits with the tier on vs off (benchmarks/remote.py, tier.py);
+   and saves and hits with the tier on vs off, the daemon's CPU per
+   published 1 MiB (benchmarks/remote.py, tier.py);
 9. warm restart: adoption time by entries and region size vs reading the
    index alone, the index's cost to saves (core, and two daemons on vs off),
    seconds until engines hit again, the hit rate around a kill -9
@@ -174,6 +175,8 @@ TARGETS: list[tuple[str, str, float, Check]] = [
                 if row["parser"] == "hiredis"]),
     ("saves and hits, second tier on / off", "min", 0.95,
      lambda r: [row["ratio"] for row in r.get("tier", [])]),
+    ("daemon CPU per published 1 MiB, second tier (ms)", "max", 0.1,
+     lambda r: [row["daemon_cpu_ms_per_mib"] for row in r.get("publish_cpu", [])]),
     ("daemon CPU per stored 1 MiB save, on the session stream (ms)", "max", 0.1,
      lambda r: [row["daemon_cpu_ms_per_save"] for row in r.get("saves", [])
                 if row["path"] == "stream"]),
@@ -261,6 +264,7 @@ def main() -> None:
         print(">> 8/10 second tier (a local redis-server)", flush=True)
         results["remote"] = remote.measure(quick=args.quick)
         results["tier"] = tier.measure(args.quick)
+        results["publish_cpu"] = tier.publish_cpu(args.quick)
         results["promotion"] = tier.promotion_latency(args.quick)
     if run(9):
         print(">> 9/10 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
@@ -316,6 +320,13 @@ def main() -> None:
         print(table("8b. second tier on vs off, same host (ratio = on / off)",
                     results["tier"],
                     ["what", "off", "on", "ratio"]))
+        print()
+    if "publish_cpu" in results:
+        print(table("8b. the daemon's CPU per published 1 MiB (ms; on / off: per save, with "
+                    "the tier / without; daemon: the difference; publisher: its thread alone)",
+                    results["publish_cpu"], ["off_ms_per_save", "on_ms_per_save",
+                                             "daemon_cpu_ms_per_mib",
+                                             "publisher_cpu_ms_per_mib", "published"]))
         print()
     if "promotion" in results:
         print(table("8c. promotion end to end: a miss deferred until the entry is ready "

@@ -262,18 +262,18 @@ class DataPlane:
             self._publish(entry)
 
     def _publish(self, entry: Entry) -> None:
-        """Queue a ready entry for the second tier, read off the loop."""
+        """Queue a ready entry for the second tier, sent from its pages off the loop."""
         extents, stamp = self.cache.extents(entry), entry.entry_id
         stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
 
-        def read() -> bytearray | None:
-            """On the publisher's thread: the bytes, or None when the pages
-            were reused meanwhile (their stamp changed: ids never repeat)."""
-            data = region_file.read(extents, nbytes)
-            return data if stamps.holds(extents, stamp) else None
+        def current() -> bool:
+            """Whether the pages still hold the entry (reused, their stamp
+            changed: ids never repeat)."""
+            return stamps.holds(extents, stamp)
 
         namespace, mm_hash = entry.key
-        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes, read)
+        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
+                          lambda: region_file.view(extents), current=current)
 
     # ------------------------------------------------------------ upkeep
 

@@ -2,8 +2,10 @@
 
 `region` owns only the files (clients map the region themselves; `index`
 writes the journal). The daemon touches payload bytes only for the second
-tier, with pread/pwrite on its descriptor (`read`, `write`): publishing a
-saved entry, promoting a fetched one.
+tier: publishing a saved entry hashes and sends its pages in place, through a
+read-only mapping (`view`: a copy of each published MiB cost 0.1-0.25 ms of
+CPU; the mapping costs the daemon page tables, 2 MiB per GiB published from),
+and promoting a fetched one writes them with pwrite (`write`).
 
 The file is created owner-only under a name that carries the generation,
 its pages are allocated up front with posix_fallocate (pre-faulting without
@@ -30,6 +32,7 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -87,6 +90,8 @@ class Region:
         self.generation = generation
         self._fd = fd
         self.index = index  # None only for a region without one (tools, tests)
+        self._map: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
 
     @classmethod
     def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
@@ -142,20 +147,21 @@ class Region:
         stamp table: the daemon never maps the payload)."""
         return mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
-    def read(self, extents: Iterable[tuple[int, int]], nbytes: int) -> bytearray:
-        """The bytes under `extents` ((offset, length) pairs), concatenated."""
-        out = bytearray(nbytes)
-        view = memoryview(out)
-        at = 0
+    def view(self, extents: Iterable[tuple[int, int]]) -> list[memoryview]:
+        """Read-only views of the bytes under `extents` ((offset, length)
+        pairs), in place: a client may rewrite them meanwhile, so the caller
+        checks the pages' stamps after reading. Thread-safe."""
+        if self._map is None:
+            with self._map_lock:
+                if self._map is None:
+                    self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        whole = memoryview(self._map)
+        views = []
         for offset, length in extents:
-            while length:
-                got = os.preadv(self._fd, [view[at:at + length]], offset)
-                if got <= 0:
-                    raise OSError(errno.EIO, f"short read of region {self.path}")
-                at, offset, length = at + got, offset + got, length - got
-        if at != nbytes:
-            raise ValueError(f"extents hold {at} bytes, not {nbytes}")
-        return out
+            if offset < 0 or length < 0 or offset + length > self.size:
+                raise ValueError(f"extent ({offset}, {length}) is outside the region")
+            views.append(whole[offset:offset + length])
+        return views
 
     def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
         """Write the concatenation of `parts` (bytes-like) across `extents`,
@@ -189,6 +195,9 @@ class Region:
         region and its index are adopted by the next daemon on this socket."""
         if self._fd < 0:
             return
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held: freed with it
+                self._map.close()
         if self.index is not None:
             self.index.close(remove=remove)
         if remove:

@@ -68,6 +68,7 @@ GAUGES = {
 BAD_VALUE_LOG_S = 60.0
 UPKEEP_S = 5.0  # the index: expired entries swept, the store's clock read, this often
 RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
+FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is read again this late
 
 
 def latency_histogram() -> Histogram:
@@ -87,6 +88,7 @@ class _Job:
     nbytes: int
     read: Callable[[], Any]
     release: Callable[[], None] | None
+    current: Callable[[], bool] | None
 
 
 class RemoteTier:
@@ -227,19 +229,28 @@ class RemoteTier:
                 self._sweep()
             if found:
                 self._absorb(found)
+                # Let announcements gather (each read costs 0.3 ms of CPU; a
+                # publishing host would read back each of its own alone).
+                self._stopping.wait(FOLLOW_PAUSE_S)
 
     # ------------------------------------------------------------ publish
 
     def publish(self, namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
                 nbytes: int, read: Callable[[], Any],
-                release: Callable[[], None] | None = None) -> bool:
+                release: Callable[[], None] | None = None,
+                current: Callable[[], bool] | None = None) -> bool:
         """Queue (namespace, mm_hash) for writing to the store; never blocks.
         False (nothing queued, `release` not called) when stopped, when the
         key's store node is down, or when the queue would exceed
         publish_queue_bytes. Otherwise the publisher thread calls `read()`
-        (the payload, any buffer of nbytes, or None when the bytes are gone:
-        skipped), writes and announces it, then calls `release()` (always
-        once, even when the job is dropped or fails)."""
+        (the payload, any buffer of nbytes or a list of buffers, or None when
+        the bytes are gone: skipped), writes and announces it, then calls
+        `release()` (always once, even when the job is dropped or fails).
+        With `current`, the payload is the entry's memory, which may be
+        rewritten meanwhile: `current()` says whether it still holds the
+        entry, asked once it is checksummed (False: skipped) and once it is
+        sent (False: not announced; the stored value fails its checksum or
+        holds the entry)."""
         breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
         if self._stopping.is_set() or breaker.rejecting():
             self._count(publish_drops=1)
@@ -250,7 +261,7 @@ class RemoteTier:
             else:
                 dropped = False
                 self._queue.append(_Job(namespace, mm_hash, tuple(shape), dtype, nbytes,
-                                        read, release))
+                                        read, release, current))
                 self._queued_bytes += nbytes
                 self._cond.notify()
         if dropped:
@@ -282,8 +293,12 @@ class RemoteTier:
             self._count(publish_skips=1)
             return
         parts = encode(job.namespace, job.mm_hash, job.shape, job.dtype, payload)
-        if len(parts[1]) != job.nbytes:
-            raise ValueError(f"read() returned {len(parts[1])} bytes, expected {job.nbytes}")
+        if sum(len(part) for part in parts[1:]) != job.nbytes:
+            raise ValueError(f"read() returned {sum(len(p) for p in parts[1:])} bytes, "
+                             f"expected {job.nbytes}")
+        if job.current is not None and not job.current():
+            self._count(publish_skips=1)  # rewritten before the checksum was taken
+            return
         breaker = self.breakers.get(self.store.domain(job.namespace, job.mm_hash))
         if not breaker.allow():
             self._count(publish_drops=1)
@@ -292,6 +307,10 @@ class RemoteTier:
         try:
             self.store.put(job.namespace, job.mm_hash, parts, self.ttl_s)
             self.latency.labels("put").observe(time.monotonic() - started)
+            if job.current is not None and not job.current():
+                breaker.success()
+                self._count(publish_skips=1)  # perhaps sent rewritten: not announced
+                return
             announced = time.monotonic()
             # The announcement must not outlive the value: its TTL runs from the put.
             self.store.announce(job.namespace, job.mm_hash, job.nbytes,

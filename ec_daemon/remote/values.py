@@ -113,9 +113,10 @@ def _text(value: str, what: str, limit: int) -> bytes:
 
 def encode(namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
            payload: Any) -> list[bytes | memoryview]:
-    """The value for (namespace, mm_hash) as [header, payload view]: the
-    payload (any C-contiguous buffer) is not copied, only checksummed.
-    Raises ValueError for arguments the format cannot carry."""
+    """The value for (namespace, mm_hash) as [header, *payload views]: the
+    payload (a C-contiguous buffer, or a list of them: its parts in order) is
+    not copied, only checksummed. Raises ValueError for arguments the format
+    cannot carry."""
     ns = _text(namespace, "namespace", MAX_NAMESPACE_BYTES)
     key = _text(mm_hash, "mm_hash", MAX_HASH_BYTES)
     try:
@@ -127,15 +128,17 @@ def encode(namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
     dims = tuple(int(d) for d in shape)
     if len(dims) > MAX_DIMS or any(not 0 <= d < 1 << 64 for d in dims):
         raise ValueError(f"shape must have at most {MAX_DIMS} dims in 0..2**64, got {shape}")
-    body = _bytes_of(payload)
+    body = [_bytes_of(part) for part in payload] if isinstance(payload, list) \
+        else [_bytes_of(payload)]
     header_len = FIXED_BYTES + 8 * len(dims) + len(ns) + len(key) + len(kind) + _CHECKSUM.size
     head = b"".join((
         _FIXED.pack(MAGIC, FORMAT_VERSION, ALGORITHM_XXH3_64, len(dims), len(kind), len(ns),
-                    len(key), header_len, len(body)),
+                    len(key), header_len, sum(len(part) for part in body)),
         struct.pack(f"<{len(dims)}Q", *dims), ns, key, kind))
     digest = xxhash.xxh3_64(head)
-    digest.update(body)
-    return [head + _CHECKSUM.pack(digest.intdigest()), body]
+    for part in body:
+        digest.update(part)
+    return [head + _CHECKSUM.pack(digest.intdigest()), *body]
 
 
 def size_bounds(namespace: str, mm_hash: str, nbytes: int) -> tuple[int, int]:

@@ -118,6 +118,108 @@ def test_put_get_round_trip(node: redis_servers.RedisServer, size: int) -> None:
     store.close()
 
 
+def test_a_put_is_one_set_of_the_parts_as_they_are() -> None:
+    """SET key value PX ttl in RESP: the payload goes out as the caller's own
+    buffer; small parts ride with the command's text (fewer sends)."""
+    from ec_daemon.remote.store import SMALL_PART_BYTES, _set_command
+
+    big = bytearray(SMALL_PART_BYTES * 2)
+    pieces = _set_command("ecd1:v:{é}", [b"head", memoryview(big), b"x"], 1500)
+    assert pieces[0] == b"*5\r\n$3\r\nSET\r\n$11\r\necd1:v:{\xc3\xa9}\r\n$%d\r\nhead" % (
+        len(big) + 5)
+    assert isinstance(pieces[1], memoryview) and pieces[1].obj is big
+    assert pieces[2:] == [b"x\r\n$2\r\nPX\r\n$4\r\n1500\r\n"]
+    assert _set_command("k", [b""], 1) == [b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n"
+                                           b"\r\n$2\r\nPX\r\n$1\r\n1\r\n"]
+
+
+@needs_redis
+def test_put_round_trip_of_parts_and_a_non_ascii_key(node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    data = payload(300_000)
+    header = encode(NAMESPACE, "é-ü", (len(data),), "uint8", data)[0]
+    parts = [header, b"", data[:7], memoryview(data)[7:200_000], bytearray(data[200_000:])]
+    store.put(NAMESPACE, "é-ü", parts, 60.0)
+    got = store.get(NAMESPACE, "é-ü")
+    assert got is not None
+    assert bytes(decode(got, namespace=NAMESPACE, mm_hash="é-ü").payload) == data
+    assert node.client().pttl(value_key(NAMESPACE, "é-ü")) > 50_000
+    store.close()
+
+
+class _Socket:
+    """Hands out `data` in pieces of at most `step` bytes, as a socket may."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        self.data, self.step = data, step
+
+    def recv_into(self, into: memoryview) -> int:
+        count = min(len(into), self.step, len(self.data))
+        into[:count] = self.data[:count]
+        self.data = self.data[count:]
+        return count
+
+
+@pytest.mark.parametrize("step", [1, 3, 1 << 20])
+def test_a_bulk_reply_is_read_into_a_buffer_and_nothing_past_it(step: int) -> None:
+    from types import SimpleNamespace
+
+    from redis.exceptions import InvalidResponse, MovedError, ResponseError
+
+    from ec_daemon.remote.store import _read_bulk
+
+    # (A reply's first line is read with room to spare; nothing follows a
+    # reply on a connection, except in this test, read a byte at a time.)
+    after = b"+NEXT\r\n" if step == 1 else b""
+
+    def read(reply: bytes, most: int = 100) -> tuple[object, bytes]:
+        sock = _Socket(reply + after, step)
+        got = _read_bulk(SimpleNamespace(_sock=sock), most)
+        return (bytes(got) if got is not None else None), sock.data
+
+    assert read(b"$12\r\nhello\r\nworld\r\n") == (b"hello\r\nworld", after)
+    assert read(b"$0\r\n\r\n") == (b"", after)
+    assert read(b"$-1\r\n") == (None, after)
+    assert read(b"$5\r\nhello\r\n", most=5) == (b"hello", after)
+    with pytest.raises(MovedError):
+        read(b"-MOVED 3999 127.0.0.1:6381\r\n")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        read(b"-WRONGTYPE Operation against a key\r\n")
+    for bad in (b"+OK\r\n", b":5\r\n", b"$--1\r\n", b"$5\r\nhelloXY", b"$6\r\nhello\r\n"):
+        with pytest.raises(InvalidResponse):
+            read(bad, most=5)
+    with pytest.raises(ConnectionError):
+        _read_bulk(SimpleNamespace(_sock=_Socket(b"$5\r\nhel", step)), 5)
+
+
+@needs_redis
+def test_an_error_reply_to_a_get_is_a_remote_error_and_the_store_goes_on(
+        node: redis_servers.RedisServer) -> None:
+    store = open_store(node.url)
+    node.client().rpush(value_key(NAMESPACE, "a-list"), b"x")
+    with pytest.raises(RemoteError, match=r"get ecd1:v:.*WRONGTYPE"):
+        store.get(NAMESPACE, "a-list")
+    put_value(store, "after-a-list", b"fine")
+    parts = store.get(NAMESPACE, "after-a-list")
+    assert parts is not None
+    assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="after-a-list").payload) == b"fine"
+    store.close()
+
+
+@needs_redis
+def test_a_refused_put_is_a_remote_error_and_the_store_goes_on(
+        own_node: redis_servers.RedisServer) -> None:
+    store = open_store(own_node.url)
+    client = own_node.client()
+    client.config_set("maxmemory", 1)
+    with pytest.raises(RemoteError, match=r"put ecd1:v:.*OutOfMemoryError"):
+        put_value(store, "refused", payload(100_000))
+    client.config_set("maxmemory", 0)
+    put_value(store, "refused", payload(100_000))
+    assert store.get(NAMESPACE, "refused") is not None
+    store.close()
+
+
 @needs_redis
 def test_absent_is_none_and_keys_carry_the_namespace(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
@@ -280,6 +382,32 @@ def test_cluster_spreads_values_over_the_nodes(cluster: redis_servers.Cluster) -
     parts = store.get(NAMESPACE, "c-big")
     assert parts is not None and len(parts) > 1
     assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="c-big").payload) == big
+    store.close()
+
+
+@needs_redis
+def test_a_put_to_a_key_that_moved_follows_the_redirection(
+        cluster: redis_servers.Cluster) -> None:
+    """A stale slot table (a resharding) sends the SET or the GETRANGE to the
+    wrong node: the call goes through redis-py, which follows MOVED."""
+    from ec_daemon.remote.store import RedisStore
+
+    store = open_store(cluster.url)
+    assert isinstance(store, RedisStore)
+    store.ping()
+    key = value_key(NAMESPACE, "moved")
+    owner = cluster.node_of(key)
+    assert store._cluster is not None
+    manager = store._cluster.nodes_manager
+    wrong = next(n for n in store._cluster.get_nodes() if n.port != owner.port)
+    manager.slots_cache[cluster.slot_of(key)] = [wrong]
+    data = payload(50_000)
+    put_value(store, "moved", data)
+    assert owner.client().exists(key)
+    manager.slots_cache[cluster.slot_of(key)] = [wrong]  # (redis-py learnt the owner)
+    parts = store.get(NAMESPACE, "moved")
+    assert parts is not None
+    assert bytes(decode(parts, namespace=NAMESPACE, mm_hash="moved").payload) == data
     store.close()
 
 

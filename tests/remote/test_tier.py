@@ -164,6 +164,27 @@ def test_pages_reused_before_the_read_are_skipped(node: redis_servers.RedisServe
     assert open_store(node.url).get(NAMESPACE, "gone") is None
 
 
+def test_pages_rewritten_while_published_are_not_announced(node: redis_servers.RedisServer,
+                                                           tiers: list[RemoteTier]) -> None:
+    """A payload read in place is checked again once checksummed (rewritten:
+    nothing sent) and once sent (rewritten: stored, never announced)."""
+    tier = tier_for(tiers, node.url)
+    store = open_store(node.url)
+    for mm_hash, answers in (("rewritten-early", [False]), ("rewritten-late", [True, False])):
+        asked = iter(answers)
+        assert tier.publish(NAMESPACE, mm_hash, (10,), "uint8", 10, lambda: [b"01234", b"56789"],
+                            current=lambda asked=asked: next(asked))
+    assert wait_for(lambda: tier.snapshot()["publish_skips"] == 2, 3.0)
+    assert store.get(NAMESPACE, "rewritten-early") is None
+    assert store.get(NAMESPACE, "rewritten-late") is not None
+    found, _ = store.read_index(None, 0.1, 1000)
+    assert not {a.mm_hash for a in found} & {"rewritten-early", "rewritten-late"}
+    assert tier.snapshot()["publishes"] == 0
+    assert publish(tier, "in-place", b"0123456789")
+    assert wait_for(lambda: tier.snapshot()["publishes"] == 1, 3.0)
+    store.close()
+
+
 # ------------------------------------------------------------------ verification
 
 

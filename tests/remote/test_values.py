@@ -48,6 +48,16 @@ def test_encode_does_not_copy_the_payload() -> None:
     assert parts[1].obj is data
 
 
+def test_a_payload_in_parts_is_checksummed_in_place() -> None:
+    """The region's extents: one value, its parts sent as they are."""
+    first, second = bytearray(b"a" * 3000), memoryview(b"b" * 1096)
+    parts = encode(NS, HASH, (4096,), "uint8", [first, second])
+    assert len(parts) == 3 and parts[1].obj is first and parts[2].obj is second.obj
+    got = decode(whole(parts), namespace=NS, mm_hash=HASH)
+    assert bytes(got.payload) == bytes(first) + bytes(second) and got.nbytes == 4096
+    assert whole(parts) == whole(encode(NS, HASH, (4096,), "uint8", bytes(first) + bytes(second)))
+
+
 def test_any_contiguous_buffer_and_empty_shapes() -> None:
     floats = array.array("f", [1.5] * 100)
     got = decode(whole(encode(NS, HASH, (100,), "float32", floats)), namespace=NS, mm_hash=HASH)

@@ -73,13 +73,15 @@ def test_a_group_region_is_owner_only_until_its_group_is_set(tmp_path, monkeypat
 
 def test_the_second_tier_writes_and_reads_payload_across_extents(tmp_path):
     """A promotion writes a value's parts (a chunked read) across the
-    entry's extents without joining them; publishing reads them back."""
+    entry's extents without joining them; publishing reads them in place."""
     payload = os.urandom(10_000)
     parts = [payload[:3000], payload[3000:3001], payload[3001:]]  # cuts unlike the extents'
     extents = [(4096, 4096), (12288, 4096), (20480, 10_000 - 8192)]
     with Region.create(tmp_path, 32768) as region:
         region.write(extents, parts)
-        assert bytes(region.read(extents, len(payload))) == payload
+        views = region.view(extents)
+        assert [len(v) for v in views] == [4096, 4096, 10_000 - 8192] and views[0].readonly
+        assert b"".join(views) == payload
         with open(region.path, "rb") as f:
             raw = f.read()
         assert raw[4096:8192] == payload[:4096] and raw[8192:12288] == bytes(4096)
@@ -87,6 +89,11 @@ def test_the_second_tier_writes_and_reads_payload_across_extents(tmp_path):
             region.write(extents, [payload[:-1]])
         with pytest.raises(ValueError, match="longer"):
             region.write(extents, [payload, b"x"])
+        region.write([(4096, 1)], [bytes([payload[0] ^ 1])])  # the views are the pages
+        assert views[0][0] == payload[0] ^ 1
+        del views
+        with pytest.raises(ValueError, match="outside the region"):
+            region.view([(32768 - 10, 11)])
 
 
 def test_a_name_another_user_took_costs_a_generation_not_the_start(tmp_path, monkeypatch):
