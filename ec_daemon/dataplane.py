@@ -273,7 +273,8 @@ class DataPlane:
 
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
-                          lambda: region_file.view(extents), current=current)
+                          lambda: region_file.view(extents),
+                          release=lambda: region_file.unview(extents), current=current)
 
     # ------------------------------------------------------------ upkeep
 

@@ -4,7 +4,8 @@
 writes the journal). The daemon touches payload bytes only for the second
 tier: publishing a saved entry hashes and sends its pages in place, through a
 read-only mapping (`view`: a copy of each published MiB cost 0.1-0.25 ms of
-CPU; the mapping costs the daemon page tables, 2 MiB per GiB published from),
+CPU), whose pages are dropped again once sent (`unview`: the daemon's RSS,
+which the OOM killer reads, must not grow with the region),
 and promoting a fetched one writes them with pwrite (`write`).
 
 The file is created owner-only under a name that carries the generation,
@@ -162,6 +163,19 @@ class Region:
                 raise ValueError(f"extent ({offset}, {length}) is outside the region")
             views.append(whole[offset:offset + length])
         return views
+
+    def unview(self, extents: Iterable[tuple[int, int]]) -> None:
+        """Drop the pages under `extents` from the daemon's mapping once
+        published (MADV_DONTNEED: the shared pages stay in the region): else
+        every page ever published counts in the daemon's RSS, which the OOM
+        killer reads, up to the whole region."""
+        if self._map is None:
+            return
+        page = mmap.PAGESIZE
+        for offset, length in extents:
+            start = offset - offset % page
+            with contextlib.suppress(ValueError, OSError):  # closed meanwhile: nothing mapped
+                self._map.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
 
     def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
         """Write the concatenation of `parts` (bytes-like) across `extents`,

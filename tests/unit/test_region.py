@@ -96,6 +96,32 @@ def test_the_second_tier_writes_and_reads_payload_across_extents(tmp_path):
             region.view([(32768 - 10, 11)])
 
 
+def rss_shmem_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+def test_published_pages_leave_the_daemons_rss_once_sent():
+    """Publishing reads the pages through the daemon's mapping; once sent
+    they are dropped from it (the region keeps them), so the daemon's RSS
+    does not grow with everything it ever published."""
+    mib = 1 << 20
+    with Region.create("/dev/shm", 32 * mib) as region:
+        extents = [(0, 16 * mib), (16 * mib, 16 * mib - 100)]
+        region.write(extents, [b"\x01" * (32 * mib - 100)])
+        before = rss_shmem_kib()
+        views = region.view(extents)
+        assert sum(v.tobytes().count(1) for v in views) == 32 * mib - 100  # every page read
+        del views
+        touched = rss_shmem_kib()
+        region.unview(extents)
+        after = rss_shmem_kib()
+        assert touched - before >= 30 * 1024 and after - before < 1024
+        assert bytes(region.view([(16 * mib, 10)])[0]) == b"\x01" * 10  # the pages stay
+
+
 def test_a_name_another_user_took_costs_a_generation_not_the_start(tmp_path, monkeypatch):
     """Someone who saw a generation created the region's final name first:
     link(2) never replaces it; the region takes another generation."""
