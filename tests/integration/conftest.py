@@ -1,9 +1,20 @@
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.daemon import Daemon
+from tests.integration.engines import Proc
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Processes a test starts, killed at its end if still running."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
 
 
 @pytest.fixture

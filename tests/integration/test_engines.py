@@ -15,14 +15,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.kill()
-
-
-@pytest.fixture
 def big_daemon() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="256MiB") as d:
         yield d

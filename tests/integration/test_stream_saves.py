@@ -24,14 +24,6 @@ LEASE = 2.0
 MiB = 1 << 20
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.kill()
-
-
 @pytest.fixture(scope="module")
 def leased() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="64MiB", extra=("--lease-seconds", str(LEASE))) as d:
