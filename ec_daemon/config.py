@@ -32,6 +32,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"invalid value {text!r}: must be zero or more")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -61,7 +68,11 @@ def _mode(text: str) -> int:
 
 
 def _remote_url(text: str) -> str:
-    if text:
+    if text.lower().startswith("mooncake://"):
+        from ec_daemon.remote.mooncake import parse_url as parse_mooncake
+
+        parse_mooncake(text)  # raises ValueError naming the accepted form
+    elif text:
         from ec_daemon.remote.store import parse_url
 
         parse_url(text)  # raises ValueError naming the accepted forms
@@ -153,10 +164,17 @@ SETTINGS: tuple[Setting, ...] = (
             "address of the metrics endpoint (0.0.0.0 to scrape from other hosts)", "ADDR"),
     Setting("remote", _remote_url, lambda: "",
             "a second tier shared by the daemons of many hosts: redis://HOST:PORT, "
-            "rediss://HOST:PORT (TLS) or redis+cluster://HOST:PORT[,HOST:PORT...] "
-            "(empty: off)", "URL"),
+            "rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT[,HOST:PORT...], or "
+            "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata (Mooncake Store; "
+            "options: protocol=tcp|rdma, device=, segment=SIZE, buffer=SIZE) (empty: off)",
+            "URL"),
     Setting("remote_ttl", _positive_float, lambda: "3600",
-            "how long an entry published to the second tier stays there", "S"),
+            "how long an entry published to the second tier stays there (Redis; Mooncake "
+            "keeps entries until it evicts them)", "S"),
+    Setting("remote_claim_seconds", _nonnegative_float, lambda: "30",
+            "a new item missed here and in the second tier is claimed across hosts for this "
+            "long: one host encodes it, the others wait for its value at most this long "
+            "(0: no claims, every host that misses encodes)", "S"),
     Setting("remote_token_file", str, lambda: "",
             "file with the second tier's AUTH password (one line; or a user name and a "
             "password on two lines)", "FILE"),
@@ -216,6 +234,7 @@ class DaemonConfig:
     metrics_address: str
     remote: str
     remote_ttl: float
+    remote_claim_seconds: float
     remote_token_file: str
     remote_queue_bytes: int
     remote_index_bytes: int

@@ -12,6 +12,14 @@ engines ask. A claim whose engine ended, a failed promotion, or one past its
 bound is handed to a waiting engine that can save; views bound every wait
 themselves too, so a lost answer costs an encode, never a stuck request.
 
+Across hosts: a cold item the local index does not hold is first *resolved*
+by the second tier (`resolve`, off the loop): the store may hold it (a store
+without an index is asked), another host may have claimed it (then this
+host waits for its value, bounded by the claim, and promotes it), or this
+host claims it and its engine encodes. The first engine's answer waits for
+the resolution (it is the one `ensure` waits a few ms for), so a fast store
+costs no deferred step.
+
 Why claims and not a lock: an engine that is told to wait loses nothing it
 would not have spent encoding, and the daemon, which sees every save and
 every session end, is the one place that knows when to pass a claim on.
@@ -52,6 +60,8 @@ class Making:
     holder: Session | None
     deadline: float
     waiters: list[Session] = field(default_factory=list)
+    # Being resolved by the second tier: the waiter not answered yet.
+    unanswered: Session | None = None
 
 
 class Convergence:
@@ -71,6 +81,9 @@ class Convergence:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         # Set by the service: fetch `key` (of `nbytes`) from the second tier.
         self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
+        # Set by the service: resolve `key` with the second tier; True when
+        # started (`resolved` is called with the outcome, on the loop).
+        self.resolve: Callable[[Key], bool] | None = None
 
     def info(self, namespace: str) -> NamespaceInfoEvent:
         return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
@@ -81,8 +94,36 @@ class Convergence:
         for mm_hash in mm_hashes:
             self.counters["wants"] += 1
             verdict = self._verdict(session, (session.namespace, mm_hash))
+            if verdict is None:  # answered once the second tier resolved it
+                log.debug("session %d wants %s: resolving", session.index, mm_hash)
+                continue
             log.debug("session %d wants %s: %s", session.index, mm_hash, verdict.value)
             session.send(AnswerEvent(mm_hash, verdict))
+
+    def resolved(self, key: Key, outcome: str, nbytes: int | None = None) -> None:
+        """The second tier resolved `key` (`remote.tier.Outcome`'s value):
+        "found" (promote `nbytes`), "elsewhere" (another host encodes: wait
+        for its value, "found" or a final outcome follows), anything else:
+        an engine here encodes."""
+        making = self.making.get(key)
+        if making is None or making.holder is not None or making.kind is not Verdict.PROMOTING:
+            return  # (made meanwhile, or handed over past its bound)
+        first, making.unanswered = making.unanswered, None
+        if outcome == "found" and nbytes is not None and nbytes <= self.cache.capacity_bytes:
+            making.deadline = self.clock() + self.promote_seconds
+            self.start_promotion(key, nbytes)
+        elif outcome == "elsewhere":
+            making.deadline = self.clock() + self.claim_seconds
+        else:
+            self._hand_over(key, making, f"the second tier does not hold it ({outcome})",
+                            quiet=True)
+            after = self.making.get(key)
+            if first is None or not first.alive or after is None or after.holder is first:
+                return  # (told ENCODE just now)
+            first.send(AnswerEvent(key[1], Verdict.ENCODING))
+            return
+        if first is not None and first.alive:
+            first.send(AnswerEvent(key[1], Verdict.PROMOTING))
 
     def ready(self, key: Key) -> None:
         """`key` became ready (saved or promoted): its waiters saw the ready
@@ -179,7 +220,7 @@ class Convergence:
 
     # ------------------------------------------------------------ helpers
 
-    def _verdict(self, session: Session, key: Key) -> Verdict:
+    def _verdict(self, session: Session, key: Key) -> Verdict | None:
         state = self.cache.state_of(*key)
         if state is State.READY:
             return Verdict.READY
@@ -204,6 +245,10 @@ class Convergence:
                                       [session])
             self.start_promotion(key, nbytes)
             return Verdict.PROMOTING
+        if self.resolve is not None and self.resolve(key):
+            self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
+                                      [session], unanswered=session)
+            return None
         if session.can_save:
             self.making[key] = Making(Verdict.ENCODING, session, now + self.claim_seconds)
             self.counters["claims"] += 1

@@ -41,7 +41,7 @@ from ec_daemon.errors import (
 from ec_daemon.events import ClientMessage, HeartbeatEcho
 from ec_daemon.limits import validate_mm_hash
 from ec_daemon.promotions import Promotions
-from ec_daemon.records import Entry, Session, State
+from ec_daemon.records import Entry, Key, Session, State
 from ec_daemon.saves import SPACE, Saves
 from ec_daemon.wakeups import Wakeups
 
@@ -81,6 +81,22 @@ class DataPlane:
                                          allocate=self.saves.allocate_waiting,
                                          verify=self.verify)
             self.convergence.start_promotion = self.promotions.start
+            self.convergence.resolve = self._resolve
+
+    def _resolve(self, key: Key) -> bool:
+        """Ask the second tier about a wanted key (`Convergence.resolve`);
+        its answer comes back on the loop."""
+        loop = asyncio.get_running_loop()
+
+        def done(outcome: Any) -> None:
+            loop.call_soon_threadsafe(self._resolved, key, outcome)
+
+        return bool(self.tier.resolve(key[0], key[1], done))
+
+    def _resolved(self, key: Key, outcome: Any) -> None:
+        nbytes = self.tier.available(*key) if outcome.value == "found" else None
+        self.convergence.resolved(key, outcome.value, nbytes)
+        self.verify()
 
     # ----------------------------------------------------------- sessions
 
@@ -90,9 +106,10 @@ class DataPlane:
 
     def attach(self, **fields: Any) -> Session:
         """A new session (`Cache.attach`); it takes part once its stream opens."""
+        store_namespace = fields.pop("store_namespace", "")
         session = self.cache.attach(**fields)
         if self.tier is not None:
-            self.tier.follow(session.namespace)
+            self.tier.follow(session.namespace, store_namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
                  session.engine_id, session.component, session.role, session.namespace)
         return session
@@ -274,7 +291,8 @@ class DataPlane:
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
                           lambda: region_file.view(extents),
-                          release=lambda: region_file.unview(extents), current=current)
+                          release=lambda: region_file.unview(extents), current=current,
+                          extents=list(extents))
 
     # ------------------------------------------------------------ upkeep
 

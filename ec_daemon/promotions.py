@@ -124,7 +124,8 @@ class Promotions:
             if result.outcome is not AllocOutcome.ALLOCATED:
                 promoted = result.outcome is AllocOutcome.ALREADY_READY
                 return
-            await self._write(key, promoter, result, value.parts)
+            if not await self._write(key, promoter, result, value):
+                return  # (the tier counted and logged why, and forgot the key)
             self.convergence.promoted(key, value.nbytes)
             promoted = True
             log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
@@ -148,18 +149,29 @@ class Promotions:
             self.verify()
 
     async def _write(self, key: Key, promoter: Session, result: AllocResult,
-                     parts: Any) -> None:
+                     value: Any) -> bool:
         """Write the fetched value into its pages and commit (the entry is
-        announced ready); aborted if the write fails."""
+        announced ready); aborted if the write fails. A value that reads
+        itself into the pages (`write_into`: zero copy, verified there) and
+        fails is aborted too: False."""
         loop = asyncio.get_running_loop()
         self._writing.add(key)
         try:
             try:
-                await loop.run_in_executor(self._pool, self.region_file.write, result.extents,
-                                           parts)
+                if hasattr(value, "write_into"):
+                    written = await loop.run_in_executor(
+                        self._pool, value.write_into, self.region_file, result.extents)
+                else:
+                    await loop.run_in_executor(self._pool, self.region_file.write,
+                                               result.extents, value.parts)
+                    written = True
             except Exception:  # (cancelled only at shutdown: the write may still run)
                 self.cache.abort(promoter, [key[1]])
                 raise
+            if not written:
+                self.cache.abort(promoter, [key[1]])
+                return False
             self.cache.commit(promoter, [key[1]])
+            return True
         finally:
             self._writing.discard(key)

@@ -143,6 +143,10 @@ class Region:
             os.fchown(self._fd, -1, gid)
         os.fchmod(self._fd, mode)
 
+    def fileno(self) -> int:
+        """The region file's descriptor (a store that maps it: the second tier)."""
+        return self._fd
+
     def map_front(self, length: int) -> mmap.mmap:
         """A shared, writable mapping of the file's first `length` bytes (the
         stamp table: the daemon never maps the payload)."""

@@ -184,25 +184,39 @@ def _other_regions(shm_dir: str) -> str:
             "start: `ec-daemon clean --all` removes those of stopped daemons)")
 
 
-def _start_tier(config: DaemonConfig) -> Any:
+def _start_tier(config: DaemonConfig, region: Region) -> Any:
     """The second tier's threads, or None when --remote is off. A store that
-    cannot be reached now is not fatal: the tier keeps trying (misses meanwhile)."""
+    cannot be reached now is not fatal: the tier keeps trying (misses meanwhile).
+    A store that moves bytes in place (Mooncake) maps the region."""
     if not config.remote:
         return None
+    from ec_daemon.remote import mooncake
     from ec_daemon.remote.store import open_store
     from ec_daemon.remote.tier import RemoteTier
 
+    store: Any
     try:
-        store = open_store(config.remote, token_file=config.remote_token_file)
+        if config.remote.lower().startswith("mooncake://"):
+            store = mooncake.open_store(config.remote, token_file=config.remote_token_file)
+        else:
+            store = open_store(config.remote, token_file=config.remote_token_file)
     except (ValueError, OSError) as exc:
         raise StartupError(f"--remote: {exc}") from None
     tier = RemoteTier(store, ttl_s=config.remote_ttl,
                       publish_queue_bytes=config.remote_queue_bytes,
                       index_bytes=config.remote_index_bytes,
-                      promotion_bytes=config.remote_promotion_bytes)
+                      promotion_bytes=config.remote_promotion_bytes,
+                      claim_s=config.remote_claim_seconds)
+    if hasattr(store, "use_region"):
+        store.use_region(region.fileno(), region.size)
     tier.start()
-    log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
-             "published", _redacted(config.remote), config.remote_ttl)
+    if tier.indexed:
+        log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
+                 "published", _redacted(config.remote), config.remote_ttl)
+    else:
+        log.info("second tier %s: publishing saves from the region in place, asking the "
+                 "store for wanted items and promoting them into it (connecting in the "
+                 "background)", _redacted(config.remote))
     return tier
 
 
@@ -254,7 +268,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
-    tier = _start_tier(config)
+    tier = _start_tier(config, region)
     plane = DataPlane(cache, lease_seconds=config.lease_seconds,
                       alloc_wait_seconds=config.alloc_wait_seconds,
                       check_invariants=config.check_invariants,

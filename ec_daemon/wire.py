@@ -41,6 +41,7 @@ from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, WORKER, pb
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
+MAX_STORE_NAMESPACE_CHARS = 2048
 MAX_WORLD_SIZE = 4096
 U64_MAX = 2**64 - 1
 
@@ -112,7 +113,15 @@ def attach_fields(request: Any) -> dict[str, Any]:
         "world_size": world_size,
         "namespace": namespace_of(request.layout),
         "client_name": _text(request.client_name, "client_name", MAX_ID_CHARS, required=False),
+        "store_namespace": _store_namespace(request.store_namespace),
     }
+
+
+def _store_namespace(value: str) -> str:
+    text = _text(value, "store_namespace", MAX_STORE_NAMESPACE_CHARS, required=False)
+    if any(not c.isprintable() for c in text):
+        raise InvalidArgument("store_namespace must be printable text")
+    return text
 
 
 def batch(values: Any, what: str) -> list[Any]:

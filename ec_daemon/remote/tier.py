@@ -10,6 +10,14 @@ Everything that talks to the store runs on the tier's threads or the caller's
 worker thread, through one circuit breaker per failure domain (a node), so a
 store that is down or slow costs misses and dropped publications, never a
 stuck daemon, and comes back by itself.
+
+A wanted item the local index does not hold is *resolved* (`resolve`, on the
+resolver thread, batched): a store without an index (Mooncake) is asked
+whether it holds the key, and a key nobody holds is claimed across hosts
+(`claim_s`), so that when two hosts miss one new image at once one encodes
+and the other waits for its value (bounded by the claim) and promotes it. A
+key found absent is remembered for NEGATIVE_S: a storm of misses is not a
+storm of lookups.
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
-from collections import deque
+import uuid
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from prometheus_client import Histogram
@@ -30,7 +41,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ec_daemon.remote.breaker import CLOSED, STATE_CODES, Breakers
 from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.index import RemoteIndex
-from ec_daemon.remote.store import Announcement, RemoteError, RemoteStore, UnexpectedSize
+from ec_daemon.remote.store import (
+    Announcement,
+    RemoteAuthError,
+    RemoteError,
+    RemoteStore,
+    UnexpectedSize,
+)
 from ec_daemon.remote.values import BadValue, Value, decode, encode, size_bounds
 
 log = logging.getLogger("ec_daemon.remote")
@@ -53,6 +70,13 @@ COUNTERS = {
     "index_evictions": "Index entries dropped to keep within --remote-index-bytes",
     "promotions_refused": "Promotions not started: --remote-promotion-bytes was spent "
                           "(the engine encodes)",
+    "lookups": "Wanted keys the local index did not hold, resolved against the store",
+    "lookup_hits": "Resolved keys the store held (promoted)",
+    "lookup_cached": "Wanted keys answered absent from the negative cache (no store call)",
+    "claims_taken": "Cross-host claims this daemon took (its engine encodes, the others wait)",
+    "claims_elsewhere": "Resolved keys another host had claimed (waited for its value)",
+    "claim_timeouts": "Waits for another host's value that ran past the claim (encoded here)",
+    "publish_exists": "Publications skipped: the store already held the key",
 }
 GAUGES = {
     "publish_queue_bytes": "Payload bytes waiting to be published",
@@ -69,6 +93,21 @@ BAD_VALUE_LOG_S = 60.0
 UPKEEP_S = 5.0  # the index: expired entries swept, the store's clock read, this often
 RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
 FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is read again this late
+NEGATIVE_S = 1.0  # a key found absent (and not claimable) is not looked up again this soon
+NEGATIVE_KEYS = 65536  # the most keys the negative cache holds
+POLL_S = 0.05  # keys another host claimed: the store is asked again this often
+RESOLVE_BATCH = 256  # keys resolved in one round (one batched lookup)
+FOUND_S = 30.0  # (stores without an index) a key found is taken as present this long
+
+
+class Outcome(Enum):
+    """How a resolution ended (`RemoteTier.resolve`)."""
+
+    FOUND = "found"  # the store holds it: promote (nbytes known to `available`)
+    CLAIMED = "claimed"  # nobody holds it and this host claimed it: encode here
+    ELSEWHERE = "elsewhere"  # another host claimed it: waiting for its value
+    ABSENT = "absent"  # not held, not claimable (claims off, or waited past the claim)
+    FAILED = "failed"  # the store could not say (down, slow): encode here
 
 
 def latency_histogram() -> Histogram:
@@ -89,6 +128,29 @@ class _Job:
     read: Callable[[], Any]
     release: Callable[[], None] | None
     current: Callable[[], bool] | None
+    extents: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class _Resolving:
+    key: tuple[str, str]
+    done: Callable[[Outcome], None]
+    deadline: float = 0.0  # (ELSEWHERE) waited for until then
+
+
+class StoredValue:
+    """A value in a store without an index, read straight into the pages a
+    promotion allocated (`write_into`): its header is known, its payload not
+    yet read."""
+
+    def __init__(self, tier: RemoteTier, namespace: str, mm_hash: str, head: Any) -> None:
+        self._tier, self._namespace, self._mm_hash, self._head = tier, namespace, mm_hash, head
+        self.shape, self.dtype, self.nbytes = head.shape, head.dtype, head.nbytes
+
+    def write_into(self, region_file: Any, extents: list[tuple[int, int]]) -> bool:
+        """Read and verify the payload into `extents` (never raises): False
+        when it failed (counted; the pages hold nothing to serve)."""
+        return self._tier.read_into(self._namespace, self._mm_hash, self._head, extents)
 
 
 class RemoteTier:
@@ -98,16 +160,24 @@ class RemoteTier:
     def __init__(self, store: RemoteStore, *, ttl_s: float, publish_queue_bytes: int,
                  index_bytes: int = 64 << 20, promotion_bytes: int = 256 << 20,
                  block_s: float = 0.5, index_batch: int = 1000, breaker_threshold: int = 3,
-                 breaker_base_s: float = 0.5, breaker_max_s: float = 30.0) -> None:
+                 breaker_base_s: float = 0.5, breaker_max_s: float = 30.0,
+                 claim_s: float = 0.0) -> None:
+        """`claim_s`: a key nobody holds is claimed across hosts for this long
+        (0: no claims); stores without an index (`indexed` False) are asked
+        for every wanted key the daemon does not know."""
         if ttl_s <= 0 or publish_queue_bytes <= 0:
             raise ValueError("ttl_s and publish_queue_bytes must be positive")
-        self.store = store
+        # A RemoteStore (Redis), or a store without an index (`mooncake.MooncakeStore`).
+        self.store: Any = store
         self.ttl_s = ttl_s
         self.publish_queue_bytes = publish_queue_bytes
         self.block_s = block_s
         self.index_batch = index_batch
         self.breakers = Breakers(threshold=breaker_threshold, base_s=breaker_base_s,
                                  max_s=breaker_max_s)
+        self.indexed = hasattr(store, "read_index")
+        self.claim_s = claim_s
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.latency = latency_histogram()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -120,6 +190,19 @@ class RemoteTier:
         self.index = RemoteIndex(max_bytes=index_bytes, ttl_ms=max(1, int(ttl_s * 1000)))
         self._rescan = False
         self.budget = PromotionBudget(promotion_bytes)
+        # The store's name of each followed namespace (stores shared with
+        # vLLM's own connector key entries by the engine's scheme).
+        self._store_names: dict[str, str] = {}
+        # Stores without an index: keys found, with their header, until FOUND_S.
+        self._found: OrderedDict[tuple[str, str], tuple[float, Any]] = OrderedDict()
+        self._found_max = max(1, index_bytes // 512)
+        # Resolutions: queued, waiting for another host; keys found absent;
+        # claims this daemon holds (released once the value is published).
+        self._resolve_cond = threading.Condition()
+        self._resolving: list[_Resolving] = []
+        self._elsewhere: list[_Resolving] = []
+        self._absent: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._claimed: dict[tuple[str, str], float] = {}
         # Counters and rate-limited logs.
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -130,8 +213,11 @@ class RemoteTier:
     def start(self) -> None:
         if self._threads:
             return
-        for name, target in (("ec-remote-publisher", self._publisher),
-                             ("ec-remote-index", self._follower)):
+        threads: list[tuple[str, Callable[[], None]]] = [
+            ("ec-remote-publisher", self._publisher), ("ec-remote-resolver", self._resolver)]
+        if self.indexed:
+            threads.append(("ec-remote-index", self._follower))
+        for name, target in threads:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -142,25 +228,45 @@ class RemoteTier:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+        with self._resolve_cond:
+            self._resolve_cond.notify_all()
         deadline = time.monotonic() + self.block_s + getattr(self.store, "timeout_s", 2.0) + 1
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._drain()
+        with self._resolve_cond:
+            pending, self._resolving, self._elsewhere = \
+                self._resolving + self._elsewhere, [], []
+        for item in pending:
+            _tell(item, Outcome.FAILED)
         self.store.close()
 
     # ------------------------------------------------------------ index
 
-    def follow(self, namespace: str) -> None:
+    def follow(self, namespace: str, store_namespace: str = "") -> None:
         """Keep index entries of `namespace` (entries announced before are
-        read again from the index)."""
+        read again from the index). `store_namespace`: the engine's name for
+        it in a store shared with vLLM's own connector (Mooncake); the first
+        one given is kept."""
         with self._index_lock:
             if self.index.follow(namespace):
                 self._rescan = True
+            if namespace not in self._store_names or not self._store_names[namespace]:
+                self._store_names[namespace] = store_namespace
 
     def unfollow(self, namespace: str) -> None:
         """No local session uses `namespace` any more: forget its entries."""
         with self._index_lock:
             self.index.unfollow(namespace)
+            self._store_names.pop(namespace, None)
+            for key in [k for k in self._found if k[0] == namespace]:
+                del self._found[key]
+
+    def store_name(self, namespace: str) -> str:
+        """The key prefix of `namespace` in a store without an index: the
+        engine's store namespace, or one of ec-daemon's own (an engine that
+        sent none: shared only with other ec-daemon hosts)."""
+        return self._store_names.get(namespace) or f"ec-daemon@{namespace}"
 
     def forget(self, namespace: str, mm_hash: str) -> None:
         """Drop a key from the local index (it could not be promoted)."""
@@ -170,11 +276,24 @@ class RemoteTier:
         """nbytes when the index says the store holds the key and it has not
         expired; never touches the network."""
         with self._index_lock:
+            if not self.indexed:
+                found = self._found.get((namespace, mm_hash))
+                if found is None or found[0] <= time.monotonic():
+                    return None
+                return int(found[1].nbytes)
             return self.index.get(namespace, mm_hash)
 
     def _forget(self, namespace: str, mm_hash: str) -> None:
         with self._index_lock:
             self.index.forget(namespace, mm_hash)
+            self._found.pop((namespace, mm_hash), None)
+
+    def _remember(self, namespace: str, mm_hash: str, head: Any) -> None:
+        with self._index_lock:
+            self._found[(namespace, mm_hash)] = (time.monotonic() + FOUND_S, head)
+            self._found.move_to_end((namespace, mm_hash))
+            while len(self._found) > self._found_max:
+                self._found.popitem(last=False)
 
     def _absorb(self, found: list[Announcement]) -> None:
         with self._index_lock:
@@ -238,7 +357,8 @@ class RemoteTier:
     def publish(self, namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
                 nbytes: int, read: Callable[[], Any],
                 release: Callable[[], None] | None = None,
-                current: Callable[[], bool] | None = None) -> bool:
+                current: Callable[[], bool] | None = None,
+                extents: list[tuple[int, int]] | None = None) -> bool:
         """Queue (namespace, mm_hash) for writing to the store; never blocks.
         False (nothing queued, `release` not called) when stopped, when the
         key's store node is down, or when the queue would exceed
@@ -250,7 +370,8 @@ class RemoteTier:
         rewritten meanwhile: `current()` says whether it still holds the
         entry, asked once it is checksummed (False: skipped) and once it is
         sent (False: not announced; the stored value fails its checksum or
-        holds the entry)."""
+        holds the entry). `extents`: the entry's place in the region, which a
+        store that maps the region (Mooncake) sends from in place."""
         breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
         if self._stopping.is_set() or breaker.rejecting():
             self._count(publish_drops=1)
@@ -261,7 +382,7 @@ class RemoteTier:
             else:
                 dropped = False
                 self._queue.append(_Job(namespace, mm_hash, tuple(shape), dtype, nbytes,
-                                        read, release, current))
+                                        read, release, current, extents))
                 self._queued_bytes += nbytes
                 self._cond.notify()
         if dropped:
@@ -288,6 +409,9 @@ class RemoteTier:
                 _release(job)
 
     def _publish_one(self, job: _Job) -> None:
+        if not self.indexed:
+            self._put_entry(job)
+            return
         payload = job.read()
         if payload is None:
             self._count(publish_skips=1)
@@ -326,6 +450,43 @@ class RemoteTier:
             raise
         breaker.success()
         self._count(publishes=1, publish_bytes=job.nbytes)
+        self._release_claim(job.namespace, job.mm_hash)
+
+    def _put_entry(self, job: _Job) -> None:
+        """Publish to a store without an index, from the pages in place."""
+        if job.extents is None or not getattr(self.store, "zero_copy", False):
+            self._count(publish_skips=1)
+            return
+        breaker = self.breakers.get(self.store.domain(job.namespace, job.mm_hash))
+        if not breaker.allow():
+            self._count(publish_drops=1)
+            return
+        started = time.monotonic()
+        try:
+            result = self.store.put_entry(self.store_name(job.namespace), job.mm_hash,
+                                          job.shape, job.dtype, job.extents, job.current)
+        except RemoteError as exc:
+            breaker.failure(exc)
+            self._count(publish_errors=1, errors=1)
+            log.debug("publishing %s failed: %s", job.mm_hash, exc)
+            return
+        except ValueError as exc:  # (a tensor the store's format cannot carry)
+            breaker.success()
+            self._count(publish_skips=1)
+            log.debug("not publishing %s: %s", job.mm_hash, exc)
+            return
+        except BaseException as exc:
+            breaker.failure(exc)
+            raise
+        breaker.success()
+        self.latency.labels("put").observe(time.monotonic() - started)
+        if result == "stored":
+            self._count(publishes=1, publish_bytes=job.nbytes)
+        elif result == "exists":
+            self._count(publish_exists=1)
+        else:
+            self._count(publish_skips=1)
+        self._release_claim(job.namespace, job.mm_hash)
 
     def _drain(self) -> None:
         with self._cond:
@@ -357,7 +518,8 @@ class RemoteTier:
                 self._forget(namespace, mm_hash)
         return reservation
 
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int | None = None) -> Value | None:
+    def fetch(self, namespace: str, mm_hash: str,
+              nbytes: int | None = None) -> Value | StoredValue | None:
         """The verified value of (namespace, mm_hash), blocking on the store
         (call it from a worker thread). With `nbytes` (the announced payload;
         by default the index's, if it holds the key), a stored value of
@@ -365,6 +527,8 @@ class RemoteTier:
         None when absent or expired, when the value is refused (counted,
         logged at most once per key a minute), or when the key's node is
         down. Never raises."""
+        if not self.indexed:
+            return self._stored_value(namespace, mm_hash, nbytes)
         if nbytes is None:
             nbytes = self.available(namespace, mm_hash)
         size = size_bounds(namespace, mm_hash, nbytes) if nbytes is not None else None
@@ -409,6 +573,247 @@ class RemoteTier:
             self._count(remote_hits=1, fetch_bytes=value.nbytes)
             return value
         return None
+
+    def _stored_value(self, namespace: str, mm_hash: str,
+                      nbytes: int | None) -> StoredValue | None:
+        """A store without an index: the value's header (read when resolved,
+        or now), its payload read later straight into the pages."""
+        with self._index_lock:
+            found = self._found.get((namespace, mm_hash))
+        head = found[1] if found is not None else None
+        if head is None:
+            head = self._call_head(namespace, mm_hash)
+            if head is None:
+                return None
+        if nbytes is not None and head.nbytes != nbytes:
+            self._bad_value(namespace, mm_hash, BadValue(
+                f"not the value found: {head.nbytes} payload bytes, {nbytes} expected"))
+            return None
+        return StoredValue(self, namespace, mm_hash, head)
+
+    def _call_head(self, namespace: str, mm_hash: str) -> Any:
+        """The value's header (`MooncakeStore.head`), through the breaker;
+        None when absent, refused or unreachable (counted)."""
+        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+        if not breaker.allow():
+            self._count(fetch_refused=1)
+            return None
+        started = time.perf_counter()
+        try:
+            head = self.store.head(self.store_name(namespace), mm_hash)
+        except BadValue as exc:
+            breaker.success()
+            self._bad_value(namespace, mm_hash, exc)
+            return None
+        except Exception as exc:
+            breaker.failure(exc)
+            self._count(errors=1)
+            log.debug("reading the header of %s failed: %s", mm_hash, exc)
+            return None
+        breaker.success()
+        self.latency.labels("head").observe(time.perf_counter() - started)
+        if head is None:
+            self._count(remote_misses=1)
+            self._forget(namespace, mm_hash)
+        return head
+
+    def read_into(self, namespace: str, mm_hash: str, head: Any,
+                  extents: list[tuple[int, int]]) -> bool:
+        """Read a value of a store without an index into `extents` and verify
+        it there; False (counted, the key forgotten) when that failed."""
+        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+        if not breaker.allow():
+            self._count(fetch_refused=1)
+            self._forget(namespace, mm_hash)
+            return False
+        started = time.perf_counter()
+        try:
+            found = self.store.get_into(self.store_name(namespace), mm_hash, head, extents)
+        except BadValue as exc:
+            breaker.success()
+            self._bad_value(namespace, mm_hash, exc)
+            return False
+        except Exception as exc:
+            breaker.failure(exc)
+            self._count(errors=1)
+            self._forget(namespace, mm_hash)
+            log.debug("fetch of %s failed: %s", mm_hash, exc)
+            return False
+        breaker.success()
+        self.latency.labels("get").observe(time.perf_counter() - started)
+        if not found:
+            self._count(remote_misses=1)
+            self._forget(namespace, mm_hash)
+            return False
+        self._count(remote_hits=1, fetch_bytes=head.nbytes)
+        return True
+
+    # ------------------------------------------------------------ resolve
+
+    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Outcome], None]) -> bool:
+        """Find out, off the caller's thread, whether another host has or
+        makes the key; `done(outcome)` is called once, from the resolver
+        thread (FOUND: `available` now holds it). False (nothing started,
+        `done` never called) when there is nothing to ask: a store without
+        an index and without claims, a key found absent a moment ago, a
+        store that is down, or the tier stopping."""
+        if not self.indexed or self.claim_s > 0:
+            key = (namespace, mm_hash)
+            breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+            if self._stopping.is_set() or breaker.rejecting():
+                return False
+            with self._resolve_cond:
+                absent_until = self._absent.get(key)
+                if absent_until is not None:
+                    if absent_until > time.monotonic():
+                        self._count(lookup_cached=1)
+                        return False
+                    del self._absent[key]
+                self._resolving.append(_Resolving(key, done))
+                self._resolve_cond.notify()
+            self._count(lookups=1)
+            return True
+        return False
+
+    def _resolver(self) -> None:
+        while not self._stopping.is_set():
+            with self._resolve_cond:
+                while not self._resolving and not self._stopping.is_set():
+                    if self._elsewhere:
+                        self._resolve_cond.wait(POLL_S)
+                        break
+                    self._resolve_cond.wait()
+                batch = self._resolving[:RESOLVE_BATCH]
+                del self._resolving[:RESOLVE_BATCH]
+                waiting, self._elsewhere = self._elsewhere, []
+            if self._stopping.is_set():
+                for item in batch + waiting:
+                    _tell(item, Outcome.FAILED)
+                return
+            try:
+                self._resolve_round(batch, waiting)
+            except Exception:
+                log.exception("resolving %d keys failed", len(batch) + len(waiting))
+                for item in batch + waiting:
+                    _tell(item, Outcome.FAILED)
+
+    def _resolve_round(self, batch: list[_Resolving], waiting: list[_Resolving]) -> None:
+        """One round: look the keys up (batched), claim the absent ones, ask
+        again about those another host claimed."""
+        items = batch + waiting
+        held = self._held(items)
+        now = time.monotonic()
+        still: list[_Resolving] = []
+        for item, state in zip(items, held, strict=True):
+            if state is True:
+                self._count(lookup_hits=1)
+                _tell(item, Outcome.FOUND)
+            elif state is None:
+                _tell(item, Outcome.FAILED)
+            elif item.deadline:  # waited for another host's value
+                if now >= item.deadline:
+                    self._count(claim_timeouts=1)
+                    self._not_found(item.key)
+                    _tell(item, Outcome.ABSENT)
+                else:
+                    still.append(item)
+            else:
+                outcome = self._claim(item.key)
+                if outcome is Outcome.ELSEWHERE:
+                    item.deadline = now + self.claim_s
+                    still.append(item)
+                elif outcome is Outcome.ABSENT:
+                    self._not_found(item.key)
+                _tell(item, outcome)
+        if still:
+            with self._resolve_cond:
+                self._elsewhere.extend(still)
+
+    def _held(self, items: list[_Resolving]) -> list[bool | None]:
+        """Whether the store holds each key (FOUND: its header remembered);
+        None where the store could not say."""
+        if self.indexed:  # (the index follower learns what others published)
+            return [self.available(*item.key) is not None for item in items]
+        out: list[bool | None] = [None] * len(items)
+        by_domain: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            by_domain.setdefault(self.store.domain(*item.key), []).append(i)
+        for domain, indexes in by_domain.items():
+            breaker = self.breakers.get(domain)
+            if not breaker.allow():
+                continue
+            try:
+                present = self.store.present([(self.store_name(items[i].key[0]),
+                                               items[i].key[1]) for i in indexes])
+            except Exception as exc:
+                breaker.failure(exc)
+                self._count(errors=1)
+                log.debug("looking up %d keys failed: %s", len(indexes), exc)
+                continue
+            breaker.success()
+            for i, there in zip(indexes, present, strict=True):
+                out[i] = False
+                if there:
+                    head = self._call_head(*items[i].key)
+                    if head is not None:
+                        self._remember(*items[i].key, head)
+                        out[i] = True
+        return out
+
+    def _claim(self, key: tuple[str, str]) -> Outcome:
+        if self.claim_s <= 0:
+            return Outcome.ABSENT
+        namespace, mm_hash = key
+        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
+        if not breaker.allow():
+            return Outcome.FAILED
+        name = namespace if self.indexed else self.store_name(namespace)
+        try:
+            mine = self.store.claim(name, mm_hash, self.token, self.claim_s)
+        except RemoteAuthError as exc:  # (an ACL without EVAL): not the store failing
+            breaker.success()
+            self.claim_s = 0.0
+            log.warning("cross-host claims are off: the store refused them (%s); every "
+                        "host that misses a new item encodes it", exc)
+            return Outcome.ABSENT
+        except Exception as exc:
+            breaker.failure(exc)
+            self._count(errors=1)
+            log.debug("claiming %s failed: %s", mm_hash, exc)
+            return Outcome.FAILED
+        breaker.success()
+        if mine:
+            self._count(claims_taken=1)
+            now = time.monotonic()
+            with self._resolve_cond:
+                if len(self._claimed) >= NEGATIVE_KEYS:  # (claims whose values never came)
+                    self._claimed = {k: t for k, t in self._claimed.items() if t > now}
+                self._claimed[key] = now + self.claim_s
+            return Outcome.CLAIMED
+        self._count(claims_elsewhere=1)
+        return Outcome.ELSEWHERE
+
+    def _not_found(self, key: tuple[str, str]) -> None:
+        with self._resolve_cond:
+            self._absent[key] = time.monotonic() + NEGATIVE_S
+            self._absent.move_to_end(key)
+            while len(self._absent) > NEGATIVE_KEYS:
+                self._absent.popitem(last=False)
+
+    def _release_claim(self, namespace: str, mm_hash: str) -> None:
+        """The value is published: drop this host's claim on it, if any
+        (best effort: it expires anyway)."""
+        key = (namespace, mm_hash)
+        with self._resolve_cond:
+            until = self._claimed.pop(key, None)
+            self._absent.pop(key, None)
+        if until is None or until <= time.monotonic():
+            return
+        name = namespace if self.indexed else self.store_name(namespace)
+        try:
+            self.store.release(name, mm_hash, self.token)
+        except Exception as exc:
+            log.debug("releasing the claim on %s failed: %s", mm_hash, exc)
 
     def _bad_value(self, namespace: str, mm_hash: str, exc: BadValue) -> None:
         self._count(bad_values=1)
@@ -474,6 +879,13 @@ def _background_priority() -> None:
     write-behind and must yield the cores to the engines' saves and loads."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISHER_NICE)
+
+
+def _tell(item: _Resolving, outcome: Outcome) -> None:
+    try:
+        item.done(outcome)
+    except Exception:
+        log.exception("resolution callback of %s failed", item.key[1])
 
 
 def _release(job: _Job) -> None:

@@ -1,0 +1,552 @@
+"""The second tier on Mooncake Store: the store vLLM's own Mooncake EC
+connector (`cross_encoder_cache`) and SGLang keep encoder outputs in, moving
+bytes straight between the daemon's region and the store.
+
+Keys and values are vLLM's (`mooncake_store_embedding`, key scheme v3), so a
+fleet where some engines use vLLM's connector and others sit behind ec-daemon
+shares one set of entries::
+
+    <store namespace>@id:<mm_hash>          the value: vLLM's 24-byte header
+                                            (<IIQQ: magic, dtype code, tokens,
+                                            hidden) then the payload
+    <store namespace>@id:<mm_hash>@ecd1     beside it, ec-daemon's own header
+                                            (values.py: the key, shape, dtype,
+                                            size and an xxh3 checksum of the
+                                            header and payload), no payload
+    <store namespace>@id:<mm_hash>@ecd1-claim
+                                            a claim: "<token> <expiry ms>"
+
+The store namespace is the engine's (`ec_client.storekeys`: model identity,
+revision, the multimodal config's hash, dtype, key version). vLLM's reader
+reads only the value; ec-daemon reads the value and, when it is there, the
+checksum beside it, and serves nothing that fails either. A value vLLM wrote
+has no checksum: it is checked for everything its format carries (magic,
+dtype, shape against its size), which is all vLLM itself checks.
+
+Zero copy: the daemon maps its region once, registers it with the transfer
+engine, and publishes and promotes with scatter/gather lists of the entry's
+extents (`batch_put_from_multi_buffers`, `batch_get_into_multi_buffers`): no
+payload byte passes through a Python buffer.
+
+Mooncake has no atomic "set if absent": a put on an existing key succeeds
+without writing. A claim is therefore taken by a put and confirmed by reading
+the claim back (the master orders the puts: one token wins); it carries its
+expiry by the claimant's clock, so a claim whose host died is taken over
+once it expired (clocks off by more than the slack cost an extra encode or a
+bounded wait, never a wrong hit). Objects have no TTL in Mooncake (they stay
+until evicted), so --remote-ttl does not apply.
+
+`setup` blocks for up to 90 s when the master is unreachable, so the store
+connects on its own thread and keeps trying; until it is connected, every
+call raises RemoteError (misses, dropped publications).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ec_daemon.remote import values
+from ec_daemon.remote.store import RemoteError
+from ec_daemon.sizes import parse_size
+
+log = logging.getLogger("ec_daemon.remote")
+
+ACCEPTED_URLS = ("mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata"
+                 "|P2PHANDSHAKE&protocol=tcp|rdma&device=NAME&segment=SIZE&buffer=SIZE"
+                 "&local_hostname=HOST")
+KEY_VERSION = "v3"  # vLLM's EMBEDDING_CACHE_KEY_VERSION: the value format below
+MAGIC = 0x4D4F4F4E
+HEADER = struct.Struct("<IIQQ")  # magic, dtype code, tokens, hidden
+DTYPE_CODES = {"float32": 0, "float16": 11, "bfloat16": 12}
+CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
+ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+SIDECAR = "@ecd1"
+CLAIM = "@ecd1-claim"
+CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is taken over
+DEFAULT_SEGMENT = "1GiB"  # the daemon's share of the store's memory
+DEFAULT_BUFFER = "64MiB"  # the client's buffer for small values (claims, checksums)
+SETUP_RETRY_S = 2.0
+SMALL_BUFFER_BYTES = 4096  # per thread, registered: headers read or written
+# Mooncake's error codes (types.h), as the binding returns them.
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+ERROR_NAMES = {
+    -1: "failed", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS",
+    -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
+    -1700: "TENANT_QUOTA_EXCEEDED",
+}
+
+
+def storable(shape: Sequence[int], dtype: str) -> bool:
+    """Whether vLLM's value format can carry an entry: a 2-D tensor of
+    float32, float16 or bfloat16 (every encoder output vLLM makes)."""
+    return len(shape) == 2 and dtype in DTYPE_CODES
+
+
+def value_key(store_namespace: str, mm_hash: str) -> str:
+    return f"{store_namespace}@id:{mm_hash}"
+
+
+def vllm_header(shape: Sequence[int], dtype: str) -> bytes:
+    return HEADER.pack(MAGIC, DTYPE_CODES[dtype], int(shape[0]), int(shape[1]))
+
+
+@dataclass(frozen=True)
+class MooncakeSpec:
+    """A parsed mooncake:// URL."""
+
+    host: str
+    port: int
+    metadata: str
+    protocol: str
+    device: str
+    segment_bytes: int
+    buffer_bytes: int
+    local_hostname: str
+
+    @property
+    def master(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def display(self) -> str:
+        return f"mooncake://{self.master}"
+
+
+def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> MooncakeStore:
+    """A store for a mooncake:// `url`; connects in the background. Raises
+    ValueError for a bad URL."""
+    if token_file:
+        raise ValueError("a Mooncake store takes no token file (--remote-token-file)")
+    return MooncakeStore(parse_url(url), timeout_s=timeout_s)
+
+
+def parse_url(url: str) -> MooncakeSpec:
+    """Parse a mooncake:// --remote URL; ValueError naming the accepted form."""
+
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"invalid remote store URL {url!r}: {reason}; accepted: "
+                          f"{ACCEPTED_URLS}")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != "mooncake":
+        raise bad("not a mooncake:// URL")
+    netloc, _, query = rest.partition("?")
+    netloc, slash, path = netloc.partition("/")
+    if slash and path:
+        raise bad("no path is accepted")
+    if "@" in netloc:
+        raise bad("no credentials go in the URL")
+    try:
+        parts = urlsplit("//" + netloc)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if not host or port is None:
+        raise bad("the master's HOST:PORT is required")
+    options = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    known = {"metadata", "protocol", "device", "segment", "buffer", "local_hostname"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise bad(f"unknown option(s) {', '.join(unknown)}")
+    metadata = unquote(options.get("metadata", ""))
+    if not metadata:
+        raise bad("metadata= is required: the metadata server's URL "
+                  "(http://HOST:PORT/metadata, etcd://HOST:PORT) or P2PHANDSHAKE")
+    protocol = options.get("protocol", "tcp").lower()
+    if protocol not in ("tcp", "rdma"):
+        raise bad(f"protocol must be tcp or rdma, got {protocol!r}")
+    try:
+        segment = parse_size(options.get("segment", DEFAULT_SEGMENT))
+        buffer = parse_size(options.get("buffer", DEFAULT_BUFFER))
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if segment <= 0 or buffer <= 0:
+        raise bad("segment and buffer must be positive sizes")
+    return MooncakeSpec(host=host, port=port, metadata=metadata, protocol=protocol,
+                        device=options.get("device", ""), segment_bytes=segment,
+                        buffer_bytes=buffer,
+                        local_hostname=options.get("local_hostname", "") or _local_ip(host))
+
+
+def _local_ip(master_host: str) -> str:
+    """The address this host reaches the master from (a UDP socket's
+    route: nothing is sent); loopback for a master on loopback."""
+    if master_host in ("localhost",) or master_host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _error(code: Any) -> str:
+    return f"{code} ({ERROR_NAMES.get(code, 'unknown')})" if isinstance(code, int) else repr(code)
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a stored value says of itself before its payload is read."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    sidecar: bytes | None  # ec-daemon's header (its checksum), absent for vLLM's values
+
+
+class _Small(threading.local):
+    """A registered buffer per thread for headers (the transfer engine reads
+    and writes only registered memory)."""
+
+    buffer: ctypes.Array[ctypes.c_char] | None = None
+    generation: int = -1
+
+
+class MooncakeStore:
+    """One MooncakeDistributedStore client. Thread-safe (the binding is; our
+    own state sits behind `_lock`)."""
+
+    def __init__(self, spec: MooncakeSpec, *, timeout_s: float = 2.0,
+                 client_factory: Any = None) -> None:
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self._factory = client_factory
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._client: Any = None
+        self._generation = 0  # bumped on every (re)connection: registrations redone
+        self._last_error = "not connected yet"
+        self._region: mmap.mmap | None = None
+        self._region_base = 0
+        self._region_size = 0
+        self._region_view: memoryview | None = None
+        self._registered: set[int] = set()  # generations the region is registered in
+        self._small = _Small()
+        self._thread = threading.Thread(target=self._connect_loop, name="ec-mooncake-setup",
+                                        daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"MooncakeStore({self.spec.display})"
+
+    # -- connection
+
+    def _new_client(self) -> Any:
+        if self._factory is not None:
+            return self._factory()
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        return MooncakeDistributedStore()
+
+    def _connect_loop(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                if self._client is not None:
+                    return
+            try:
+                client = self._new_client()
+                started = time.monotonic()
+                code = client.setup(self.spec.local_hostname, self.spec.metadata,
+                                    self.spec.segment_bytes, self.spec.buffer_bytes,
+                                    self.spec.protocol, self.spec.device, self.spec.master)
+            except Exception as exc:  # (an import error, a bad argument)
+                self._last_error = f"setup: {type(exc).__name__}: {exc}"
+                log.warning("Mooncake store %s: %s", self.spec.display, self._last_error)
+                self._closed.wait(SETUP_RETRY_S)
+                continue
+            if code != 0:
+                self._last_error = f"setup returned {_error(code)} after " \
+                                   f"{time.monotonic() - started:.1f}s (master unreachable?)"
+                log.warning("Mooncake store %s: %s; trying again", self.spec.display,
+                            self._last_error)
+                self._closed.wait(SETUP_RETRY_S)
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    _close_quietly(client)
+                    return
+                self._client = client
+                self._generation += 1
+            log.info("Mooncake store %s: connected (metadata %s, %s, segment %d bytes)",
+                     self.spec.display, self.spec.metadata, self.spec.protocol,
+                     self.spec.segment_bytes)
+            return
+
+    def _ready(self) -> tuple[Any, int]:
+        if self._closed.is_set():
+            raise RemoteError(f"{self.spec.display}: store closed")
+        client = self._client
+        if client is None:
+            raise RemoteError(f"{self.spec.display}: not connected ({self._last_error})")
+        return client, self._generation
+
+    def ping(self) -> None:
+        client, _ = self._ready()
+        code = client.health_check()
+        if code != 0:
+            raise RemoteError(f"{self.spec.display}: health check {code} "
+                              "(1: closed, 2: master unreachable)")
+
+    def domain(self, namespace: str, mm_hash: str) -> str:
+        """One failure domain: the master (values sit on many hosts' segments,
+        but every call goes through it)."""
+        return self.spec.master
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            _close_quietly(client)
+
+    # -- the region
+
+    def use_region(self, fd: int, size: int) -> None:
+        """Map the region (shared, writable) to put from and get into it in
+        place; registered with each client generation on first use."""
+        self._region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._region_base = ctypes.addressof(ctypes.c_char.from_buffer(self._region))
+        self._region_size = size
+        self._region_view = memoryview(self._region)
+
+    @property
+    def zero_copy(self) -> bool:
+        return self._region is not None
+
+    def _region_client(self) -> Any:
+        client, generation = self._ready()
+        if generation not in self._registered:
+            with self._lock:
+                if generation not in self._registered:
+                    code = client.register_buffer(self._region_base, self._region_size)
+                    if code != 0:
+                        raise RemoteError(f"registering the region failed: {_error(code)}")
+                    self._registered.add(generation)
+        return client
+
+    def _small_buffer(self, client: Any, generation: int) -> ctypes.Array[ctypes.c_char]:
+        small = self._small
+        if small.buffer is None or small.generation != generation:
+            buffer = ctypes.create_string_buffer(SMALL_BUFFER_BYTES)
+            code = client.register_buffer(ctypes.addressof(buffer), SMALL_BUFFER_BYTES)
+            if code != 0:
+                raise RemoteError(f"registering a header buffer failed: {_error(code)}")
+            small.buffer, small.generation = buffer, generation
+        return small.buffer
+
+    def _addresses(self, extents: Sequence[tuple[int, int]]) -> list[int]:
+        for offset, length in extents:
+            if offset < 0 or length < 0 or offset + length > self._region_size:
+                raise ValueError(f"extent ({offset}, {length}) is outside the region")
+        return [self._region_base + offset for offset, _ in extents]
+
+    def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
+        assert self._region_view is not None
+        return [self._region_view[offset:offset + length] for offset, length in extents]
+
+    # -- values
+
+    def present(self, keys: Sequence[tuple[str, str]]) -> list[bool]:
+        """Whether each (store namespace, mm_hash) value exists now."""
+        if not keys:
+            return []
+        client, _ = self._ready()
+        states = client.batch_is_exist([value_key(ns, h) for ns, h in keys])
+        if not isinstance(states, list) or len(states) != len(keys) or \
+                any(s not in (0, 1) for s in states):
+            raise RemoteError(f"batch_is_exist failed: {states!r}"[:200])
+        return [s == 1 for s in states]
+
+    def put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
+                  dtype: str, extents: Sequence[tuple[int, int]],
+                  current: Any = None) -> str:
+        """Publish an entry from its pages in place: the value (vLLM's header
+        gathered with the extents), then ec-daemon's checksum beside it.
+        Returns "stored", "exists" (another writer's value: left alone) or
+        "rewritten" (`current()` said the pages were reused: not written, or
+        written and its checksum not added). Raises RemoteError, ValueError
+        for an entry the format cannot carry."""
+        if not storable(shape, dtype):
+            raise ValueError(f"vLLM's value format carries 2-D float32/float16/bfloat16 "
+                             f"tensors, not {dtype} {tuple(shape)}")
+        nbytes = sum(length for _, length in extents)
+        if nbytes != shape[0] * shape[1] * ITEM_BYTES[dtype]:
+            raise ValueError(f"{nbytes} bytes do not make a {dtype} {tuple(shape)} tensor")
+        key = value_key(store_namespace, mm_hash)
+        client = self._region_client()
+        generation = self._generation
+        addresses = self._addresses(extents)
+        if client.is_exist(key) == 1:
+            return "exists"  # (vLLM's writers skip existing keys too: values are write-once)
+        sidecar = values.encode(store_namespace, mm_hash, shape, dtype,
+                                self.region_views(extents))[0]
+        if current is not None and not current():
+            return "rewritten"
+        small = self._small_buffer(client, generation)
+        header = vllm_header(shape, dtype)
+        ctypes.memmove(small, header, len(header))
+        results = client.batch_put_from_multi_buffers(
+            [key], [[ctypes.addressof(small), *addresses]],
+            [[len(header), *(length for _, length in extents)]])
+        code = results[0] if isinstance(results, list) and results else results
+        if code == OBJECT_ALREADY_EXISTS:
+            return "exists"
+        if code != 0:
+            raise RemoteError(f"put {key}: {_error(code)}")
+        if current is not None and not current():
+            return "rewritten"  # sent perhaps torn: no checksum vouches for it
+        code = client.put(key + SIDECAR, bytes(sidecar))
+        if code not in (0, OBJECT_ALREADY_EXISTS):
+            raise RemoteError(f"put {key}{SIDECAR}: {_error(code)}")
+        return "stored"
+
+    def head(self, store_namespace: str, mm_hash: str) -> Head | None:
+        """The value's shape, dtype and size (its header) and ec-daemon's
+        checksum beside it; None when absent. Raises values.BadValue for a
+        header that is not vLLM's format or disagrees with the checksum's."""
+        key = value_key(store_namespace, mm_hash)
+        client, generation = self._ready()
+        small = self._small_buffer(client, generation)
+        result = client.get_into_ranges([ctypes.addressof(small)], [[key]], [[[0]]], [[[0]]],
+                                        [[[HEADER.size]]])
+        code = _first(result)
+        if code == OBJECT_NOT_FOUND:
+            return None
+        if code != HEADER.size:
+            if isinstance(code, int) and code >= 0:
+                raise values.BadValue(f"value of {code} bytes, shorter than vLLM's header")
+            raise RemoteError(f"get {key} (header): {_error(code)}")
+        shape, dtype = _parse_header(ctypes.string_at(small, HEADER.size))
+        nbytes = shape[0] * shape[1] * ITEM_BYTES[dtype]
+        raw = client.get(key + SIDECAR)
+        sidecar = bytes(raw) if raw else None
+        if sidecar is not None:
+            stated = _sidecar_fields(sidecar, store_namespace, mm_hash)
+            if stated != (shape, dtype, nbytes):
+                raise values.BadValue(f"ec-daemon's header says {stated}, the value's "
+                                      f"{(shape, dtype, nbytes)}")
+        return Head(shape, dtype, nbytes, sidecar)
+
+    def get_into(self, store_namespace: str, mm_hash: str, head: Head,
+                 extents: Sequence[tuple[int, int]]) -> bool:
+        """Read the value into `extents` (the region, in place) and verify
+        it: the header again, then the checksum when ec-daemon's is there.
+        False when the value is gone; raises values.BadValue (the pages hold
+        unverified bytes: the caller aborts them) or RemoteError."""
+        if sum(length for _, length in extents) != head.nbytes:
+            raise ValueError("the extents do not hold the value's payload")
+        key = value_key(store_namespace, mm_hash)
+        client = self._region_client()
+        small = self._small_buffer(client, self._generation)
+        addresses = self._addresses(extents)
+        results = client.batch_get_into_multi_buffers(
+            [key], [[ctypes.addressof(small), *addresses]],
+            [[HEADER.size, *(length for _, length in extents)]])
+        code = _first(results)
+        if code == OBJECT_NOT_FOUND:
+            return False
+        if code != HEADER.size + head.nbytes:
+            if code in (-600, -800):  # (sizes disagree with the stored object's)
+                raise values.BadValue(f"not the value whose header was read ({_error(code)})")
+            raise RemoteError(f"get {key}: {_error(code)}")
+        if _parse_header(ctypes.string_at(small, HEADER.size)) != (head.shape, head.dtype):
+            raise values.BadValue("the value was rewritten between its header and its read")
+        if head.sidecar is not None:
+            values.decode([head.sidecar, *self.region_views(extents)],
+                          namespace=store_namespace, mm_hash=mm_hash)
+        return True
+
+    # -- claims
+
+    def claim(self, store_namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
+        """Take the key's claim for ttl_s unless another live token holds it
+        (a put, then the claim read back: the master keeps the first put)."""
+        key = value_key(store_namespace, mm_hash) + CLAIM
+        client, _ = self._ready()
+        for _attempt in range(2):
+            expires = int(time.time() * 1000 + ttl_s * 1000)
+            code = client.put(key, f"{token} {expires}".encode())
+            if code not in (0, OBJECT_ALREADY_EXISTS):
+                raise RemoteError(f"put {key}: {_error(code)}")
+            raw = client.get(key)
+            if not raw:
+                continue  # released or removed meanwhile: once more
+            holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ")
+            if holder == token:
+                return True
+            try:
+                held_until = int(stamp)
+            except ValueError:
+                held_until = 0  # (not a claim we wrote: taken over)
+            if time.time() * 1000 < held_until + CLAIM_SLACK_MS:
+                return False
+            client.remove(key, True)  # its host died or gave up: take it over
+        return False
+
+    def release(self, store_namespace: str, mm_hash: str, token: str) -> None:
+        """Drop the claim if `token` holds it."""
+        key = value_key(store_namespace, mm_hash) + CLAIM
+        client, _ = self._ready()
+        raw = client.get(key)
+        if raw and bytes(raw).decode(errors="replace").partition(" ")[0] == token:
+            client.remove(key, True)
+
+
+def _first(result: Any) -> Any:
+    while isinstance(result, list) and result:
+        result = result[0]
+    return result
+
+
+def _parse_header(raw: bytes) -> tuple[tuple[int, int], str]:
+    magic, code, tokens, hidden = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise values.BadValue(f"not vLLM's embedding format (magic {magic:#x})")
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise values.BadValue(f"unknown dtype code {code} in vLLM's header")
+    if not 0 < tokens < 1 << 32 or not 0 < hidden < 1 << 32:
+        raise values.BadValue(f"implausible shape ({tokens}, {hidden}) in vLLM's header")
+    return (tokens, hidden), dtype
+
+
+def _sidecar_fields(sidecar: bytes, namespace: str,
+                    mm_hash: str) -> tuple[tuple[int, ...], str, int]:
+    """Shape, dtype and size ec-daemon's header states, checked to name the key."""
+    fixed = values._FIXED  # (the header's fixed part: one format, one module)
+    if len(sidecar) < fixed.size:
+        raise values.BadValue(f"ec-daemon's header is {len(sidecar)} bytes, truncated")
+    (magic, version, _algorithm, ndim, dtype_len, ns_len, hash_len, header_len,
+     nbytes) = fixed.unpack_from(sidecar)
+    if magic != values.MAGIC or version != values.FORMAT_VERSION or header_len != len(sidecar):
+        raise values.BadValue("ec-daemon's header beside the value is malformed")
+    at = fixed.size
+    shape = struct.unpack_from(f"<{ndim}Q", sidecar, at)
+    at += 8 * ndim
+    if sidecar[at:at + ns_len] != namespace.encode() or \
+            sidecar[at + ns_len:at + ns_len + hash_len] != mm_hash.encode():
+        raise values.BadValue("ec-daemon's header beside the value names another key")
+    at += ns_len + hash_len
+    dtype = sidecar[at:at + dtype_len].decode("ascii", errors="replace")
+    return tuple(shape), dtype, nbytes
+
+
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:
+        log.debug("closing a Mooncake client failed", exc_info=True)
+
