@@ -1,5 +1,7 @@
 """Fixtures for the second tier's tests: real redis-server processes on
-127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent."""
+127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent;
+real mooncake_master processes (tests/mooncake_servers.py), skipped only when
+mooncake_master is absent or mooncake.store does not import."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests import redis_servers
+from tests import mooncake_servers, redis_servers
 
 needs_redis = pytest.mark.skipif(not redis_servers.available(),
                                  reason="redis-server is not installed")
+needs_mooncake = pytest.mark.skipif(mooncake_servers.skip_reason() is not None,
+                                    reason=mooncake_servers.skip_reason() or "")
 NAMESPACE = "Qwen/Qwen2.5-VL-3B-Instruct|bfloat16|image=2304|" + "v" * 200
 
 
@@ -43,6 +47,20 @@ def node() -> Iterator[redis_servers.RedisServer]:
 def own_node() -> Iterator[redis_servers.RedisServer]:
     """A single node for one test (it may kill and restart it)."""
     with redis_servers.single_node() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
+    """A mooncake_master shared by a module's tests (which must not kill it)."""
+    with mooncake_servers.master() as server:
+        yield server
+
+
+@pytest.fixture()
+def own_mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
+    """A mooncake_master for one test (it may kill and restart it)."""
+    with mooncake_servers.master() as server:
         yield server
 
 
