@@ -16,8 +16,14 @@ from tests import mooncake_servers, redis_servers
 
 needs_redis = pytest.mark.skipif(not redis_servers.available(),
                                  reason="redis-server is not installed")
-needs_mooncake = pytest.mark.skipif(mooncake_servers.skip_reason() is not None,
-                                    reason=mooncake_servers.skip_reason() or "")
+# Mooncake tests skip when they cannot run here, unless EC_MOONCAKE_REQUIRED=1
+# (.ci/run sets it): then that is a failure.
+MOONCAKE_MISSING = mooncake_servers.skip_reason()
+MOONCAKE_REQUIRED = os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0")
+needs_mooncake = (pytest.mark.usefixtures("mooncake_required")
+                  if MOONCAKE_MISSING and MOONCAKE_REQUIRED
+                  else pytest.mark.skipif(MOONCAKE_MISSING is not None,
+                                          reason=MOONCAKE_MISSING or ""))
 NAMESPACE = "Qwen/Qwen2.5-VL-3B-Instruct|bfloat16|image=2304|" + "v" * 200
 
 
@@ -50,9 +56,24 @@ def own_node() -> Iterator[redis_servers.RedisServer]:
         yield server
 
 
+def check_mooncake() -> None:
+    """Skip (or, with EC_MOONCAKE_REQUIRED, fail) when Mooncake cannot run."""
+    if MOONCAKE_MISSING and MOONCAKE_REQUIRED:
+        pytest.fail(f"Mooncake tests required (EC_MOONCAKE_REQUIRED) but cannot run: "
+                    f"{MOONCAKE_MISSING}", pytrace=False)
+    if MOONCAKE_MISSING:
+        pytest.skip(MOONCAKE_MISSING)
+
+
+@pytest.fixture()
+def mooncake_required() -> None:
+    check_mooncake()
+
+
 @pytest.fixture(scope="module")
 def mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
     """A mooncake_master shared by a module's tests (which must not kill it)."""
+    check_mooncake()
     with mooncake_servers.master() as server:
         yield server
 
@@ -60,6 +81,7 @@ def mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
 @pytest.fixture()
 def own_mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
     """A mooncake_master for one test (it may kill and restart it)."""
+    check_mooncake()
     with mooncake_servers.master() as server:
         yield server
 
