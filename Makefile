@@ -36,8 +36,10 @@ DOCKER_BUILD_ARGS := $(if $(filter 1,$(DOCKER_OFFLINE)),--network none --build-a
 	--build-arg WHEELHOUSE=1,)
 
 REDIS_SERVER ?= redis-server
+# The Mooncake wheel pinned in requirements-dev.txt (also put into the vLLM venv).
+MOONCAKE_WHEEL := $(shell grep -m1 '^mooncake-transfer-engine' requirements-dev.txt)
 
-.PHONY: redis install proto run test test-unit test-integration test-vllm install-vllm lint clean \
+.PHONY: redis mooncake-deps install proto run test test-unit test-integration test-vllm install-vllm lint clean \
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
 	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test
 
@@ -48,6 +50,16 @@ redis:
 	@command -v $(REDIS_SERVER) >/dev/null && $(REDIS_SERVER) --version || { \
 		echo ">> installing redis-server with apt-get (root or sudo needed)"; \
 		$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) apt-get install -y -q redis-server; }
+
+# The second tier's Mooncake backend and its tests: mooncake.store (pip, from
+# requirements-dev.txt) needs Debian's libibverbs1 to import, even over TCP.
+mooncake-deps:
+	@$(PYTHON) -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('ibverbs') is None)" \
+		&& echo ">> libibverbs.so.1 found" || { \
+		echo ">> installing libibverbs1 with apt-get (root or sudo needed)"; \
+		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$sudo apt-get install -y -q libibverbs1 \
+			|| { $$sudo apt-get update -q && $$sudo apt-get install -y -q libibverbs1; }; }
 
 $(STAMP): pyproject.toml setup.py requirements-dev.txt proto/generate.py
 	@echo ">> creating $(VENV) (dev tools, torch==2.13.0 CPU build); this takes a minute or two"
@@ -85,6 +97,8 @@ $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvisi
 	$(VLLM_BIN)/pip install --quiet pytest pytest-timeout psutil hypothesis numpy matplotlib \
 		grpcio-tools==1.85.1 'setuptools>=68' wheel
 	$(VLLM_BIN)/pip install --quiet --no-build-isolation -e .
+	@echo ">> installing $(MOONCAKE_WHEEL) (vLLM's Mooncake store client, for the interop tests)"
+	$(VLLM_BIN)/pip install --quiet $(MOONCAKE_WHEEL)
 	PIP=$(VLLM_BIN)/pip bash tests/vllm/torchvision_shim.sh $(TORCHVISION_DIR)
 	touch $@
 

@@ -1,5 +1,7 @@
 """Fixtures for the second tier's tests: real redis-server processes on
-127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent."""
+127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent;
+real mooncake_master processes (tests/mooncake_servers.py), skipped only when
+mooncake_master is absent or mooncake.store does not import."""
 
 from __future__ import annotations
 
@@ -10,10 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tests import redis_servers
+from tests import mooncake_servers, redis_servers
 
 needs_redis = pytest.mark.skipif(not redis_servers.available(),
                                  reason="redis-server is not installed")
+# Mooncake tests skip when they cannot run here, unless EC_MOONCAKE_REQUIRED=1
+# (.ci/run sets it): then that is a failure.
+MOONCAKE_MISSING = mooncake_servers.skip_reason()
+MOONCAKE_REQUIRED = os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0")
+needs_mooncake = (pytest.mark.usefixtures("mooncake_required")
+                  if MOONCAKE_MISSING and MOONCAKE_REQUIRED
+                  else pytest.mark.skipif(MOONCAKE_MISSING is not None,
+                                          reason=MOONCAKE_MISSING or ""))
 NAMESPACE = "Qwen/Qwen2.5-VL-3B-Instruct|bfloat16|image=2304|" + "v" * 200
 
 
@@ -43,6 +53,36 @@ def node() -> Iterator[redis_servers.RedisServer]:
 def own_node() -> Iterator[redis_servers.RedisServer]:
     """A single node for one test (it may kill and restart it)."""
     with redis_servers.single_node() as server:
+        yield server
+
+
+def check_mooncake() -> None:
+    """Skip (or, with EC_MOONCAKE_REQUIRED, fail) when Mooncake cannot run."""
+    if MOONCAKE_MISSING and MOONCAKE_REQUIRED:
+        pytest.fail(f"Mooncake tests required (EC_MOONCAKE_REQUIRED) but cannot run: "
+                    f"{MOONCAKE_MISSING}", pytrace=False)
+    if MOONCAKE_MISSING:
+        pytest.skip(MOONCAKE_MISSING)
+
+
+@pytest.fixture()
+def mooncake_required() -> None:
+    check_mooncake()
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
+    """A mooncake_master shared by a module's tests (which must not kill it)."""
+    check_mooncake()
+    with mooncake_servers.master() as server:
+        yield server
+
+
+@pytest.fixture()
+def own_mooncake_master() -> Iterator[mooncake_servers.MooncakeMaster]:
+    """A mooncake_master for one test (it may kill and restart it)."""
+    check_mooncake()
+    with mooncake_servers.master() as server:
         yield server
 
 

@@ -127,3 +127,23 @@ def test_make_docker_test_requires_docker_and_runs_every_container_offline():
     harness = (ROOT / "tests" / "docker" / "harness.py").read_text()
     assert re.search(r"def network_args\(\).*\n.*return \[\"--network\", \"none\"\]", harness)
     assert re.search(r"def client_args\(.*\n.*return \[\*network_args\(\)", harness)
+
+
+def test_the_mooncake_wheel_is_pinned_alike_for_users_dev_ci_and_vllm():
+    tomllib = pytest.importorskip("tomllib")
+    (dev,) = re.findall(r"^mooncake-transfer-engine\S*$",
+                        (ROOT / "requirements-dev.txt").read_text(), re.M)
+    assert "==" in dev
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["mooncake"] == [dev]
+    makefile = (ROOT / "Makefile").read_text()
+    # install-vllm installs the wheel that requirements-dev.txt pins.
+    assert re.search(r"^MOONCAKE_WHEEL := \$\(shell grep -m1 '\^mooncake-transfer-engine' "
+                     r"requirements-dev.txt\)$", makefile, re.M)
+    recipe = re.search(r"^\$\(VLLM_STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "$(VLLM_BIN)/pip install --quiet $(MOONCAKE_WHEEL)" in recipe
+    # mooncake.store needs libibverbs1; CI installs it and requires the tests to run.
+    assert re.search(r"^mooncake-deps:\n(\t.*\n)*\t.*apt-get install -y -q libibverbs1", makefile,
+                     re.M)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "tier_packages+=(libibverbs1)" in ci and "export EC_MOONCAKE_REQUIRED=1" in ci
