@@ -13,6 +13,7 @@ Keys (`ecd1:` is the key scheme's version)::
 
     ecd1:v:{<fp>:<mm_hash>}   a value (values.py), with the TTL; the hash tag
                               spreads values over every slot of a cluster
+    ecd1:c:{<fp>:<mm_hash>}   a claim on the value: its holder's token, a short TTL
     ecd1:i:{<k>}              index shard k of INDEX_SHARDS: a stream of
                               announcements (ns, h, n, t, e), trimmed to the TTL
 
@@ -63,6 +64,7 @@ from redis.exceptions import (
     InvalidResponse,
     MovedError,
     NoPermissionError,
+    NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -89,6 +91,7 @@ ACCEPTED_URLS = ("redis://HOST:PORT, rediss://HOST:PORT (TLS), "
 MAX_NAMESPACE_BYTES = 8192
 MAX_HASH_BYTES = 256
 MAX_VALUE_BYTES = 1 << 40
+MAX_TOKEN_CHARS = 128  # a claim's token: 1 to this many ASCII characters
 _TLS_OPTIONS = ("ca_certs", "certfile", "keyfile", "check_hostname")
 
 
@@ -152,6 +155,24 @@ class RemoteStore(Protocol):
         `breakers`, on the first whose breaker lets a call through, failures
         reported to it); None when no node answers or none is known yet."""
 
+    def present(self, keys: Sequence[tuple[str, str]]) -> list[bool]:
+        """Whether each (namespace, mm_hash) value is in the store now, in the
+        order of `keys` (one round trip per node); RemoteError when a node
+        holding any of them does not answer (the caller knows nothing then)."""
+
+    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
+        """Take the claim on the key (one encode of a value across hosts) for
+        ttl_s, unless another token holds it. True when `token` holds it after
+        the call: newly taken, or held already (its TTL then starts again from
+        ttl_s: claiming again extends a claim); False when another token holds
+        it. Atomic. `token`: 1 to MAX_TOKEN_CHARS ASCII characters, unique to
+        the claimant (ValueError otherwise)."""
+
+    def release(self, namespace: str, mm_hash: str, token: str) -> None:
+        """Drop the claim on the key if `token` holds it (atomic compare and
+        delete): another token's claim stays. No claim, or an expired one, is
+        not an error. `token` as for claim."""
+
     def domain(self, namespace: str, mm_hash: str) -> str:
         """The failure domain (node address) of a key; never touches the network."""
 
@@ -170,6 +191,12 @@ def fingerprint(namespace: str) -> str:
 
 def value_key(namespace: str, mm_hash: str) -> str:
     return f"{KEY_PREFIX}:v:{{{fingerprint(namespace)}:{mm_hash}}}"
+
+
+def claim_key(namespace: str, mm_hash: str) -> str:
+    """The claim on a value: the value key's hash tag, so in a cluster the
+    claim lives on the node that will hold the value."""
+    return f"{KEY_PREFIX}:c:{{{fingerprint(namespace)}:{mm_hash}}}"
 
 
 def index_key(shard: int) -> str:
@@ -289,6 +316,37 @@ def _failed(what: str, exc: BaseException) -> RemoteError:
 _ERRORS = (RedisError, RedisClusterException, OSError)
 
 
+class _Script:
+    """A Lua script, run by EVALSHA (EVAL when the node does not have it yet):
+    claims need EVAL and EVALSHA in the daemons' ACL."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+# KEYS[1]: the claim key; ARGV[1]: the token; ARGV[2]: the TTL in ms.
+_CLAIM = _Script("""\
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+""")
+# KEYS[1]: the claim key; ARGV[1]: the token.
+_RELEASE = _Script("""\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
+
+
+def _check_token(token: str) -> None:
+    if not (isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS and token.isascii()):
+        raise ValueError(f"a claim token is 1 to {MAX_TOKEN_CHARS} ASCII characters, "
+                         f"got {token!r:.60}")
+
+
 class RedisStore:
     """A Redis node or cluster through redis-py (RESP2, no client retries,
     socket timeouts on every call). Thread-safe: redis-py clients share a
@@ -356,6 +414,15 @@ class RedisStore:
     def domain(self, namespace: str, mm_hash: str) -> str:
         return self._domain_of(value_key(namespace, mm_hash))
 
+    def _node(self, key: str) -> tuple[str, redis.Redis]:
+        """The node serving `key`: its address and a client to it alone
+        (which follows no redirection)."""
+        client = self._client()
+        if isinstance(client, RedisCluster):
+            node = client.get_node_from_key(key)
+            return str(node.name), client.get_redis_connection(node)
+        return _address(*self.spec.nodes[0]), client
+
     def _domain_of(self, key: str) -> str:
         if self._single is not None or self._cluster is None:
             return _address(*self.spec.nodes[0]) if self._single is not None \
@@ -387,9 +454,7 @@ class RedisStore:
         """Send a packed command on a connection to `key`'s node; the reply,
         as `read(connection)` reads it. An error reply raises its
         ResponseError; any other failure drops the connection."""
-        client = self._client()
-        if isinstance(client, RedisCluster):
-            client = client.get_redis_connection(client.get_node_from_key(key))
+        _, client = self._node(key)
         pool = client.connection_pool
         connection = pool.get_connection()
         try:
@@ -437,6 +502,66 @@ class RedisStore:
             return parts
         except _ERRORS as exc:
             raise _failed(f"get {key}", exc) from None
+
+    def present(self, keys: Sequence[tuple[str, str]]) -> list[bool]:
+        names = [value_key(namespace, mm_hash) for namespace, mm_hash in keys]
+        if not names:
+            return []
+        found = [False] * len(names)
+        domain = self.spec.display
+        try:
+            client = self._client()
+            # One pipeline of EXISTS per node, each node's keys in one round trip.
+            by_domain: dict[str, tuple[redis.Redis, list[int]]] = {}
+            for i, key in enumerate(names):
+                address, node = self._node(key)
+                by_domain.setdefault(address, (node, []))[1].append(i)
+            for domain, (node, indices) in by_domain.items():  # noqa: B007 (named on failure)
+                pipe = node.pipeline(transaction=False)
+                for i in indices:
+                    pipe.exists(names[i])
+                for i, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(reply, (MovedError, AskError)):  # (a resharding: see put)
+                        reply = client.exists(names[i])
+                    elif isinstance(reply, BaseException):
+                        raise reply
+                    found[i] = bool(reply)
+        except _ERRORS as exc:
+            raise _failed(f"present ({len(names)} keys) on {domain}", exc) from None
+        return found
+
+    # -- claims
+
+    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
+        _check_token(token)
+        key = claim_key(namespace, mm_hash)
+        ttl_ms = max(1, int(ttl_s * 1000))
+        try:
+            return bool(self._run(_CLAIM, key, token, b"%d" % ttl_ms) == 1)
+        except _ERRORS as exc:
+            raise _failed(f"claim {key}", exc) from None
+
+    def release(self, namespace: str, mm_hash: str, token: str) -> None:
+        _check_token(token)
+        key = claim_key(namespace, mm_hash)
+        try:
+            self._run(_RELEASE, key, token)
+        except _ERRORS as exc:
+            raise _failed(f"release {key}", exc) from None
+
+    def _run(self, script: _Script, key: str, *args: str | bytes) -> Any:
+        """Run `script` on `key`'s node, with `args` as ARGV; its reply."""
+
+        def run(client: redis.Redis | RedisCluster) -> Any:
+            try:
+                return client.evalsha(script.sha, 1, key, *args)
+            except NoScriptError:  # (not run on this node since its start)
+                return client.eval(script.text, 1, key, *args)
+
+        try:
+            return run(self._node(key)[1])
+        except (MovedError, AskError):  # (a resharding: redis-py follows it)
+            return run(self._client())
 
     # -- the index
 
