@@ -119,7 +119,8 @@ class SessionLink:
         self.transport = transport
         request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id,
                                    role=ROLES[role], layout=layout.to_pb(),
-                                   client_name=client_name or default_client_name())
+                                   client_name=client_name or default_client_name(),
+                                   store_namespace=layout.store_namespace)
         if rank is None:
             request.scheduler.SetInParent()
         else:

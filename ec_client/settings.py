@@ -100,6 +100,14 @@ KEYS: tuple[Key, ...] = (
         "share entries, so change it with every new checkpoint. Set it where file mtimes are "
         "pinned (Nix store, `SOURCE_DATE_EPOCH` builds) or differ between hosts that should "
         "share"),
+    Key("embedding_model_identity", "store_model_identity", str, "",
+        '`""` (the model, with its weights\' identity)',
+        "vLLM's own key, read the same way: the model's name in the keys of a Mooncake "
+        "second tier shared with vLLM's `MooncakeECConnector` (`cross_encoder_cache`). Set "
+        "the same value on both to share entries with it; unset, the keys also name the "
+        "weights' identity and are shared among ec-daemon hosts only"),
+    Key("embedding_cache_prefix", "store_prefix", str, "", '`""`',
+        "vLLM's own key, read the same way: a prefix of those keys"),
     Key("ec_daemon_token_file", "token_file", _optional_path, None, "`$EC_DAEMON_TOKEN_FILE`",
         "a TCP daemon's client token, read from this file"),
     Key("ec_daemon_tls_ca", "tls_ca", _optional_path, None, "`$EC_DAEMON_TLS_CA`",
@@ -117,6 +125,8 @@ class ConnectorSettings:
     max_defer_seconds: float
     answer_wait_seconds: float
     weights_id: str
+    store_model_identity: str
+    store_prefix: str
     token_file: str | None
     tls_ca: str | None
 

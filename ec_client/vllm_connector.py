@@ -133,9 +133,11 @@ def engine_identity(vllm_config: VllmConfig) -> str:
     return f"{base}_dp{vllm_config.parallel_config.data_parallel_index}"
 
 
-def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = "") -> Layout:
+def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = "",
+              settings: ConnectorSettings | None = None) -> Layout:
     """The layout fingerprint; `weights_id` overrides the weights' identity
-    read from the model's files (`ec_client.identity`)."""
+    read from the model's files (`ec_client.identity`). With `settings`, its
+    store namespace too (`store_namespace`)."""
     model = vllm_config.model_config
     dtype = str(model.dtype).removeprefix("torch.")
     element = torch.empty(0, dtype=model.dtype).element_size()
@@ -147,8 +149,32 @@ def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = ""
     encoder = encoder_digest(encoder_config_of(vllm_config))
     variant = "|".join(str(v) for v in (model.revision or "", model.quantization or "",
                                         namespace, f"w={weights}", f"mm={encoder}") if v)
+    shared = store_namespace(vllm_config, weights, settings) if settings is not None else ""
     return Layout(model=str(model.model), dtype=dtype, row_bytes={"embeds": width},
-                  variant=variant)
+                  variant=variant, store_namespace=shared)
+
+
+# vLLM's key scheme for encoder outputs in Mooncake Store (its
+# mooncake_store_embedding.data.EMBEDDING_CACHE_KEY_VERSION): the value format
+# ec_daemon.remote.mooncake reads and writes.
+STORE_KEY_VERSION = "v3"
+
+
+def store_namespace(vllm_config: VllmConfig, weights: str, settings: ConnectorSettings) -> str:
+    """The engine's namespace in a Mooncake store shared with vLLM's own
+    connector, built as vLLM's `build_embedding_namespace` builds it: model
+    identity, revision, the multimodal config's hash, dtype, key version.
+    vLLM names the model by `embedding_model_identity`, else its path or
+    hub id, which is not the weights; ec-daemon adds the weights' identity
+    unless `embedding_model_identity` is set (the operator then vouches for
+    it, on every engine sharing the keys)."""
+    model = vllm_config.model_config
+    mm = model.multimodal_config
+    encoder_hash = mm.compute_hash() if mm is not None else "encoder:default"
+    identity = settings.store_model_identity or f"{model.model}#weights={weights}"
+    prefix = f"{settings.store_prefix}@" if settings.store_prefix else ""
+    return (f"{prefix}embedding@model:{identity}@revision:{model.revision or 'default'}"
+            f"@encoder:{encoder_hash}@dtype:{model.dtype}@protocol:{STORE_KEY_VERSION}")
 
 
 def encoder_config_of(vllm_config: VllmConfig) -> str:
@@ -207,7 +233,8 @@ class ECDaemonConnector(ECConnectorBase):
         # never cached.
         self._adapter_items = bool(lora is not None
                                    and getattr(lora, "enable_tower_connector_lora", False))
-        layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id)
+        layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id,
+                           self.settings)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
             from ec_client.scheduler import SchedulerDelegate  # (never in a worker process)

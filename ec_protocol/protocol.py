@@ -121,14 +121,17 @@ class Layout:
     (bytes) and anything else that changes bytes. Equal layouts share a
     namespace in the daemon."""
 
-    __slots__ = ("dtype", "model", "row_bytes", "variant")
+    __slots__ = ("dtype", "model", "row_bytes", "store_namespace", "variant")
 
     def __init__(self, model: str, dtype: str, row_bytes: dict[str, int],
-                 variant: str = "") -> None:
+                 variant: str = "", store_namespace: str = "") -> None:
         self.model = model
         self.dtype = dtype
         self.row_bytes = dict(row_bytes)
         self.variant = variant
+        # Not part of the fingerprint: the engine's name for its namespace in a
+        # store shared with vLLM's own connector (AttachRequest.store_namespace).
+        self.store_namespace = store_namespace
 
     def to_pb(self) -> pb.Layout:
         return pb.Layout(model=self.model, dtype=self.dtype, row_bytes=self.row_bytes,

@@ -248,7 +248,7 @@ class MooncakeStore:
     def _new_client(self) -> Any:
         if self._factory is not None:
             return self._factory()
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        from mooncake.store import MooncakeDistributedStore
         return MooncakeDistributedStore()
 
     def _connect_loop(self) -> None:
