@@ -38,13 +38,14 @@ class Host:
     and one worker rank, in this process."""
 
     def __init__(self, url: str, name: str, *, ttl: float = 3600.0,
-                 max_defer: float = 30.0, extra: tuple[str, ...] = ()) -> None:
+                 max_defer: float = 30.0, extra: tuple[str, ...] = (),
+                 layout: Any = LAYOUT) -> None:
         self.name = name
-        self.daemon = Daemon(cpu_bytes="32MiB", extra=("--remote", url, "--remote-ttl",
-                                                       str(ttl), *extra)).start()
-        self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT,
+        self.daemon = Daemon(cpu_bytes="32MiB",
+                             extra=("--remote", url, "--remote-ttl", str(ttl), *extra)).start()
+        self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id=name, layout=layout,
                                            max_defer_seconds=max_defer)
-        self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=LAYOUT)
+        self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=layout)
         for d in (self.scheduler, self.worker):
             assert d.link.wait_attached(WAIT), d.link.last_error
         wait_until(lambda: self.scheduler._wanting and self.scheduler.link.fresh(),

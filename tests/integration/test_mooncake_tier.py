@@ -1,0 +1,154 @@
+"""Two "hosts" (two daemons, each with its own socket and region) sharing one
+Mooncake Store (a real mooncake_master on loopback): what host 1 saved, host
+2 finds by asking the store, promotes straight into its region and loads
+bit-exact; two hosts missing one new item encode it once; a claimant that
+dies costs the other host one bounded wait; a master that dies costs misses,
+never a stuck engine, and publishing and promoting resume when it is back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ec_protocol.protocol import Layout
+from tests import mooncake_servers
+from tests.integration.engines import ensure_within, wait_until
+from tests.integration.test_second_tier import WAIT, Host
+from tests.remote.conftest import check_mooncake
+
+pytestmark = [pytest.mark.integration]
+STORE_NAMESPACE = ("embedding@model:test-model#weights=test@revision:default"
+                   "@encoder:abc@dtype:torch.float16@protocol:v3")
+LAYOUT = Layout("test-model", "float16", {"image": 2048}, store_namespace=STORE_NAMESPACE)
+
+
+def tensor(seed: int, tokens: int = 256) -> np.ndarray:
+    """An encoder output as vLLM makes one: 2-D float16 (1 KiB rows)."""
+    return np.random.default_rng(seed).standard_normal((tokens, 512)).astype(np.float16)
+
+
+@pytest.fixture
+def master() -> Iterator[mooncake_servers.MooncakeMaster]:
+    check_mooncake()
+    with mooncake_servers.master() as server:
+        yield server
+
+
+@pytest.fixture
+def hosts(master: Any) -> Iterator[Any]:
+    with ExitStack() as stack:
+        def make(name: str, *, claim_seconds: float = 30.0, **kwargs: Any) -> Host:
+            url = master.url_with(segment="128MiB", buffer="16MiB")
+            host = Host(url, name, layout=LAYOUT,
+                        extra=("--remote-claim-seconds", str(claim_seconds)), **kwargs)
+            stack.callback(host.close)
+            wait_until(lambda: host.tier()["reachable"] == 1,
+                       f"{name} never connected to the Mooncake master", seconds=WAIT)
+            return host
+        yield make
+
+
+def published(host: Host, count: int) -> None:
+    wait_until(lambda: host.tier()["publishes"] >= count, f"{host.name} never published",
+               seconds=WAIT)
+
+
+def test_a_miss_another_host_published_is_promoted_in_place_and_loads_bit_exact(master, hosts):
+    one, two = hosts("host-1"), hosts("host-2")
+    arrays = {f"img-{i}": tensor(i) for i in range(3)}
+    for mm_hash, array in arrays.items():
+        one.save(mm_hash, array)
+    published(one, 3)
+    with mooncake_servers.raw_client(master) as raw:  # vLLM's key: namespace@id:hash
+        assert raw.is_exist(f"{STORE_NAMESPACE}@id:img-0") == 1
+        assert raw.is_exist(f"{STORE_NAMESPACE}@id:img-0@ecd1") == 1
+        assert raw.get_size(f"{STORE_NAMESPACE}@id:img-0") == 24 + arrays["img-0"].nbytes
+    for mm_hash, array in arrays.items():
+        ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
+        assert ok
+        loaded = two.load(mm_hash)
+        assert loaded.tobytes() == array.tobytes()
+    stats = two.daemon.stats()
+    tier = stats["remote_tier"]
+    assert stats["convergence"]["promotions"] == 3
+    assert stats["convergence"]["promoted_bytes"] == sum(a.nbytes for a in arrays.values())
+    assert tier["remote_hits"] == 3 and tier["lookup_hits"] == 3 and tier["bad_values"] == 0
+    assert tier["publishes"] == 0  # promoted entries are not published back
+    assert stats["saves"] == 3
+
+
+def test_two_hosts_that_miss_one_new_item_at_once_encode_it_once(hosts):
+    one, two = hosts("host-1"), hosts("host-2")
+    array = tensor(7)
+    ok, _ = ensure_within(one.scheduler, ["new"], WAIT)  # claims it: encodes
+    assert ok and not one.scheduler.has_item("new")
+    assert one.tier()["claims_taken"] == 1
+    # Host 2 misses it meanwhile: host 1 holds the claim, so host 2 waits.
+    assert not two.scheduler.ensure(["new"])
+    wait_until(lambda: two.tier()["claims_elsewhere"] == 1, "host 2 did not see the claim")
+    time.sleep(0.3)
+    assert not two.scheduler.ensure(["new"])  # still waiting, not encoding
+    one.save("new", array)  # host 1's encode lands and is published
+    published(one, 1)
+    ok, _ = ensure_within(two.scheduler, ["new"], WAIT)
+    assert ok and two.scheduler.has_item("new")
+    assert two.load("new").tobytes() == array.tobytes()
+    assert two.tier()["claims_taken"] == 0 and two.tier()["remote_hits"] == 1
+    assert two.daemon.stats()["convergence"]["claims"] == 0  # no engine on host 2 encoded
+
+
+def test_a_claimant_that_dies_costs_the_other_host_one_bounded_wait(hosts):
+    one = hosts("host-1", claim_seconds=2.0)
+    two = hosts("host-2", claim_seconds=2.0)
+    ok, _ = ensure_within(one.scheduler, ["orphan"], WAIT)
+    assert ok and one.tier()["claims_taken"] == 1
+    one.daemon.kill()  # host 1 dies before its encode lands: its claim stays
+    started = time.monotonic()
+    assert not two.scheduler.ensure(["orphan"])
+    ok, _ = ensure_within(two.scheduler, ["orphan"], WAIT)
+    waited = time.monotonic() - started
+    assert ok and not two.scheduler.has_item("orphan")  # told to encode it
+    assert 1.5 <= waited < 10, waited
+    assert two.tier()["claim_timeouts"] == 1
+
+
+def test_a_master_that_dies_costs_misses_and_the_tier_recovers(master, hosts):
+    one, two = hosts("host-1"), hosts("host-2")
+    one.save("before", tensor(1))
+    published(one, 1)
+    master.kill()
+    # Host 1 keeps saving and serving its own entries; the publication fails.
+    one.save("during", tensor(2))
+    wait_until(lambda: one.scheduler.has_item("during"), "host 1 lost its own save")
+    wait_until(lambda: one.tier()["publish_drops"] + one.tier()["publish_errors"] >= 1,
+               "the publication was neither dropped nor failed", seconds=WAIT)
+    # Host 2 is never stuck: what it misses is encoded within the bound.
+    ok, seconds = ensure_within(two.scheduler, ["before"], WAIT)
+    assert ok and seconds < 5 and not two.scheduler.has_item("before")
+    master.restart()  # (a new master holds nothing: what was published is gone)
+    wait_until(lambda: one.tier()["reachable"] == 1 and two.tier()["reachable"] == 1,
+               "the tier did not come back", seconds=WAIT)
+    array = tensor(3)
+
+    def republished() -> bool:
+        one.save(f"after-{time.monotonic_ns()}", array)
+        return one.tier()["publishes"] >= 2
+    wait_until(republished, "publishing never resumed", seconds=WAIT)
+    mm_hash = f"after-check-{time.monotonic_ns()}"
+    one.save(mm_hash, array)
+    wait_until(lambda: one.tier()["publishes"] >= 3, "publishing stopped again", seconds=WAIT)
+    ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
+    assert ok and two.load(mm_hash).tobytes() == array.tobytes()
+
+
+def test_entries_the_shared_format_cannot_carry_stay_on_their_host(hosts):
+    one = hosts("host-1")
+    raw = np.random.default_rng(0).integers(0, 256, (64, 2048), dtype=np.uint8)
+    one.save("bytes", raw)
+    wait_until(lambda: one.tier()["publish_skips"] >= 1, "a uint8 entry was not skipped")
+    assert one.tier()["publishes"] == 0 and one.tier()["publish_errors"] == 0
