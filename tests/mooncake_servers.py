@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+# Mooncake's transfer engine advertises the host's first interface as its data
+# address unless told otherwise: tests keep every byte on loopback (daemons
+# started by tests inherit this; a daemon sets it from local_hostname itself).
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", HOST)
 GLOBAL_SEGMENT_BYTES = 64 << 20
 LOCAL_BUFFER_BYTES = 16 << 20
 

@@ -23,10 +23,16 @@ checksum beside it, and serves nothing that fails either. A value vLLM wrote
 has no checksum: it is checked for everything its format carries (magic,
 dtype, shape against its size), which is all vLLM itself checks.
 
-Zero copy: the daemon maps its region once, registers it with the transfer
-engine, and publishes and promotes with scatter/gather lists of the entry's
-extents (`batch_put_from_multi_buffers`, `batch_get_into_multi_buffers`): no
-payload byte passes through a Python buffer.
+One copy, not zero: the transfer engine reads and writes only registered
+memory, and every peer that reaches a transfer engine may read and write every
+buffer registered with it (a peer's `transfer_sync_write` rewrote one in our
+test). Registering the region would let any host on the fabric rewrite entries
+this host serves, past every check. So the daemon maps its region privately,
+and bytes pass through a registered buffer per thread: a publication is
+checksummed in the pages, copied out and put; a promotion is read into the
+buffer, copied into the pages allocated for it, and verified there, where no
+peer can reach, before it is committed (docs/performance.md: what the copy
+costs).
 
 Mooncake has no atomic "set if absent": a put on an existing key succeeds
 without writing. A claim is therefore taken by a put and confirmed by reading
@@ -46,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import socket
 import struct
 import threading
@@ -76,10 +83,12 @@ CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is 
 DEFAULT_SEGMENT = "1GiB"  # the daemon's share of the store's memory
 DEFAULT_BUFFER = "64MiB"  # the client's buffer for small values (claims, checksums)
 SETUP_RETRY_S = 2.0
-SMALL_BUFFER_BYTES = 4096  # per thread, registered: headers read or written
+SMALL_BUFFER_BYTES = 64 << 10  # a thread's transfer buffer starts at this size
+MAX_BOUNCE_BYTES = 1 << 30  # and grows to at most this (a value's header and payload)
 # Mooncake's error codes (types.h), as the binding returns them.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
 ERROR_NAMES = {
     -1: "failed", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS",
     -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
@@ -209,8 +218,8 @@ class Head:
 
 
 class _Small(threading.local):
-    """A registered buffer per thread for headers (the transfer engine reads
-    and writes only registered memory)."""
+    """A registered transfer buffer per thread (the transfer engine reads and
+    writes only registered memory)."""
 
     buffer: ctypes.Array[ctypes.c_char] | None = None
     generation: int = -1
@@ -231,10 +240,8 @@ class MooncakeStore:
         self._generation = 0  # bumped on every (re)connection: registrations redone
         self._last_error = "not connected yet"
         self._region: mmap.mmap | None = None
-        self._region_base = 0
         self._region_size = 0
         self._region_view: memoryview | None = None
-        self._registered: set[int] = set()  # generations the region is registered in
         self._small = _Small()
         self._thread = threading.Thread(target=self._connect_loop, name="ec-mooncake-setup",
                                         daemon=True)
@@ -248,6 +255,10 @@ class MooncakeStore:
     def _new_client(self) -> Any:
         if self._factory is not None:
             return self._factory()
+        if self.spec.protocol == "tcp":
+            # The transfer engine advertises its data address from this (else
+            # the host's first interface, whatever local_hostname says).
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.spec.local_hostname)
         from mooncake.store import MooncakeDistributedStore
         return MooncakeDistributedStore()
 
@@ -315,47 +326,51 @@ class MooncakeStore:
     # -- the region
 
     def use_region(self, fd: int, size: int) -> None:
-        """Map the region (shared, writable) to put from and get into it in
-        place; registered with each client generation on first use."""
+        """Map the region (shared, writable) to publish from and promote into
+        it. The mapping is never registered with the transfer engine: any
+        peer that reaches a transfer engine may read and write every buffer
+        registered with it (tested: a peer's `transfer_sync_write` rewrote
+        one), and the region's entries are served as they are. Bytes pass
+        through a private registered buffer per thread instead (one copy)."""
         self._region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._region_base = ctypes.addressof(ctypes.c_char.from_buffer(self._region))
         self._region_size = size
         self._region_view = memoryview(self._region)
 
     @property
-    def zero_copy(self) -> bool:
+    def mapped(self) -> bool:
         return self._region is not None
 
-    def _region_client(self) -> Any:
-        client, generation = self._ready()
-        if generation not in self._registered:
-            with self._lock:
-                if generation not in self._registered:
-                    code = client.register_buffer(self._region_base, self._region_size)
-                    if code != 0:
-                        raise RemoteError(f"registering the region failed: {_error(code)}")
-                    self._registered.add(generation)
-        return client
-
-    def _small_buffer(self, client: Any, generation: int) -> ctypes.Array[ctypes.c_char]:
+    def _bounce(self, client: Any, generation: int, size: int) -> tuple[memoryview, int]:
+        """This thread's registered buffer of at least `size` bytes (grown,
+        and registered again, as needed): a view of it and its address."""
         small = self._small
-        if small.buffer is None or small.generation != generation:
-            buffer = ctypes.create_string_buffer(SMALL_BUFFER_BYTES)
-            code = client.register_buffer(ctypes.addressof(buffer), SMALL_BUFFER_BYTES)
+        if small.buffer is None or small.generation != generation or len(small.buffer) < size:
+            if size > MAX_BOUNCE_BYTES:
+                raise ValueError(f"a value of {size} bytes is larger than the "
+                                 f"{MAX_BOUNCE_BYTES}-byte transfer buffer")
+            if small.buffer is not None and small.generation == generation:
+                client.unregister_buffer(ctypes.addressof(small.buffer))
+            capacity = max(SMALL_BUFFER_BYTES, 1 << (size - 1).bit_length())
+            buffer = ctypes.create_string_buffer(capacity)
+            code = client.register_buffer(ctypes.addressof(buffer), capacity)
             if code != 0:
-                raise RemoteError(f"registering a header buffer failed: {_error(code)}")
+                small.buffer = None
+                raise RemoteError(f"registering a transfer buffer failed: {_error(code)}")
             small.buffer, small.generation = buffer, generation
-        return small.buffer
+        buffer = small.buffer
+        return memoryview(buffer).cast("B"), ctypes.addressof(buffer)
 
-    def _addresses(self, extents: Sequence[tuple[int, int]]) -> list[int]:
+    def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Views of the region's bytes under `extents` (checked to lie in it)."""
+        view = self._region_view
+        if view is None:
+            raise RemoteError("the store was given no region to read from or write into")
+        out = []
         for offset, length in extents:
             if offset < 0 or length < 0 or offset + length > self._region_size:
                 raise ValueError(f"extent ({offset}, {length}) is outside the region")
-        return [self._region_base + offset for offset, _ in extents]
-
-    def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
-        assert self._region_view is not None
-        return [self._region_view[offset:offset + length] for offset, length in extents]
+            out.append(view[offset:offset + length])
+        return out
 
     # -- values
 
@@ -373,12 +388,13 @@ class MooncakeStore:
     def put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
                   dtype: str, extents: Sequence[tuple[int, int]],
                   current: Any = None) -> str:
-        """Publish an entry from its pages in place: the value (vLLM's header
-        gathered with the extents), then ec-daemon's checksum beside it.
-        Returns "stored", "exists" (another writer's value: left alone) or
-        "rewritten" (`current()` said the pages were reused: not written, or
-        written and its checksum not added). Raises RemoteError, ValueError
-        for an entry the format cannot carry."""
+        """Publish an entry from its pages: checksummed in place, copied with
+        vLLM's header into this thread's transfer buffer, the pages' stamp
+        checked (`current()`: they still hold the entry, so the copy is the
+        checksummed bytes), put, then ec-daemon's checksum beside it. Returns
+        "stored", "exists" (another writer's value: left alone, values are
+        write-once) or "rewritten" (the pages were reused: nothing written).
+        Raises RemoteError, ValueError for an entry the format cannot carry."""
         if not storable(shape, dtype):
             raise ValueError(f"vLLM's value format carries 2-D float32/float16/bfloat16 "
                              f"tensors, not {dtype} {tuple(shape)}")
@@ -386,28 +402,24 @@ class MooncakeStore:
         if nbytes != shape[0] * shape[1] * ITEM_BYTES[dtype]:
             raise ValueError(f"{nbytes} bytes do not make a {dtype} {tuple(shape)} tensor")
         key = value_key(store_namespace, mm_hash)
-        client = self._region_client()
-        generation = self._generation
-        addresses = self._addresses(extents)
+        client, generation = self._ready()
+        pages = self.region_views(extents)
         if client.is_exist(key) == 1:
-            return "exists"  # (vLLM's writers skip existing keys too: values are write-once)
-        sidecar = values.encode(store_namespace, mm_hash, shape, dtype,
-                                self.region_views(extents))[0]
+            return "exists"  # (vLLM's writers skip existing keys too)
+        sidecar = values.encode(store_namespace, mm_hash, shape, dtype, pages)[0]
+        buffer, address = self._bounce(client, generation, HEADER.size + nbytes)
+        buffer[:HEADER.size] = vllm_header(shape, dtype)
+        at = HEADER.size
+        for page in pages:
+            buffer[at:at + len(page)] = page
+            at += len(page)
         if current is not None and not current():
             return "rewritten"
-        small = self._small_buffer(client, generation)
-        header = vllm_header(shape, dtype)
-        ctypes.memmove(small, header, len(header))
-        results = client.batch_put_from_multi_buffers(
-            [key], [[ctypes.addressof(small), *addresses]],
-            [[len(header), *(length for _, length in extents)]])
-        code = results[0] if isinstance(results, list) and results else results
+        code = client.put_from(key, address, HEADER.size + nbytes)
         if code == OBJECT_ALREADY_EXISTS:
             return "exists"
         if code != 0:
             raise RemoteError(f"put {key}: {_error(code)}")
-        if current is not None and not current():
-            return "rewritten"  # sent perhaps torn: no checksum vouches for it
         code = client.put(key + SIDECAR, bytes(sidecar))
         if code not in (0, OBJECT_ALREADY_EXISTS):
             raise RemoteError(f"put {key}{SIDECAR}: {_error(code)}")
@@ -419,8 +431,8 @@ class MooncakeStore:
         header that is not vLLM's format or disagrees with the checksum's."""
         key = value_key(store_namespace, mm_hash)
         client, generation = self._ready()
-        small = self._small_buffer(client, generation)
-        result = client.get_into_ranges([ctypes.addressof(small)], [[key]], [[[0]]], [[[0]]],
+        buffer, address = self._bounce(client, generation, HEADER.size)
+        result = client.get_into_ranges([address], [[key]], [[[0]]], [[[0]]],
                                         [[[HEADER.size]]])
         code = _first(result)
         if code == OBJECT_NOT_FOUND:
@@ -429,7 +441,7 @@ class MooncakeStore:
             if isinstance(code, int) and code >= 0:
                 raise values.BadValue(f"value of {code} bytes, shorter than vLLM's header")
             raise RemoteError(f"get {key} (header): {_error(code)}")
-        shape, dtype = _parse_header(ctypes.string_at(small, HEADER.size))
+        shape, dtype = _parse_header(bytes(buffer[:HEADER.size]))
         nbytes = shape[0] * shape[1] * ITEM_BYTES[dtype]
         raw = client.get(key + SIDECAR)
         sidecar = bytes(raw) if raw else None
@@ -442,31 +454,34 @@ class MooncakeStore:
 
     def get_into(self, store_namespace: str, mm_hash: str, head: Head,
                  extents: Sequence[tuple[int, int]]) -> bool:
-        """Read the value into `extents` (the region, in place) and verify
-        it: the header again, then the checksum when ec-daemon's is there.
-        False when the value is gone; raises values.BadValue (the pages hold
-        unverified bytes: the caller aborts them) or RemoteError."""
+        """Read the value and copy its payload into `extents` (the region),
+        then verify it there, where no peer can change it: the header read
+        again, then the checksum when ec-daemon's is beside it. False when
+        the value is gone; raises values.BadValue (the pages hold unverified
+        bytes: the caller aborts them) or RemoteError."""
         if sum(length for _, length in extents) != head.nbytes:
             raise ValueError("the extents do not hold the value's payload")
         key = value_key(store_namespace, mm_hash)
-        client = self._region_client()
-        small = self._small_buffer(client, self._generation)
-        addresses = self._addresses(extents)
-        results = client.batch_get_into_multi_buffers(
-            [key], [[ctypes.addressof(small), *addresses]],
-            [[HEADER.size, *(length for _, length in extents)]])
-        code = _first(results)
+        client, generation = self._ready()
+        pages = self.region_views(extents)
+        size = HEADER.size + head.nbytes
+        buffer, address = self._bounce(client, generation, size)
+        code = client.get_into(key, address, size)
         if code == OBJECT_NOT_FOUND:
             return False
-        if code != HEADER.size + head.nbytes:
-            if code in (-600, -800):  # (sizes disagree with the stored object's)
+        if code != size:
+            if code in (-600, -800) or (isinstance(code, int) and code >= 0):
                 raise values.BadValue(f"not the value whose header was read ({_error(code)})")
             raise RemoteError(f"get {key}: {_error(code)}")
-        if _parse_header(ctypes.string_at(small, HEADER.size)) != (head.shape, head.dtype):
+        header = bytes(buffer[:HEADER.size])
+        at = HEADER.size
+        for page in pages:
+            page[:] = buffer[at:at + len(page)]
+            at += len(page)
+        if _parse_header(header) != (head.shape, head.dtype):
             raise values.BadValue("the value was rewritten between its header and its read")
         if head.sidecar is not None:
-            values.decode([head.sidecar, *self.region_views(extents)],
-                          namespace=store_namespace, mm_hash=mm_hash)
+            values.decode([head.sidecar, *pages], namespace=store_namespace, mm_hash=mm_hash)
         return True
 
     # -- claims
@@ -479,11 +494,17 @@ class MooncakeStore:
         for _attempt in range(2):
             expires = int(time.time() * 1000 + ttl_s * 1000)
             code = client.put(key, f"{token} {expires}".encode())
+            if code == TRANSFER_FAIL:
+                break  # (placed on a host that is gone: not confirmed)
             if code not in (0, OBJECT_ALREADY_EXISTS):
                 raise RemoteError(f"put {key}: {_error(code)}")
             raw = client.get(key)
             if not raw:
-                continue  # released or removed meanwhile: once more
+                if client.is_exist(key) == 1:
+                    # There but unreadable: its bytes sit on a host that is gone
+                    # (the master forgets its segment only later). Taken over.
+                    client.remove(key, True)
+                continue  # (or released meanwhile: once more)
             holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ")
             if holder == token:
                 return True
@@ -494,7 +515,10 @@ class MooncakeStore:
             if time.time() * 1000 < held_until + CLAIM_SLACK_MS:
                 return False
             client.remove(key, True)  # its host died or gave up: take it over
-        return False
+        # Not confirmed either way (a claim that cannot be written or read back,
+        # a holder that keeps vanishing): encoding here costs at most a
+        # duplicate encode, waiting could cost the engine its bound.
+        return True
 
     def release(self, store_namespace: str, mm_hash: str, token: str) -> None:
         """Drop the claim if `token` holds it."""

@@ -371,7 +371,7 @@ class RemoteTier:
         entry, asked once it is checksummed (False: skipped) and once it is
         sent (False: not announced; the stored value fails its checksum or
         holds the entry). `extents`: the entry's place in the region, which a
-        store that maps the region (Mooncake) sends from in place."""
+        store that maps the region (Mooncake) reads itself."""
         breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
         if self._stopping.is_set() or breaker.rejecting():
             self._count(publish_drops=1)
@@ -454,7 +454,7 @@ class RemoteTier:
 
     def _put_entry(self, job: _Job) -> None:
         """Publish to a store without an index, from the pages in place."""
-        if job.extents is None or not getattr(self.store, "zero_copy", False):
+        if job.extents is None or not getattr(self.store, "mapped", False):
             self._count(publish_skips=1)
             return
         breaker = self.breakers.get(self.store.domain(job.namespace, job.mm_hash))

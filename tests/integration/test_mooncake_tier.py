@@ -113,8 +113,10 @@ def test_a_claimant_that_dies_costs_the_other_host_one_bounded_wait(hosts):
     ok, _ = ensure_within(two.scheduler, ["orphan"], WAIT)
     waited = time.monotonic() - started
     assert ok and not two.scheduler.has_item("orphan")  # told to encode it
-    assert 1.5 <= waited < 10, waited
-    assert two.tier()["claim_timeouts"] == 1
+    assert waited < 5, waited
+    # Host 2 took the dead host's claim over (its bytes were unreadable), or
+    # waited out its time: either way it does not wait for host 1 again.
+    assert two.tier()["claims_taken"] + two.tier()["claim_timeouts"] == 1, two.tier()
 
 
 def test_a_master_that_dies_costs_misses_and_the_tier_recovers(master, hosts):
