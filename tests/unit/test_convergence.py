@@ -211,3 +211,80 @@ def test_a_save_given_up_hands_over_only_its_own_engines_claim():
     assert conv.making[("ns", "img")].holder is a and answers(b) == {}
     conv.save_given_up(("ns", "img"), "A")
     assert conv.making[("ns", "img")].holder is b and answers(b) == {"img": Verdict.ENCODE}
+
+
+def resolving_setup():
+    """A second tier that must be asked (`resolve`): the keys asked about."""
+    clock, cache, conv, started = setup(remote=lambda ns, h: None)
+    asked: list = []
+    conv.resolve = lambda key: asked.append(key) or True
+    return clock, cache, conv, started, asked
+
+
+def test_a_cold_item_is_answered_only_once_the_second_tier_resolved_it():
+    _, cache, conv, started, asked = resolving_setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    drain(a), drain(b)
+    conv.want(a, ["img"])
+    assert asked == [("ns", "img")] and answers(a) == {}  # nothing yet: being resolved
+    conv.want(b, ["img"])
+    assert answers(b) == {"img": Verdict.PROMOTING} and len(asked) == 1  # asked once
+    conv.resolved(("ns", "img"), "claimed")  # nobody has it: this host encodes
+    assert answers(a) == {"img": Verdict.ENCODE} and answers(b) == {}
+    assert conv.making[("ns", "img")].holder is a and started == []
+
+
+def test_a_resolved_item_found_in_the_store_is_promoted_and_the_first_engine_told_so():
+    _, cache, conv, started, _ = resolving_setup()
+    a = scheduler(cache, "A")
+    drain(a)
+    conv.want(a, ["img"])
+    conv.resolved(("ns", "img"), "found", 4096)
+    assert started == [(("ns", "img"), 4096)]
+    assert answers(a) == {"img": Verdict.PROMOTING}
+
+
+def test_an_item_another_host_claimed_is_waited_for_within_the_claim_then_encoded_here():
+    clock, cache, conv, started, _ = resolving_setup()
+    a = scheduler(cache, "A")
+    drain(a)
+    conv.want(a, ["img"])
+    conv.resolved(("ns", "img"), "elsewhere")
+    assert answers(a) == {"img": Verdict.PROMOTING} and started == []
+    clock.now += 29  # within the claim's bound: still waiting
+    conv.expire()
+    assert answers(a) == {}
+    clock.now += 2  # past it: encoded here
+    conv.expire()
+    assert answers(a) == {"img": Verdict.ENCODE}
+
+
+def test_a_failed_resolution_hands_the_item_to_an_engine_that_can_save():
+    _, cache, conv, _, _ = resolving_setup()
+    c = scheduler(cache, "C", role="consumer")
+    b = scheduler(cache, "B")
+    drain(c), drain(b)
+    conv.want(c, ["img"])  # a consumer asks first: it cannot save
+    conv.want(b, ["img"])
+    drain(b)
+    conv.resolved(("ns", "img"), "failed")
+    assert answers(b) == {"img": Verdict.ENCODE}
+    assert answers(c) == {"img": Verdict.ENCODING}  # told to wait for B's save
+    assert conv.making[("ns", "img")].holder is b
+
+
+def test_a_resolution_after_the_item_landed_or_its_engine_ended_changes_nothing():
+    _, cache, conv, started, _ = resolving_setup()
+    a = scheduler(cache, "A")
+    drain(a)
+    conv.want(a, ["img"])
+    cache.end_session(a)
+    conv.session_ended(a)
+    conv.resolved(("ns", "img"), "claimed")
+    assert answers(a) == {}  # (it ended: told nothing)
+    conv.want(b := scheduler(cache, "B"), ["other"])
+    save(cache, worker(cache, "B"), "other")
+    conv.ready(("ns", "other"))
+    conv.resolved(("ns", "other"), "found", 4096)
+    assert started == [] and ("ns", "other") not in conv.making
+    assert {e.mm_hash for e in drain(b) if isinstance(e, AnswerEvent)} == {"other"}
