@@ -377,7 +377,7 @@ class MooncakeStore:
         gathered with the extents), then ec-daemon's checksum beside it.
         Returns "stored", "exists" (another writer's value: left alone) or
         "rewritten" (`current()` said the pages were reused: not written, or
-        written and its checksum not added). Raises RemoteError, ValueError
+        written and removed again). Raises RemoteError, ValueError
         for an entry the format cannot carry."""
         if not storable(shape, dtype):
             raise ValueError(f"vLLM's value format carries 2-D float32/float16/bfloat16 "
@@ -407,7 +407,15 @@ class MooncakeStore:
         if code != 0:
             raise RemoteError(f"put {key}: {_error(code)}")
         if current is not None and not current():
-            return "rewritten"  # sent perhaps torn: no checksum vouches for it
+            # Sent perhaps torn, or another entry's bytes: with no checksum
+            # beside it, every reader (vLLM's too) would take it for a value
+            # vLLM wrote and serve it. Removed (forced: a read under way gets
+            # these bytes either way).
+            code = client.remove(key, True)
+            if code not in (0, OBJECT_NOT_FOUND):
+                log.warning("Mooncake store %s: removing %s, sent while its pages were "
+                            "reused, failed: %s", self.spec.display, key, _error(code))
+            return "rewritten"
         code = client.put(key + SIDECAR, bytes(sidecar))
         if code not in (0, OBJECT_ALREADY_EXISTS):
             raise RemoteError(f"put {key}{SIDECAR}: {_error(code)}")
