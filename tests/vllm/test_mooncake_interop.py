@@ -5,8 +5,14 @@ payload). Checked against vLLM's code itself: its namespace builder on a real
 VllmConfig, and its store client `MooncakeEmbeddingStoreClient` on a real
 mooncake_master, in both directions: what a daemon publishes, vLLM's reader
 loads bit-exact; what vLLM's writer puts, a daemon promotes and its engine
-loads bit-exact without encoding; a value vLLM's reader refuses, the daemon
-refuses too."""
+loads bit-exact without encoding; the backend vLLM's worker runs with
+cross_encoder_cache resolves what a daemon published, and a daemon promotes
+what it published; a value vLLM's reader refuses, the daemon refuses too.
+
+No vLLM engine runs vLLM's connector here: cross_encoder_cache requires
+Model Runner V2, which on CPU requires Triton's CPU backend (triton-cpu, not
+on PyPI; vLLM falls back to the V1 runner and the connector refuses to start:
+"cross_encoder_cache requires Model Runner V2")."""
 
 from __future__ import annotations
 
@@ -288,3 +294,38 @@ def test_what_the_real_connector_saves_vllms_reader_loads(master, vllm_client, t
         finally:
             scheduler.shutdown()
             worker.shutdown()
+
+
+def test_vllms_worker_backend_and_a_daemon_share_outputs_both_ways(master, vllm_client, hosts,
+                                                                   namespace):
+    """The class vLLM's worker runs with cross_encoder_cache
+    (MooncakeEmbeddingStoreBackend): before encoding it resolves the step's
+    items from the store, and publishes the ones it encoded. It resolves what
+    a daemon published; what it publishes, a daemon promotes."""
+    from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.backend import (
+        MooncakeEmbeddingStoreBackend,
+    )
+
+    backend = MooncakeEmbeddingStoreBackend(vllm_client, namespace, max_pending_items=4,
+                                            max_pending_bytes=16 << 20)
+    try:
+        host = hosts(master, "backend", namespace, "bfloat16")
+        from_daemon, from_vllm = tensor(4, torch.bfloat16), tensor(5, torch.bfloat16)
+        host.save("from-daemon", from_daemon)
+        wait_until(lambda: host.tier()["publishes"] >= 1, "the daemon never published", WAIT)
+
+        # One step of vLLM's worker: one item in the store, one to encode.
+        cache: dict[str, torch.Tensor] = {}
+        loaded = backend.resolve_inputs({"from-daemon": spec(from_daemon),
+                                         "from-vllm": spec(from_vllm)}, cache, "cpu")
+        assert loaded == {"from-daemon"} and bits(cache["from-daemon"]) == bits(from_daemon)
+        backend.save_output("from-vllm", from_vllm)  # encoded in this step
+        wait_until(lambda: (backend.reap(), not backend._pending)[1],
+                   "vLLM's backend never published", WAIT)
+
+        ok, _ = ensure_within(host.scheduler, ["from-vllm"], WAIT)
+        assert ok and host.scheduler.has_item("from-vllm")
+        assert bits(host.load("from-vllm")) == bits(from_vllm)
+        assert host.tier()["remote_hits"] == 1
+    finally:
+        backend._executor.shutdown(wait=True)  # (shutdown() would close the shared client)
