@@ -1,0 +1,103 @@
+"""MooncakeStore (the second tier's Mooncake backend) against a real
+mooncake_master: publishing from a mapped region, and what it
+leaves in the store when the region's pages were reused during the send."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ec_daemon.remote.mooncake import MooncakeStore, parse_url, value_key
+from tests import mooncake_servers
+from tests.remote.conftest import needs_mooncake, wait_for
+
+pytestmark = needs_mooncake
+
+NAMESPACE = "embedding@model:m#weights=w@revision:default@encoder:e@dtype:torch.float16" \
+            "@protocol:v3"
+REGION_BYTES = 1 << 20
+SHAPE = (16, 128)
+NBYTES = SHAPE[0] * SHAPE[1] * 2
+
+
+@pytest.fixture
+def store(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[MooncakeStore,
+                                                                             memoryview]]:
+    """A connected MooncakeStore on a 1 MiB region (a file in /dev/shm, as
+    the daemon's), and a writable view of that region."""
+    url = mooncake_master.url_with(segment="32MiB", buffer="8MiB")
+    with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as file:
+        file.truncate(REGION_BYTES)
+        mapped = mmap.mmap(file.fileno(), REGION_BYTES)
+        view = memoryview(mapped)
+        moon = MooncakeStore(parse_url(url))
+        try:
+            moon.use_region(file.fileno(), REGION_BYTES)
+            assert wait_for(lambda: moon._client is not None, timeout_s=60), moon._last_error
+            yield moon, view
+        finally:
+            moon.close()
+            view.release()
+            mapped.close()
+
+
+def fill(region: memoryview, seed: int) -> bytes:
+    data = np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float16).tobytes()
+    region[:NBYTES] = data
+    return data
+
+
+def test_a_published_entry_is_read_back(store: Any) -> None:
+    moon, region = store
+    data = fill(region, 1)
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    head = moon.head(NAMESPACE, "img")
+    assert head is not None and head.sidecar is not None
+    region[:NBYTES] = bytes(NBYTES)
+    assert moon.get_into(NAMESPACE, "img", head, [(0, NBYTES)])
+    assert bytes(region[:NBYTES]) == data
+
+
+def test_an_entry_whose_pages_were_reused_before_it_was_sent_is_not_stored(
+        store: Any, mooncake_master: mooncake_servers.MooncakeMaster) -> None:
+    """The pages held the entry when its checksum was taken and were reused
+    by the time they were copied out to be sent: the copy may hold another
+    entry's bytes, and a value with no checksum beside it is what every
+    reader (vLLM's connector too) serves as it is. Nothing is stored."""
+    moon, region = store
+    fill(region, 2)
+
+    def current() -> bool:  # asked once the pages are copied out
+        fill(region, 3)  # (another entry's bytes now)
+        return False
+
+    result = moon.put_entry(NAMESPACE, "reused", SHAPE, "float16", [(0, NBYTES)], current)
+    assert result == "rewritten"
+    assert moon.head(NAMESPACE, "reused") is None
+    assert moon.present([(NAMESPACE, "reused")]) == [False]
+    with mooncake_servers.raw_client(mooncake_master) as other:
+        assert other.is_exist(value_key(NAMESPACE, "reused")) == 0
+
+
+def test_pages_reused_once_copied_out_do_not_change_what_is_stored(store: Any) -> None:
+    """The value sent is the copy taken while the pages held the entry."""
+    moon, region = store
+    data = fill(region, 4)
+
+    def current() -> bool:  # the stamp still holds the entry at the copy...
+        return True
+
+    assert moon.put_entry(NAMESPACE, "kept", SHAPE, "float16", [(0, NBYTES)],
+                          current) == "stored"
+    fill(region, 5)  # ...and the pages are reused right after
+    head = moon.head(NAMESPACE, "kept")
+    assert head is not None and head.sidecar is not None
+    region[NBYTES:2 * NBYTES] = bytes(NBYTES)
+    assert moon.get_into(NAMESPACE, "kept", head, [(NBYTES, NBYTES)])
+    assert bytes(region[NBYTES:2 * NBYTES]) == data
