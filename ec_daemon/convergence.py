@@ -81,9 +81,10 @@ class Convergence:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         # Set by the service: fetch `key` (of `nbytes`) from the second tier.
         self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
-        # Set by the service: resolve `key` with the second tier; True when
-        # started (`resolved` is called with the outcome, on the loop).
-        self.resolve: Callable[[Key], bool] | None = None
+        # Set by the service: resolve `key` with the second tier, claiming it
+        # across hosts if the flag says an engine here would save it; True
+        # when started (`resolved` is called with the outcome, on the loop).
+        self.resolve: Callable[[Key, bool], bool] | None = None
 
     def info(self, namespace: str) -> NamespaceInfoEvent:
         return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
@@ -245,7 +246,7 @@ class Convergence:
                                       [session])
             self.start_promotion(key, nbytes)
             return Verdict.PROMOTING
-        if self.resolve is not None and self.resolve(key):
+        if self.resolve is not None and self.resolve(key, session.can_save):
             self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
                                       [session], unanswered=session)
             return None

@@ -83,7 +83,7 @@ class DataPlane:
             self.convergence.start_promotion = self.promotions.start
             self.convergence.resolve = self._resolve
 
-    def _resolve(self, key: Key) -> bool:
+    def _resolve(self, key: Key, claim: bool) -> bool:
         """Ask the second tier about a wanted key (`Convergence.resolve`);
         its answer comes back on the loop."""
         loop = asyncio.get_running_loop()
@@ -91,7 +91,7 @@ class DataPlane:
         def done(outcome: Any) -> None:
             loop.call_soon_threadsafe(self._resolved, key, outcome)
 
-        return bool(self.tier.resolve(key[0], key[1], done))
+        return bool(self.tier.resolve(key[0], key[1], done, claim))
 
     def _resolved(self, key: Key, outcome: Any) -> None:
         nbytes = self.tier.available(*key) if outcome.value == "found" else None

@@ -135,6 +135,7 @@ class _Job:
 class _Resolving:
     key: tuple[str, str]
     done: Callable[[Outcome], None]
+    claim: bool = True  # False: only looked up (no engine here would save it)
     deadline: float = 0.0  # (ELSEWHERE) waited for until then
 
 
@@ -650,14 +651,18 @@ class RemoteTier:
 
     # ------------------------------------------------------------ resolve
 
-    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Outcome], None]) -> bool:
+    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Outcome], None],
+                claim: bool = True) -> bool:
         """Find out, off the caller's thread, whether another host has or
-        makes the key; `done(outcome)` is called once, from the resolver
-        thread (FOUND: `available` now holds it). False (nothing started,
-        `done` never called) when there is nothing to ask: a store without
-        an index and without claims, a key found absent a moment ago, a
+        makes the key, and claim it if nobody does (`claim`: an engine here
+        would encode and save it; a claim nobody here fulfils would make the
+        other hosts wait for nothing); `done(outcome)` is called once, from
+        the resolver thread (FOUND: `available` now holds it). False
+        (nothing started, `done` never called) when there is nothing to ask:
+        an indexed store without claims, a key found absent a moment ago, a
         store that is down, or the tier stopping."""
-        if not self.indexed or self.claim_s > 0:
+        claim = claim and self.claim_s > 0
+        if not self.indexed or claim:
             key = (namespace, mm_hash)
             breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
             if self._stopping.is_set() or breaker.rejecting():
@@ -669,7 +674,7 @@ class RemoteTier:
                         self._count(lookup_cached=1)
                         return False
                     del self._absent[key]
-                self._resolving.append(_Resolving(key, done))
+                self._resolving.append(_Resolving(key, done, claim))
                 self._resolve_cond.notify()
             self._count(lookups=1)
             return True
@@ -718,7 +723,7 @@ class RemoteTier:
                 else:
                     still.append(item)
             else:
-                outcome = self._claim(item.key)
+                outcome = self._claim(item.key) if item.claim else Outcome.ABSENT
                 if outcome is Outcome.ELSEWHERE:
                     item.deadline = now + self.claim_s
                     still.append(item)

@@ -217,7 +217,7 @@ def resolving_setup():
     """A second tier that must be asked (`resolve`): the keys asked about."""
     clock, cache, conv, started = setup(remote=lambda ns, h: None)
     asked: list = []
-    conv.resolve = lambda key: asked.append(key) or True
+    conv.resolve = lambda key, claim: asked.append((key, claim)) or True
     return clock, cache, conv, started, asked
 
 
@@ -226,7 +226,7 @@ def test_a_cold_item_is_answered_only_once_the_second_tier_resolved_it():
     a, b = scheduler(cache, "A"), scheduler(cache, "B")
     drain(a), drain(b)
     conv.want(a, ["img"])
-    assert asked == [("ns", "img")] and answers(a) == {}  # nothing yet: being resolved
+    assert asked == [(("ns", "img"), True)] and answers(a) == {}  # nothing yet: resolving
     conv.want(b, ["img"])
     assert answers(b) == {"img": Verdict.PROMOTING} and len(asked) == 1  # asked once
     conv.resolved(("ns", "img"), "claimed")  # nobody has it: this host encodes
@@ -288,3 +288,13 @@ def test_a_resolution_after_the_item_landed_or_its_engine_ended_changes_nothing(
     conv.resolved(("ns", "other"), "found", 4096)
     assert started == [] and ("ns", "other") not in conv.making
     assert {e.mm_hash for e in drain(b) if isinstance(e, AnswerEvent)} == {"other"}
+
+
+def test_a_consumer_only_engine_never_claims_across_hosts():
+    """A claim nobody here fulfils (a consumer encodes but never saves) would
+    make the other hosts wait for a value that never comes."""
+    _, cache, conv, _, asked = resolving_setup()
+    c = scheduler(cache, "C", role="consumer")
+    drain(c)
+    conv.want(c, ["img"])
+    assert asked == [(("ns", "img"), False)]
