@@ -520,6 +520,35 @@ class MooncakeStore:
         # duplicate encode, waiting could cost the engine its bound.
         return True
 
+    def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
+                   ttl_s: float) -> list[bool]:
+        """`claim` for many keys: one batched put and one batched read back;
+        a key whose claim is unreadable or expired goes through `claim`."""
+        if not keys:
+            return []
+        client, _ = self._ready()
+        names = [value_key(ns, h) + CLAIM for ns, h in keys]
+        expires = int(time.time() * 1000 + ttl_s * 1000)
+        mine = f"{token} {expires}".encode()
+        code = client.put_batch(names, [mine] * len(names))
+        if code not in (0, OBJECT_ALREADY_EXISTS):
+            return [self.claim(ns, h, token, ttl_s) for ns, h in keys]
+        raws = client.get_batch(names)
+        if not isinstance(raws, list) or len(raws) != len(names):
+            raise RemoteError(f"get_batch of {len(names)} claims failed: {raws!r}"[:200])
+        out = []
+        now_ms = time.time() * 1000
+        for (ns, h), raw in zip(keys, raws, strict=True):
+            holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ") if raw \
+                else ("", "", "")
+            if holder == token:
+                out.append(True)
+            elif holder and stamp.isdigit() and now_ms < int(stamp) + CLAIM_SLACK_MS:
+                out.append(False)
+            else:  # unreadable, expired or not a claim: one at a time
+                out.append(self.claim(ns, h, token, ttl_s))
+        return out
+
     def release(self, store_namespace: str, mm_hash: str, token: str) -> None:
         """Drop the claim if `token` holds it."""
         key = value_key(store_namespace, mm_hash) + CLAIM

@@ -708,6 +708,9 @@ class RemoteTier:
         items = batch + waiting
         held = self._held(items)
         now = time.monotonic()
+        claiming = [item.key for item, state in zip(items, held, strict=True)
+                    if state is False and not item.deadline and item.claim]
+        claimed = dict(zip(claiming, self._claims(claiming), strict=True))
         still: list[_Resolving] = []
         for item, state in zip(items, held, strict=True):
             if state is True:
@@ -723,7 +726,7 @@ class RemoteTier:
                 else:
                     still.append(item)
             else:
-                outcome = self._claim(item.key) if item.claim else Outcome.ABSENT
+                outcome = claimed.get(item.key, Outcome.ABSENT)
                 if outcome is Outcome.ELSEWHERE:
                     item.deadline = now + self.claim_s
                     still.append(item)
@@ -765,38 +768,57 @@ class RemoteTier:
                         out[i] = True
         return out
 
-    def _claim(self, key: tuple[str, str]) -> Outcome:
-        if self.claim_s <= 0:
-            return Outcome.ABSENT
-        namespace, mm_hash = key
-        breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
-        if not breaker.allow():
-            return Outcome.FAILED
-        name = namespace if self.indexed else self.store_name(namespace)
-        try:
-            mine = self.store.claim(name, mm_hash, self.token, self.claim_s)
-        except RemoteAuthError as exc:  # (an ACL without EVAL): not the store failing
+    def _claims(self, keys: list[tuple[str, str]]) -> list[Outcome]:
+        """Claim each key across hosts: CLAIMED, ELSEWHERE, FAILED (or
+        ABSENT: claims are off). One batch per failure domain where the store
+        claims in batches (Mooncake: 200 keys in 5 ms, where one at a time
+        takes 0.45 ms each)."""
+        out = [Outcome.ABSENT] * len(keys)
+        if self.claim_s <= 0 or not keys:
+            return out
+        by_domain: dict[str, list[int]] = {}
+        for i, (namespace, mm_hash) in enumerate(keys):
+            by_domain.setdefault(self.store.domain(namespace, mm_hash), []).append(i)
+        for domain, indexes in by_domain.items():
+            breaker = self.breakers.get(domain)
+            if not breaker.allow():
+                for i in indexes:
+                    out[i] = Outcome.FAILED
+                continue
+            named = [(keys[i][0] if self.indexed else self.store_name(keys[i][0]), keys[i][1])
+                     for i in indexes]
+            try:
+                if hasattr(self.store, "claim_many"):
+                    mine = self.store.claim_many(named, self.token, self.claim_s)
+                else:
+                    mine = [self.store.claim(ns, h, self.token, self.claim_s) for ns, h in named]
+            except RemoteAuthError as exc:  # (an ACL without EVAL): not the store failing
+                breaker.success()
+                self.claim_s = 0.0
+                log.warning("cross-host claims are off: the store refused them (%s); every "
+                            "host that misses a new item encodes it", exc)
+                return [Outcome.ABSENT] * len(keys)
+            except Exception as exc:
+                breaker.failure(exc)
+                self._count(errors=1)
+                log.debug("claiming %d keys failed: %s", len(indexes), exc)
+                for i in indexes:
+                    out[i] = Outcome.FAILED
+                continue
             breaker.success()
-            self.claim_s = 0.0
-            log.warning("cross-host claims are off: the store refused them (%s); every "
-                        "host that misses a new item encodes it", exc)
-            return Outcome.ABSENT
-        except Exception as exc:
-            breaker.failure(exc)
-            self._count(errors=1)
-            log.debug("claiming %s failed: %s", mm_hash, exc)
-            return Outcome.FAILED
-        breaker.success()
-        if mine:
-            self._count(claims_taken=1)
             now = time.monotonic()
-            with self._resolve_cond:
-                if len(self._claimed) >= NEGATIVE_KEYS:  # (claims whose values never came)
-                    self._claimed = {k: t for k, t in self._claimed.items() if t > now}
-                self._claimed[key] = now + self.claim_s
-            return Outcome.CLAIMED
-        self._count(claims_elsewhere=1)
-        return Outcome.ELSEWHERE
+            for i, taken in zip(indexes, mine, strict=True):
+                if taken:
+                    out[i] = Outcome.CLAIMED
+                    with self._resolve_cond:
+                        if len(self._claimed) >= NEGATIVE_KEYS:  # (values that never came)
+                            self._claimed = {k: t for k, t in self._claimed.items() if t > now}
+                        self._claimed[keys[i]] = now + self.claim_s
+                else:
+                    out[i] = Outcome.ELSEWHERE
+            taken_count = sum(1 for taken in mine if taken)
+            self._count(claims_taken=taken_count, claims_elsewhere=len(mine) - taken_count)
+        return out
 
     def _not_found(self, key: tuple[str, str]) -> None:
         with self._resolve_cond:

@@ -101,3 +101,33 @@ def test_pages_reused_once_copied_out_do_not_change_what_is_stored(store: Any) -
     region[NBYTES:2 * NBYTES] = bytes(NBYTES)
     assert moon.get_into(NAMESPACE, "kept", head, [(NBYTES, NBYTES)])
     assert bytes(region[NBYTES:2 * NBYTES]) == data
+
+
+def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
+        store: Any, mooncake_master: mooncake_servers.MooncakeMaster) -> None:
+    """Two hosts claiming the same 50 new keys at once, in batches: every key
+    has one claimant, and a host's claims hold against the other."""
+    import threading
+
+    moon, _ = store
+    other = MooncakeStore(parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB")))
+    try:
+        assert wait_for(lambda: other._client is not None, timeout_s=60), other._last_error
+        keys = [(NAMESPACE, f"new-{i}") for i in range(50)]
+        results: dict[str, list[bool]] = {}
+
+        def claim(name: str, host: MooncakeStore) -> None:
+            results[name] = host.claim_many(keys, name, 30.0)
+
+        threads = [threading.Thread(target=claim, args=(name, host))
+                   for name, host in (("host-a", moon), ("host-b", other))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(a != b for a, b in zip(results["host-a"], results["host-b"], strict=True))
+        again = other.claim_many(keys, "host-b", 30.0)
+        assert again == results["host-b"]  # held: a second batch changes nothing
+        assert moon.claim_many([], "host-a", 30.0) == []
+    finally:
+        other.close()
