@@ -80,6 +80,7 @@ ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 SIDECAR = "@ecd1"
 CLAIM = "@ecd1-claim"
 CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is taken over
+CLAIM_READ_S = 1.0  # a claim put but reading as nothing this long: its host is gone, or its put failed
 DEFAULT_SEGMENT = "1GiB"  # the daemon's share of the store's memory
 DEFAULT_BUFFER = "64MiB"  # the client's buffer for small values (claims, checksums)
 SETUP_RETRY_S = 2.0
@@ -498,11 +499,13 @@ class MooncakeStore:
                 break  # (placed on a host that is gone: not confirmed)
             if code not in (0, OBJECT_ALREADY_EXISTS):
                 raise RemoteError(f"put {key}: {_error(code)}")
-            raw = client.get(key)
+            raw = self._read_claim(client, key)
             if not raw:
                 if client.is_exist(key) == 1:
-                    # There but unreadable: its bytes sit on a host that is gone
-                    # (the master forgets its segment only later). Taken over.
+                    # There but unreadable for a while (a claim being written
+                    # is readable within milliseconds): its bytes sit on a
+                    # host that is gone (the master forgets its segment only
+                    # later). Taken over.
                     client.remove(key, True)
                 continue  # (or released meanwhile: once more)
             holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ")
@@ -519,6 +522,19 @@ class MooncakeStore:
         # a holder that keeps vanishing): encoding here costs at most a
         # duplicate encode, waiting could cost the engine its bound.
         return True
+
+    @staticmethod
+    def _read_claim(client: Any, key: str) -> bytes:
+        """The claim's bytes, read right after a put of it; b"" when it reads
+        as nothing for CLAIM_READ_S. A claim another host is writing at the
+        same moment reads as nothing, and is not even said to exist, until its
+        put completes (our own put of it then returned 0 without writing)."""
+        deadline = time.monotonic() + CLAIM_READ_S
+        while True:
+            raw = client.get(key)
+            if raw or time.monotonic() >= deadline:
+                return bytes(raw) if raw else b""
+            time.sleep(0.005)
 
     def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
                    ttl_s: float) -> list[bool]:
