@@ -125,7 +125,8 @@ def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
             thread.start()
         for thread in threads:
             thread.join(60)
-        both = [(k[1], a, b) for k, a, b in zip(keys, results["host-a"], results["host-b"], strict=True) if a == b]
+        both = [key[1] for key, a, b in zip(keys, results["host-a"], results["host-b"],
+                                            strict=True) if a == b]
         assert not both, both
         again = other.claim_many(keys, "host-b", 30.0)
         assert again == results["host-b"]  # held: a second batch changes nothing
