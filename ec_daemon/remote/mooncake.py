@@ -42,9 +42,15 @@ once it expired (clocks off by more than the slack cost an extra encode or a
 bounded wait, never a wrong hit). Objects have no TTL in Mooncake (they stay
 until evicted), so --remote-ttl does not apply.
 
-`setup` blocks for up to 90 s when the master is unreachable, so the store
-connects on its own thread and keeps trying; until it is connected, every
-call raises RemoteError (misses, dropped publications).
+`setup` blocks for up to 90 s when the master is unreachable, and holds the
+interpreter's lock while it does (every thread of the daemon stops), so the
+store connects on its own thread, calls `setup` only once the master and the
+metadata server accept a connection, and keeps trying; until it is connected,
+every call raises RemoteError (misses, dropped publications). Calls to a
+master that does not answer end after MC_RPC_TIMEOUT_MS (set from the store's
+timeout, unless set), not Mooncake's 30 s. A transfer from a host that died
+fails after about 1 s until the master forgets its segment: RemotePeerError,
+which does not count against the master's circuit breaker.
 """
 
 from __future__ import annotations
@@ -57,13 +63,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ec_daemon.remote import values
-from ec_daemon.remote.store import RemoteError
+from ec_daemon.remote.store import RemoteError, RemotePeerError
 from ec_daemon.sizes import parse_size
 
 log = logging.getLogger("ec_daemon.remote")
@@ -84,8 +91,9 @@ CLAIM_READ_S = 1.0  # a claim put but read as nothing this long: its host is gon
 DEFAULT_SEGMENT = "1GiB"  # the daemon's share of the store's memory
 DEFAULT_BUFFER = "64MiB"  # the client's buffer for small values (claims, checksums)
 SETUP_RETRY_S = 2.0
-SMALL_BUFFER_BYTES = 64 << 10  # a thread's transfer buffer starts at this size
-MAX_BOUNCE_BYTES = 1 << 30  # and grows to at most this (a value's header and payload)
+SMALL_BUFFER_BYTES = 64 << 10  # the smallest transfer buffer
+POOL_BYTES = 128 << 20  # transfer buffers kept for the next call, at most this in all
+MAX_BOUNCE_BYTES = 1 << 30  # a value larger than this (header and payload) is not moved
 # Mooncake's error codes (types.h), as the binding returns them.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
@@ -204,6 +212,21 @@ def _local_ip(master_host: str) -> str:
         return "127.0.0.1"
 
 
+def _servers(spec: MooncakeSpec) -> list[tuple[str, tuple[str, int]]]:
+    """The servers `setup` talks to: the master, and the metadata server when
+    it has an address (not P2PHANDSHAKE)."""
+    servers = [("master", (spec.host, spec.port))]
+    try:
+        parts = urlsplit(spec.metadata)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return servers
+    default = {"http": 80, "https": 443, "etcd": 2379}.get(parts.scheme.lower())
+    if host and default is not None:
+        servers.append(("metadata server", (host, port or default)))
+    return servers
+
+
 def _error(code: Any) -> str:
     return f"{code} ({ERROR_NAMES.get(code, 'unknown')})" if isinstance(code, int) else repr(code)
 
@@ -216,14 +239,6 @@ class Head:
     dtype: str
     nbytes: int
     sidecar: bytes | None  # ec-daemon's header (its checksum), absent for vLLM's values
-
-
-class _Small(threading.local):
-    """A registered transfer buffer per thread (the transfer engine reads and
-    writes only registered memory)."""
-
-    buffer: ctypes.Array[ctypes.c_char] | None = None
-    generation: int = -1
 
 
 class MooncakeStore:
@@ -243,7 +258,10 @@ class MooncakeStore:
         self._region: mmap.mmap | None = None
         self._region_size = 0
         self._region_view: memoryview | None = None
-        self._small = _Small()
+        # Registered transfer buffers free for the next call (never freed while
+        # registered: the next registration at that address would fail).
+        self._pool: list[ctypes.Array[ctypes.c_char]] = []
+        self._pool_generation = -1
         self._thread = threading.Thread(target=self._connect_loop, name="ec-mooncake-setup",
                                         daemon=True)
         self._thread.start()
@@ -260,6 +278,8 @@ class MooncakeStore:
             # The transfer engine advertises its data address from this (else
             # the host's first interface, whatever local_hostname says).
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.spec.local_hostname)
+        # A master that does not answer: calls end after this, not 30 s.
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(100, int(self.timeout_s * 1000))))
         from mooncake.store import MooncakeDistributedStore
         return MooncakeDistributedStore()
 
@@ -268,6 +288,14 @@ class MooncakeStore:
             with self._lock:
                 if self._client is not None:
                     return
+            unreachable = self._unreachable()
+            if unreachable:
+                if unreachable != self._last_error:
+                    log.warning("Mooncake store %s: %s; trying again", self.spec.display,
+                                unreachable)
+                self._last_error = unreachable
+                self._closed.wait(SETUP_RETRY_S)
+                continue
             try:
                 client = self._new_client()
                 started = time.monotonic()
@@ -296,6 +324,17 @@ class MooncakeStore:
                      self.spec.display, self.spec.metadata, self.spec.protocol,
                      self.spec.segment_bytes)
             return
+
+    def _unreachable(self) -> str:
+        """Why `setup` would block now (a server that does not accept a
+        connection), or "" (it holds the interpreter's lock while it blocks)."""
+        for what, address in _servers(self.spec):
+            try:
+                with socket.create_connection(address, timeout=self.timeout_s):
+                    pass
+            except OSError as exc:
+                return f"{what} {address[0]}:{address[1]} unreachable ({exc})"
+        return ""
 
     def _ready(self) -> tuple[Any, int]:
         if self._closed.is_set():
@@ -341,25 +380,40 @@ class MooncakeStore:
     def mapped(self) -> bool:
         return self._region is not None
 
-    def _bounce(self, client: Any, generation: int, size: int) -> tuple[memoryview, int]:
-        """This thread's registered buffer of at least `size` bytes (grown,
-        and registered again, as needed): a view of it and its address."""
-        small = self._small
-        if small.buffer is None or small.generation != generation or len(small.buffer) < size:
-            if size > MAX_BOUNCE_BYTES:
-                raise ValueError(f"a value of {size} bytes is larger than the "
-                                 f"{MAX_BOUNCE_BYTES}-byte transfer buffer")
-            if small.buffer is not None and small.generation == generation:
-                client.unregister_buffer(ctypes.addressof(small.buffer))
+    @contextmanager
+    def _buffer(self, client: Any, generation: int,
+                size: int) -> Iterator[tuple[memoryview, int]]:
+        """A registered transfer buffer of at least `size` bytes for one call
+        (a view of it and its address): the smallest pooled one that fits,
+        else a new one, given back to the pool after the call while the pool
+        holds less than POOL_BYTES (else unregistered and dropped)."""
+        if size > MAX_BOUNCE_BYTES:
+            raise ValueError(f"a value of {size} bytes is larger than the largest transfer "
+                             f"buffer ({MAX_BOUNCE_BYTES} bytes)")
+        buffer = None
+        with self._lock:
+            if self._pool_generation != generation:
+                self._pool, self._pool_generation = [], generation
+            fits = [b for b in self._pool if len(b) >= size]
+            if fits:
+                buffer = min(fits, key=len)
+                self._pool.remove(buffer)
+        if buffer is None:
             capacity = max(SMALL_BUFFER_BYTES, 1 << (size - 1).bit_length())
             buffer = ctypes.create_string_buffer(capacity)
             code = client.register_buffer(ctypes.addressof(buffer), capacity)
             if code != 0:
-                small.buffer = None
                 raise RemoteError(f"registering a transfer buffer failed: {_error(code)}")
-            small.buffer, small.generation = buffer, generation
-        buffer = small.buffer
-        return memoryview(buffer).cast("B"), ctypes.addressof(buffer)
+        try:
+            yield memoryview(buffer).cast("B"), ctypes.addressof(buffer)
+        finally:
+            with self._lock:
+                keep = self._pool_generation == generation and \
+                    sum(len(b) for b in self._pool) + len(buffer) <= POOL_BYTES
+                if keep:
+                    self._pool.append(buffer)
+            if not keep and self._pool_generation == generation:
+                client.unregister_buffer(ctypes.addressof(buffer))
 
     def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of the region's bytes under `extents` (checked to lie in it)."""
@@ -408,19 +462,24 @@ class MooncakeStore:
         if client.is_exist(key) == 1:
             return "exists"  # (vLLM's writers skip existing keys too)
         sidecar = values.encode(store_namespace, mm_hash, shape, dtype, pages)[0]
-        buffer, address = self._bounce(client, generation, HEADER.size + nbytes)
-        buffer[:HEADER.size] = vllm_header(shape, dtype)
-        at = HEADER.size
-        for page in pages:
-            buffer[at:at + len(page)] = page
-            at += len(page)
-        if current is not None and not current():
-            return "rewritten"
-        code = client.put_from(key, address, HEADER.size + nbytes)
+        with self._buffer(client, generation, HEADER.size + nbytes) as (buffer, address):
+            buffer[:HEADER.size] = vllm_header(shape, dtype)
+            at = HEADER.size
+            for page in pages:
+                buffer[at:at + len(page)] = page
+                at += len(page)
+            if current is not None and not current():
+                return "rewritten"
+            code = client.put_from(key, address, HEADER.size + nbytes)
         if code == OBJECT_ALREADY_EXISTS:
             return "exists"
+        if code == TRANSFER_FAIL:
+            raise RemotePeerError(f"put {key}: {_error(code)} (placed on a host that is gone)")
         if code != 0:
             raise RemoteError(f"put {key}: {_error(code)}")
+        # A checksum already there is stale (its value was evicted, ours is new)
+        # or squatted (an item named "<hash>@ecd1"): ours replaces it.
+        client.remove(key + SIDECAR, True)
         code = client.put(key + SIDECAR, bytes(sidecar))
         if code not in (0, OBJECT_ALREADY_EXISTS):
             raise RemoteError(f"put {key}{SIDECAR}: {_error(code)}")
@@ -432,19 +491,26 @@ class MooncakeStore:
         header that is not vLLM's format or disagrees with the checksum's."""
         key = value_key(store_namespace, mm_hash)
         client, generation = self._ready()
-        buffer, address = self._bounce(client, generation, HEADER.size)
-        result = client.get_into_ranges([address], [[key]], [[[0]]], [[[0]]],
-                                        [[[HEADER.size]]])
-        code = _first(result)
+        with self._buffer(client, generation, HEADER.size) as (buffer, address):
+            result = client.get_into_ranges([address], [[key]], [[[0]]], [[[0]]],
+                                            [[[HEADER.size]]])
+            code = _first(result)
+            header = bytes(buffer[:HEADER.size])
         if code == OBJECT_NOT_FOUND:
             return None
         if code != HEADER.size:
-            if isinstance(code, int) and code >= 0:
-                raise values.BadValue(f"value of {code} bytes, shorter than vLLM's header")
+            size = client.get_size(key) if code == -600 else code
+            if isinstance(size, int) and 0 <= size < HEADER.size:
+                raise values.BadValue(f"value of {size} bytes, shorter than vLLM's header")
+            if code == TRANSFER_FAIL:
+                raise RemotePeerError(f"get {key} (header): {_error(code)}")
             raise RemoteError(f"get {key} (header): {_error(code)}")
-        shape, dtype = _parse_header(bytes(buffer[:HEADER.size]))
+        shape, dtype = _parse_header(header)
         nbytes = shape[0] * shape[1] * ITEM_BYTES[dtype]
         raw = client.get(key + SIDECAR)
+        if not raw and client.is_exist(key + SIDECAR) == 1:
+            # (get answers b"" for a failed read too: never taken for "no checksum")
+            raise RemotePeerError(f"get {key}{SIDECAR}: there, but unreadable")
         sidecar = bytes(raw) if raw else None
         if sidecar is not None:
             stated = _sidecar_fields(sidecar, store_namespace, mm_hash)
@@ -466,19 +532,22 @@ class MooncakeStore:
         client, generation = self._ready()
         pages = self.region_views(extents)
         size = HEADER.size + head.nbytes
-        buffer, address = self._bounce(client, generation, size)
-        code = client.get_into(key, address, size)
+        with self._buffer(client, generation, size) as (buffer, address):
+            code = client.get_into(key, address, size)
+            if code == size:
+                header = bytes(buffer[:HEADER.size])
+                at = HEADER.size
+                for page in pages:
+                    page[:] = buffer[at:at + len(page)]
+                    at += len(page)
         if code == OBJECT_NOT_FOUND:
             return False
         if code != size:
-            if code in (-600, -800) or (isinstance(code, int) and code >= 0):
+            if code == -600 or (isinstance(code, int) and code >= 0):
                 raise values.BadValue(f"not the value whose header was read ({_error(code)})")
+            if code == TRANSFER_FAIL:
+                raise RemotePeerError(f"get {key}: {_error(code)}")
             raise RemoteError(f"get {key}: {_error(code)}")
-        header = bytes(buffer[:HEADER.size])
-        at = HEADER.size
-        for page in pages:
-            page[:] = buffer[at:at + len(page)]
-            at += len(page)
         if _parse_header(header) != (head.shape, head.dtype):
             raise values.BadValue("the value was rewritten between its header and its read")
         if head.sidecar is not None:
@@ -517,7 +586,8 @@ class MooncakeStore:
                 held_until = 0  # (not a claim we wrote: taken over)
             if time.time() * 1000 < held_until + CLAIM_SLACK_MS:
                 return False
-            client.remove(key, True)  # its host died or gave up: take it over
+            if bytes(client.get(key) or b"") == bytes(raw):  # (not taken over meanwhile)
+                client.remove(key, True)  # its host died or gave up: take it over
         # Not confirmed either way (a claim that cannot be written or read back,
         # a holder that keeps vanishing): encoding here costs at most a
         # duplicate encode, waiting could cost the engine its bound.
@@ -525,15 +595,26 @@ class MooncakeStore:
 
     @staticmethod
     def _read_claim(client: Any, key: str) -> bytes:
-        """The claim's bytes, read right after a put of it; b"" when it reads
-        as nothing for CLAIM_READ_S. A claim another host is writing at the
-        same moment reads as nothing, and is not even said to exist, until its
-        put completes (our own put of it then returned 0 without writing)."""
+        """The claim's bytes, read right after a put of it; b"" when it is
+        listed but unreadable (its host is gone), or reads as nothing for
+        CLAIM_READ_S. A claim another host is writing at the same moment reads
+        as nothing, and is not even listed, until its put completes (our own
+        put of it then returned 0 without writing)."""
         deadline = time.monotonic() + CLAIM_READ_S
+        unreadable = 0
         while True:
             raw = client.get(key)
             if raw or time.monotonic() >= deadline:
                 return bytes(raw) if raw else b""
+            if client.is_exist(key) == 1:
+                # Listed but unreadable: a put completing right now (readable
+                # within milliseconds), or a host that is gone (each read of
+                # it then takes about 1 s): twice more, then given up on.
+                unreadable += 1
+                if unreadable > 2:
+                    return b""
+                time.sleep(0.02)
+                continue
             time.sleep(0.005)
 
     def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
@@ -564,6 +645,28 @@ class MooncakeStore:
             else:  # unreadable, expired or not a claim: one at a time
                 out.append(self.claim(ns, h, token, ttl_s))
         return out
+
+    def forget(self, store_namespace: str, mm_hash: str) -> None:
+        """Remove a value whose checksum does not match it, and the checksum
+        (a publication racing another writer's, or a stale checksum): the
+        key is published again, whole, by the next host that encodes it."""
+        key = value_key(store_namespace, mm_hash)
+        client, _ = self._ready()
+        client.remove(key, True)
+        client.remove(key + SIDECAR, True)
+
+    @staticmethod
+    def claimable(namespace: str) -> bool:
+        """Whether entries of a daemon namespace ("model|dtype|widths|variant")
+        can be published here: its dtype is one vLLM's format carries."""
+        parts = namespace.split("|")
+        return len(parts) > 1 and parts[1] in DTYPE_CODES
+
+    @staticmethod
+    def accepts(mm_hash: str) -> bool:
+        """Whether an item can be keyed here: a name with "@" could be
+        another item's checksum or claim ("<hash>@ecd1")."""
+        return "@" not in mm_hash
 
     def release(self, store_namespace: str, mm_hash: str, token: str) -> None:
         """Drop the claim if `token` holds it."""

@@ -100,6 +100,12 @@ class RemoteError(Exception):
     call and why."""
 
 
+class RemotePeerError(RemoteError):
+    """A transfer from or to another host of the store failed (a host that
+    died, whose segment the store still lists): the store itself answered,
+    so this does not count against its circuit breaker."""
+
+
 class RemoteAuthError(RemoteError):
     """The store refused our credentials (a wrong or missing token): an
     operator's mistake, worth failing start-up for."""

@@ -45,6 +45,7 @@ from ec_daemon.remote.store import (
     Announcement,
     RemoteAuthError,
     RemoteError,
+    RemotePeerError,
     RemoteStore,
     UnexpectedSize,
 )
@@ -96,7 +97,10 @@ FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is rea
 NEGATIVE_S = 1.0  # a key found absent (and not claimable) is not looked up again this soon
 NEGATIVE_KEYS = 65536  # the most keys the negative cache holds
 POLL_S = 0.05  # keys another host claimed: the store is asked again this often
-RESOLVE_BATCH = 256  # keys resolved in one round (one batched lookup)
+RESOLVE_BATCH = 64  # keys resolved in one round (one batched lookup)
+# Resolver threads: a key whose value or claim sits on a host that died takes
+# about 1 s to fail (until the store forgets that host); it holds up one.
+RESOLVER_THREADS = 4
 FOUND_S = 30.0  # (stores without an index) a key found is taken as present this long
 
 
@@ -215,7 +219,8 @@ class RemoteTier:
         if self._threads:
             return
         threads: list[tuple[str, Callable[[], None]]] = [
-            ("ec-remote-publisher", self._publisher), ("ec-remote-resolver", self._resolver)]
+            ("ec-remote-publisher", self._publisher),
+            *((f"ec-remote-resolver-{i}", self._resolver) for i in range(RESOLVER_THREADS))]
         if self.indexed:
             threads.append(("ec-remote-index", self._follower))
         for name, target in threads:
@@ -376,6 +381,7 @@ class RemoteTier:
         breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
         if self._stopping.is_set() or breaker.rejecting():
             self._count(publish_drops=1)
+            self._release_claim(namespace, mm_hash)
             return False
         with self._cond:
             if self._queued_bytes + nbytes > self.publish_queue_bytes:
@@ -388,6 +394,7 @@ class RemoteTier:
                 self._cond.notify()
         if dropped:
             self._count(publish_drops=1)
+            self._release_claim(namespace, mm_hash)
         return not dropped
 
     def _publisher(self) -> None:
@@ -408,6 +415,9 @@ class RemoteTier:
                 with self._cond:
                     self._queued_bytes -= job.nbytes
                 _release(job)
+                # Published, skipped or failed: other hosts waiting for it stop
+                # waiting on this host's claim (they find the value, or encode).
+                self._release_claim(job.namespace, job.mm_hash)
 
     def _publish_one(self, job: _Job) -> None:
         if not self.indexed:
@@ -442,20 +452,20 @@ class RemoteTier:
                                 self.ttl_s - (announced - started))
             self.latency.labels("announce").observe(time.monotonic() - announced)
         except RemoteError as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             self._count(publish_errors=1, errors=1)
             log.debug("publishing %s failed: %s", job.mm_hash, exc)
             return
         except BaseException as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             raise
         breaker.success()
         self._count(publishes=1, publish_bytes=job.nbytes)
-        self._release_claim(job.namespace, job.mm_hash)
 
     def _put_entry(self, job: _Job) -> None:
         """Publish to a store without an index, from the pages in place."""
-        if job.extents is None or not getattr(self.store, "mapped", False):
+        if job.extents is None or not getattr(self.store, "mapped", False) \
+                or not self.store.accepts(job.mm_hash):
             self._count(publish_skips=1)
             return
         breaker = self.breakers.get(self.store.domain(job.namespace, job.mm_hash))
@@ -467,7 +477,7 @@ class RemoteTier:
             result = self.store.put_entry(self.store_name(job.namespace), job.mm_hash,
                                           job.shape, job.dtype, job.extents, job.current)
         except RemoteError as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             self._count(publish_errors=1, errors=1)
             log.debug("publishing %s failed: %s", job.mm_hash, exc)
             return
@@ -477,7 +487,7 @@ class RemoteTier:
             log.debug("not publishing %s: %s", job.mm_hash, exc)
             return
         except BaseException as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             raise
         breaker.success()
         self.latency.labels("put").observe(time.monotonic() - started)
@@ -487,7 +497,6 @@ class RemoteTier:
             self._count(publish_exists=1)
         else:
             self._count(publish_skips=1)
-        self._release_claim(job.namespace, job.mm_hash)
 
     def _drain(self) -> None:
         with self._cond:
@@ -546,12 +555,12 @@ class RemoteTier:
                 self._bad_value(namespace, mm_hash, BadValue(f"not the announced value: {exc}"))
                 return None
             except RemoteError as exc:
-                breaker.failure(exc)
+                _failed(breaker, exc)
                 self._count(errors=1)
                 log.debug("fetch of %s failed: %s", mm_hash, exc)
                 return None
             except Exception as exc:
-                breaker.failure(exc)
+                _failed(breaker, exc)
                 self._count(errors=1)
                 log.exception("fetch of %s failed", mm_hash)
                 return None
@@ -607,7 +616,7 @@ class RemoteTier:
             self._bad_value(namespace, mm_hash, exc)
             return None
         except Exception as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             self._count(errors=1)
             log.debug("reading the header of %s failed: %s", mm_hash, exc)
             return None
@@ -633,9 +642,14 @@ class RemoteTier:
         except BadValue as exc:
             breaker.success()
             self._bad_value(namespace, mm_hash, exc)
+            if head.sidecar is not None:
+                # A value and a checksum that do not match (two writers raced, or
+                # a stale checksum): both go, and the next encode publishes anew.
+                with contextlib.suppress(Exception):
+                    self.store.forget(self.store_name(namespace), mm_hash)
             return False
         except Exception as exc:
-            breaker.failure(exc)
+            _failed(breaker, exc)
             self._count(errors=1)
             self._forget(namespace, mm_hash)
             log.debug("fetch of %s failed: %s", mm_hash, exc)
@@ -662,6 +676,12 @@ class RemoteTier:
         an indexed store without claims, a key found absent a moment ago, a
         store that is down, or the tier stopping."""
         claim = claim and self.claim_s > 0
+        if not self.indexed:
+            if not self.store.accepts(mm_hash):
+                return False
+            # (a namespace whose entries the store's format cannot carry: its
+            # claim would make other hosts wait for a value never published)
+            claim = claim and self.store.claimable(namespace)
         if not self.indexed or claim:
             key = (namespace, mm_hash)
             breaker = self.breakers.get(self.store.domain(namespace, mm_hash))
@@ -754,7 +774,7 @@ class RemoteTier:
                 present = self.store.present([(self.store_name(items[i].key[0]),
                                                items[i].key[1]) for i in indexes])
             except Exception as exc:
-                breaker.failure(exc)
+                _failed(breaker, exc)
                 self._count(errors=1)
                 log.debug("looking up %d keys failed: %s", len(indexes), exc)
                 continue
@@ -799,7 +819,7 @@ class RemoteTier:
                             "host that misses a new item encodes it", exc)
                 return [Outcome.ABSENT] * len(keys)
             except Exception as exc:
-                breaker.failure(exc)
+                _failed(breaker, exc)
                 self._count(errors=1)
                 log.debug("claiming %d keys failed: %s", len(indexes), exc)
                 for i in indexes:
@@ -906,6 +926,15 @@ def _background_priority() -> None:
     write-behind and must yield the cores to the engines' saves and loads."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISHER_NICE)
+
+
+def _failed(breaker: Any, exc: BaseException) -> None:
+    """A failed store call, told to its breaker: a transfer from a host that
+    is gone is not the store failing (the store answered)."""
+    if isinstance(exc, RemotePeerError):
+        breaker.success()
+    else:
+        breaker.failure(exc)
 
 
 def _tell(item: _Resolving, outcome: Outcome) -> None:
