@@ -1,0 +1,125 @@
+"""Review findings on the Mooncake backend (failing tests: each names a bug).
+
+- A value evicted while its checksum beside it stays: the next publication
+  of that key keeps the stale checksum (a put on an existing key "succeeds"
+  without writing), and every ec-daemon reader refuses the key from then on
+  unless the new encode is bit-identical to the old one.
+- An mm_hash may contain "@": "<hash>@ecd1" is the key of <hash>'s checksum,
+  so an item named so (vLLM lets a request name its items: multi_modal_uuids)
+  published first takes that slot and <hash> can never be promoted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ec_daemon.remote import values
+from ec_daemon.remote.mooncake import value_key
+from tests import mooncake_servers
+from tests.remote.conftest import needs_mooncake
+from tests.remote.test_mooncake_store import NAMESPACE, NBYTES, SHAPE, fill, store  # noqa: F401
+
+pytestmark = needs_mooncake
+
+
+def read_back(moon: Any, region: memoryview, mm_hash: str) -> bytes:
+    head = moon.head(NAMESPACE, mm_hash)
+    assert head is not None
+    region[NBYTES:2 * NBYTES] = bytes(NBYTES)
+    assert moon.get_into(NAMESPACE, mm_hash, head, [(NBYTES, NBYTES)])
+    return bytes(region[NBYTES:2 * NBYTES])
+
+
+def test_a_value_evicted_before_its_checksum_is_published_again_readable(
+        store: Any, mooncake_master: mooncake_servers.MooncakeMaster) -> None:  # noqa: F811
+    moon, region = store
+    fill(region, 1)
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    with mooncake_servers.raw_client(mooncake_master) as other:
+        # Mooncake evicts objects one by one: the value goes, its checksum stays.
+        assert other.remove(value_key(NAMESPACE, "img"), True) == 0
+    # Encoded again elsewhere (another GPU, another batch: not bit-identical).
+    again = fill(region, 2)
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    try:
+        assert read_back(moon, region, "img") == again
+    except values.BadValue as exc:
+        pytest.fail(f"the key is unreadable for good: {exc}")
+
+
+def test_an_item_named_after_anothers_checksum_key_does_not_poison_it(store: Any) -> None:  # noqa: F811
+    moon, region = store
+    fill(region, 3)
+    moon.put_entry(NAMESPACE, "victim@ecd1", SHAPE, "float16", [(0, NBYTES)])
+    data = fill(region, 4)
+    assert moon.put_entry(NAMESPACE, "victim", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    try:
+        assert read_back(moon, region, "victim") == data
+    except values.BadValue as exc:
+        pytest.fail(f"'victim' is unreadable: {exc}")
+
+
+CHILD = r'''
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", sys.argv[1], 32 << 20, 8 << 20, "tcp", "", sys.argv[2]) == 0
+held = int(time.time() * 1000 + 60000)
+for key in sys.argv[3:]:
+    assert s.put(key, f"dead-host {held}".encode()) == 0
+print("ready", flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_dead_hosts_claims_do_not_hold_up_every_other_resolution(
+        mooncake_master: mooncake_servers.MooncakeMaster) -> None:
+    """Review (failing): a host killed with claims (or values) on its segment
+    leaves objects the master still lists; each read of one waits ~1 s for
+    the transfer to fail, one after another on the single resolver thread, so
+    an unrelated new item's first answer comes after the engine's own 1 s
+    bound (ec_client.scheduler.ANSWER_SECONDS): every cold want on every host
+    is deferred ~1 s and encoded without its claim."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from ec_daemon.remote.mooncake import CLAIM, MooncakeStore, parse_url
+    from ec_daemon.remote.tier import RemoteTier
+    from tests.remote.conftest import wait_for
+
+    keys = [value_key(NAMESPACE, f"orphan-{i}") + CLAIM for i in range(4)]
+    child = subprocess.Popen([sys.executable, "-c", CHILD, mooncake_master.metadata_url,
+                              mooncake_master.rpc_address, *keys], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ready")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    moon = MooncakeStore(parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB")))
+    tier = RemoteTier(moon, ttl_s=3600, publish_queue_bytes=1 << 20, claim_s=30)
+    tier.follow("ns", NAMESPACE)
+    try:
+        assert wait_for(lambda: moon._client is not None, timeout_s=60), moon._last_error
+        tier.start()
+        done: dict[str, float] = {}
+        started = time.monotonic()
+        lock = threading.Lock()
+
+        def told(name: str) -> Any:
+            def done_(outcome: Any) -> None:
+                with lock:
+                    done.setdefault(name, time.monotonic() - started)
+            return done_
+        for i in range(4):
+            assert tier.resolve("ns", f"orphan-{i}", told(f"orphan-{i}"))
+        assert tier.resolve("ns", "fresh", told("fresh"))
+        assert wait_for(lambda: "fresh" in done, timeout_s=30)
+        assert done["fresh"] < 1.0, done
+    finally:
+        tier.stop()
