@@ -1,4 +1,4 @@
-"""Review findings on the Mooncake backend (failing tests: each names a bug).
+"""Regressions from a review of the Mooncake backend (each test names a bug, now fixed).
 
 - A value evicted while its checksum beside it stays: the next publication
   of that key keeps the stale checksum (a put on an existing key "succeeds"
