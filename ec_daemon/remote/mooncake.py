@@ -148,7 +148,20 @@ def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> Moo
     ValueError for a bad URL."""
     if token_file:
         raise ValueError("a Mooncake store takes no token file (--remote-token-file)")
-    return MooncakeStore(parse_url(url), timeout_s=timeout_s)
+    spec = parse_url(url)
+    check_backend()
+    return MooncakeStore(spec, timeout_s=timeout_s)
+
+
+def check_backend() -> None:
+    """Raise ValueError, saying how to install it, unless Mooncake's binding
+    loads (at start: not on the connecting thread later)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError) as exc:
+        hint = " (apt-get install libibverbs1)" if "ibverbs" in str(exc) else ""
+        raise ValueError(f"the Mooncake backend cannot load: {exc}{hint}; install it with "
+                         f"pip install 'ec-daemon[mooncake]'") from None
 
 
 def parse_url(url: str) -> MooncakeSpec:

@@ -244,6 +244,29 @@ def test_open_store_takes_no_token_file() -> None:
         open_store("mooncake://127.0.0.1:50051")
 
 
+def test_a_daemon_without_the_mooncake_backend_stops_at_start_and_says_how_to_install_it(
+        tmp_path: Path) -> None:
+    """A mooncake.store that cannot load (no wheel, no libibverbs1): the
+    daemon exits non-zero at start with one message, not a retry loop."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "mooncake"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "store.py").write_text(
+        "raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ec_daemon", "--cpu-bytes", "8MiB", "--socket",
+         f"unix://{tmp_path}/ec.sock", "--remote", f"mooncake://127.0.0.1:50051?{META}"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=os.getcwd())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("ec-daemon: error: --remote: the Mooncake backend cannot load")
+    assert "apt-get install libibverbs1" in done.stderr
+    assert "pip install 'ec-daemon[mooncake]'" in done.stderr
+
+
 def _settings(argv: list[str]) -> config.DaemonConfig:
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)
