@@ -17,6 +17,7 @@ on PyPI; vLLM falls back to the V1 runner and the connector refuses to start:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -56,9 +57,11 @@ MOONCAKE_REQUIRED = os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0")
 
 
 def store_namespace(config: Any) -> str:
-    """The store namespace ec-daemon's connector sends for `config`."""
-    extra = config.ec_transfer_config.ec_connector_extra_config
-    return layout_of(config, settings=ConnectorSettings.from_extra_config(extra)).store_namespace
+    """The store namespace ec-daemon's connector sends for `config` (as the
+    connector builds its layout)."""
+    settings = ConnectorSettings.from_extra_config(config.ec_transfer_config
+                                                   .ec_connector_extra_config)
+    return layout_of(config, settings.namespace, settings.weights_id, settings).store_namespace
 
 
 # ---------------------------------------------------------------- keys
@@ -84,7 +87,69 @@ def test_without_a_model_identity_the_store_namespace_names_the_weights(tiny_mod
     ours, theirs = store_namespace(config), build_embedding_namespace(config)
     assert ours != theirs
     weights = f"#weights={files_identity(str(tiny_model))}"
-    assert weights in ours and ours.replace(weights, "", 1) == theirs
+    assert weights in ours
+    # ...and a digest of the whole local layout (`Layout.variant`): the name
+    # vLLM gives the model, then ec-daemon's additions, then vLLM's rest.
+    model = str(config.model_config.model)
+    additions = re.fullmatch(rf".*@model:{re.escape(model)}(#weights=[^@]*)@.*", ours)
+    assert additions is not None, ours
+    assert re.fullmatch(rf"{re.escape(weights)}#layout=[0-9a-f]{{16}}", additions[1])
+    assert ours.replace(additions[1], "", 1) == theirs
+
+
+# What changes the encoder output besides the weights, and is not in vLLM's
+# namespace: ec-daemon keeps such deployments apart in its local layout
+# (`layout_of`), and so in the store unless the operator vouches for the
+# model's identity (`embedding_model_identity`).
+def _hf_overrides(config: Any) -> None:
+    config.model_config.hf_overrides = {"text_config": {"rope_theta": 20000.0}}
+
+
+def _processor(config: Any) -> None:
+    config.model_config.multimodal_config.mm_processor_kwargs = {"do_pan_and_scan": True}
+
+
+def _quantization(config: Any) -> None:
+    config.model_config.quantization = "fp8"
+
+
+def _model_impl(config: Any) -> None:
+    config.model_config.model_impl = "transformers"
+
+
+DEPLOYMENT_CHANGES: dict[str, tuple[dict[str, str], Any]] = {
+    "ec_daemon_namespace": ({"ec_daemon_namespace": "team-b"}, None),
+    "hf_overrides": ({}, _hf_overrides),
+    "mm_processor_kwargs": ({}, _processor),
+    "quantization": ({}, _quantization),
+    "model_impl": ({}, _model_impl),
+}
+
+
+@pytest.mark.parametrize("change", sorted(DEPLOYMENT_CHANGES))
+def test_without_a_model_identity_deployments_apart_locally_are_apart_in_the_store(tiny_model,
+                                                                                    change):
+    extra, mutate = DEPLOYMENT_CHANGES[change]
+    base = h.make_config(tiny_model, NOWHERE)
+    other = h.make_config(tiny_model, NOWHERE, **extra)
+    if mutate is not None:
+        mutate(other)
+    assert layout_of(base).variant != layout_of(other, extra.get("ec_daemon_namespace", "")).variant
+    # vLLM's namespace is the same for both: ec-daemon's must not be.
+    assert build_embedding_namespace(base) == build_embedding_namespace(other)
+    assert store_namespace(base) != store_namespace(other)
+    assert store_namespace(base) == store_namespace(h.make_config(tiny_model, NOWHERE))
+
+
+@pytest.mark.parametrize("change", sorted(DEPLOYMENT_CHANGES))
+def test_with_a_model_identity_the_operator_vouches_for_the_deployment(tiny_model, change):
+    """vLLM's keys, exactly: what they do not name, the identity covers."""
+    extra, mutate = DEPLOYMENT_CHANGES[change]
+    base = h.make_config(tiny_model, NOWHERE, **IDENTITY)
+    other = h.make_config(tiny_model, NOWHERE, **IDENTITY, **extra)
+    if mutate is not None:
+        mutate(other)
+    assert store_namespace(base) == store_namespace(other) == build_embedding_namespace(other)
 
 
 # ---------------------------------------------------------------- values
