@@ -40,7 +40,7 @@ from ec_client.scheduler import SchedulerDelegate
 from ec_client.settings import ConnectorSettings
 from ec_client.vllm_connector import layout_of
 from ec_client.worker import WorkerDelegate
-from ec_protocol.protocol import Layout
+from ec_protocol.protocol import Layout, store_namespace_problem
 from tests import mooncake_servers
 from tests.integration.daemon import Daemon
 from tests.integration.engines import ensure_within, wait_until
@@ -95,6 +95,37 @@ def test_without_a_model_identity_the_store_namespace_names_the_weights(tiny_mod
     assert additions is not None, ours
     assert re.fullmatch(rf"{re.escape(weights)}#layout=[0-9a-f]{{16}}", additions[1])
     assert ours.replace(additions[1], "", 1) == theirs
+
+
+@pytest.mark.parametrize("name", ["/models/My Models/paligemma", "/models/模型/paligemma",
+                                  "/models/a@id:b/paligemma", "/models/a#weights=x"])
+def test_without_a_model_identity_any_model_path_makes_a_namespace_the_daemon_takes(tiny_model,
+                                                                                    name):
+    """The daemon takes printable ASCII without whitespace and without
+    "@id:" (`store_namespace_problem`): ec-daemon's own model name escapes
+    the path (these keys are never vLLM's), so every engine attaches."""
+    config = h.make_config(tiny_model, NOWHERE)
+    config.model_config.model = name
+    ours = store_namespace(config)
+    assert store_namespace_problem(ours) is None, ours
+    other = h.make_config(tiny_model, NOWHERE)
+    other.model_config.model = name.replace("paligemma", "paligemma2")
+    assert store_namespace(other) != ours
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"embedding_model_identity": "tiny paligemma"}, "' ' at"),
+    ({**IDENTITY, "embedding_cache_prefix": "fleet@id:a"}, "'@id:'"),
+    ({**IDENTITY, "embedding_cache_prefix": "x" * 1024}, "longer than 1024"),
+], ids=["space", "id-marker", "too-long"])
+def test_a_store_namespace_the_daemon_would_refuse_stops_the_connector(tiny_model, extra,
+                                                                       refused):
+    """vLLM's keys are the operator's to choose; one the daemon would refuse
+    at every attach is said at start, naming the keys."""
+    config = h.make_config(tiny_model, NOWHERE, **extra)
+    with pytest.raises(ValueError, match="embedding_model_identity") as info:
+        store_namespace(config)
+    assert refused in str(info.value)
 
 
 # What changes the encoder output besides the weights, and is not in vLLM's
