@@ -101,11 +101,17 @@ KEYS: tuple[Key, ...] = (
         "pinned (Nix store, `SOURCE_DATE_EPOCH` builds) or differ between hosts that should "
         "share"),
     Key("embedding_model_identity", "store_model_identity", str, "",
-        '`""` (the model, with its weights\' identity)',
+        '`""` (the model, with its weights\' identity and a digest of its layout)',
         "vLLM's own key, read the same way: the model's name in the keys of a Mooncake "
         "second tier shared with vLLM's `MooncakeECConnector` (`cross_encoder_cache`). Set "
         "the same value on both to share entries with it; unset, the keys also name the "
-        "weights' identity and are shared among ec-daemon hosts only"),
+        "weights' identity and a digest of everything else the local layout tells apart "
+        "(quantization, `ec_daemon_namespace`, processor and media options, `hf_overrides`, "
+        "config path, code revision, model implementation, load format), and are shared "
+        "among ec-daemon hosts with the same layout only. Set, the keys are vLLM's, which "
+        "name none of those nor the weights: you vouch that every engine given the same "
+        "value encodes alike (same checkpoint and all of the above), so change it with "
+        "every new checkpoint or any of those"),
     Key("embedding_cache_prefix", "store_prefix", str, "", '`""`',
         "vLLM's own key, read the same way: a prefix of those keys"),
     Key("ec_daemon_token_file", "token_file", _optional_path, None, "`$EC_DAEMON_TOKEN_FILE`",

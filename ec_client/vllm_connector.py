@@ -42,11 +42,13 @@ instead, and the loads restore it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -61,7 +63,14 @@ from ec_client.contract import StepMetadata
 from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
 from ec_client.settings import ConnectorSettings
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
-from ec_protocol.protocol import BOTH, CONSUMER, PRODUCER, Layout, Role
+from ec_protocol.protocol import (
+    BOTH,
+    CONSUMER,
+    PRODUCER,
+    Layout,
+    Role,
+    store_namespace_problem,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,7 +158,8 @@ def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = ""
     encoder = encoder_digest(encoder_config_of(vllm_config))
     variant = "|".join(str(v) for v in (model.revision or "", model.quantization or "",
                                         namespace, f"w={weights}", f"mm={encoder}") if v)
-    shared = store_namespace(vllm_config, weights, settings) if settings is not None else ""
+    shared = store_namespace(vllm_config, weights, variant, settings) if settings is not None \
+        else ""
     return Layout(model=str(model.model), dtype=dtype, row_bytes={"embeds": width},
                   variant=variant, store_namespace=shared)
 
@@ -158,23 +168,52 @@ def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = ""
 # mooncake_store_embedding.data.EMBEDDING_CACHE_KEY_VERSION): the value format
 # ec_daemon.remote.mooncake reads and writes.
 STORE_KEY_VERSION = "v3"
+# What of a model's path or hub id stays as it is in ec-daemon's own model
+# name in store keys; the rest is %-escaped (whitespace, non-ASCII, "@", "#"
+# and "%" among them), so the name never holds "@id:" nor our "#weights=".
+MODEL_NAME_SAFE = "/:._-~+=,"
 
 
-def store_namespace(vllm_config: VllmConfig, weights: str, settings: ConnectorSettings) -> str:
+def store_namespace(vllm_config: VllmConfig, weights: str, variant: str,
+                    settings: ConnectorSettings) -> str:
     """The engine's namespace in a Mooncake store shared with vLLM's own
     connector, built as vLLM's `build_embedding_namespace` builds it: model
     identity, revision, the multimodal config's hash, dtype, key version.
-    vLLM names the model by `embedding_model_identity`, else its path or
-    hub id, which is not the weights; ec-daemon adds the weights' identity
-    unless `embedding_model_identity` is set (the operator then vouches for
-    it, on every engine sharing the keys)."""
+
+    vLLM names the model by `embedding_model_identity`, else its path or hub
+    id, which is neither the weights nor the rest of what ec-daemon's local
+    layout tells apart (`variant`: quantization, `ec_daemon_namespace`,
+    processor and media options, config overrides, code, loader;
+    `encoder_config_of`). Unless `embedding_model_identity` is set, ec-daemon
+    names the model as `<model>#weights=<weights>#layout=<digest of variant>`,
+    so two deployments share store keys exactly when they share a local
+    layout (such keys are never vLLM's; the model's path is %-escaped in
+    them, as the daemon takes printable ASCII only). With
+    `embedding_model_identity` set the keys are vLLM's: the operator vouches
+    that every engine sharing the identity encodes alike.
+
+    Raises ValueError for a namespace the daemon would refuse at every
+    attach (`store_namespace_problem`)."""
     model = vllm_config.model_config
     mm = model.multimodal_config
     encoder_hash = mm.compute_hash() if mm is not None else "encoder:default"
-    identity = settings.store_model_identity or f"{model.model}#weights={weights}"
+    identity = settings.store_model_identity or (
+        f"{quote(str(model.model), safe=MODEL_NAME_SAFE)}#weights={weights}"
+        f"#layout={layout_digest(variant)}")
     prefix = f"{settings.store_prefix}@" if settings.store_prefix else ""
-    return (f"{prefix}embedding@model:{identity}@revision:{model.revision or 'default'}"
-            f"@encoder:{encoder_hash}@dtype:{model.dtype}@protocol:{STORE_KEY_VERSION}")
+    namespace = (f"{prefix}embedding@model:{identity}@revision:{model.revision or 'default'}"
+                 f"@encoder:{encoder_hash}@dtype:{model.dtype}@protocol:{STORE_KEY_VERSION}")
+    problem = store_namespace_problem(namespace)
+    if problem is not None:
+        raise ValueError(f"the Mooncake store namespace built from embedding_model_identity, "
+                         f"embedding_cache_prefix and the model's revision "
+                         f"({namespace[:200]!r}) would be refused by ec-daemon: {problem}")
+    return namespace
+
+
+def layout_digest(variant: str) -> str:
+    """A short, stable digest of a layout variant (16 hex digits)."""
+    return hashlib.sha256(variant.encode()).hexdigest()[:16]
 
 
 def encoder_config_of(vllm_config: VllmConfig) -> str:

@@ -60,7 +60,10 @@ class Making:
     holder: Session | None
     deadline: float
     waiters: list[Session] = field(default_factory=list)
-    # Being resolved by the second tier: the waiter not answered yet.
+    # Being resolved by the second tier (`Convergence.resolve`): it takes the
+    # resolution's outcome, and no other (see `resolved`).
+    resolving: bool = False
+    # The waiter whose answer waits for the resolution, if it still wants one.
     unanswered: Session | None = None
 
 
@@ -105,10 +108,17 @@ class Convergence:
         """The second tier resolved `key` (`remote.tier.Outcome`'s value):
         "found" (promote `nbytes`), "elsewhere" (another host encodes: wait
         for its value, "found" or a final outcome follows), anything else:
-        an engine here encodes."""
+        an engine here encodes.
+
+        Only a Making being resolved takes an outcome: one that outlived its
+        Making (made meanwhile, handed over past its bound, released) must
+        not start a second promotion, or an encode, for a later Making of the
+        same key. (Resolutions are known by key alone: a later Making's own
+        resolution may be the one that lands; either answers it, once.)"""
         making = self.making.get(key)
-        if making is None or making.holder is not None or making.kind is not Verdict.PROMOTING:
-            return  # (made meanwhile, or handed over past its bound)
+        if making is None or not making.resolving:
+            return
+        making.resolving = outcome == "elsewhere"  # (its value, or the end of its claim, follows)
         first, making.unanswered = making.unanswered, None
         if outcome == "found" and nbytes is not None and nbytes <= self.cache.capacity_bytes:
             making.deadline = self.clock() + self.promote_seconds
@@ -151,6 +161,8 @@ class Convergence:
                 self._hand_over(key, making, "its engine no longer needs it")
             elif session in making.waiters:
                 making.waiters.remove(session)
+            if making.unanswered is session:  # (it no longer wants the answer)
+                making.unanswered = None
 
     def step_aside(self, session: Session, mm_hashes: Iterable[str]) -> None:
         """`session`'s engine did not run the requests it claimed these items
@@ -248,7 +260,7 @@ class Convergence:
             return Verdict.PROMOTING
         if self.resolve is not None and self.resolve(key, session.can_save):
             self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
-                                      [session], unanswered=session)
+                                      [session], resolving=True, unanswered=session)
             return None
         if session.can_save:
             self.making[key] = Making(Verdict.ENCODING, session, now + self.claim_seconds)

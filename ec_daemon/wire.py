@@ -37,11 +37,17 @@ from ec_daemon.limits import DTYPE_RE
 from ec_daemon.records import Entry, State
 from ec_daemon.stats import Snapshot
 from ec_daemon.watch import Event, Kind
-from ec_protocol.protocol import MAX_BATCH, ROLE_NAMES, ROLES, WORKER, pb
+from ec_protocol.protocol import (
+    MAX_BATCH,
+    ROLE_NAMES,
+    ROLES,
+    WORKER,
+    pb,
+    store_namespace_problem,
+)
 
 MAX_ID_CHARS = 256
 MAX_MODEL_CHARS = 512
-MAX_STORE_NAMESPACE_CHARS = 2048
 MAX_WORLD_SIZE = 4096
 U64_MAX = 2**64 - 1
 
@@ -118,10 +124,10 @@ def attach_fields(request: Any) -> dict[str, Any]:
 
 
 def _store_namespace(value: str) -> str:
-    text = _text(value, "store_namespace", MAX_STORE_NAMESPACE_CHARS, required=False)
-    if any(not c.isprintable() for c in text):
-        raise InvalidArgument("store_namespace must be printable text")
-    return text
+    problem = store_namespace_problem(value)
+    if problem is not None:
+        raise InvalidArgument(problem)
+    return value
 
 
 def batch(values: Any, what: str) -> list[Any]:

@@ -35,6 +35,11 @@ PROTOCOL_VERSION = 3
 MAX_BATCH = 4096
 SOCKET_ENV = "EC_DAEMON_SOCKET"
 
+# AttachRequest.store_namespace: the engine's namespace in a store shared
+# with vLLM's own connector, whose keys are "<store_namespace>@id:<mm_hash>".
+MAX_STORE_NAMESPACE_CHARS = 1024
+STORE_KEY_MARKER = "@id:"
+
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 # What an engine does with the cache (AttachRequest.role), by the one name
@@ -60,6 +65,7 @@ __all__ = [
     "CONSUMER",
     "LOADING_ROLES",
     "MAX_BATCH",
+    "MAX_STORE_NAMESPACE_CHARS",
     "PRODUCER",
     "PROTOCOL_VERSION",
     "RETRYABLE",
@@ -68,6 +74,7 @@ __all__ = [
     "SAVING_ROLES",
     "SCHEDULER",
     "SOCKET_ENV",
+    "STORE_KEY_MARKER",
     "WORKER",
     "Component",
     "Layout",
@@ -76,6 +83,7 @@ __all__ = [
     "grpc_target",
     "pb",
     "rpc",
+    "store_namespace_problem",
 ]
 
 
@@ -114,6 +122,24 @@ def grpc_target(uri: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"invalid socket {uri!r}: use unix:///path/to.sock or host:port")
     return address
+
+
+def store_namespace_problem(value: str) -> str | None:
+    """Why the daemon refuses `value` as a store namespace, or None. Printable
+    ASCII without whitespace (what vLLM's namespaces are made of: letters,
+    digits, `@:/.-_#=`...), at most MAX_STORE_NAMESPACE_CHARS, and never
+    STORE_KEY_MARKER: namespace "a@id:b"'s key of item "c" would be namespace
+    "a"'s key of item "b@id:c"."""
+    if len(value) > MAX_STORE_NAMESPACE_CHARS:
+        return f"store_namespace is longer than {MAX_STORE_NAMESPACE_CHARS} characters"
+    for at, char in enumerate(value):
+        if not "!" <= char <= "~":
+            return (f"store_namespace must be printable ASCII without whitespace, "
+                    f"got {char!a} at {at}")
+    if STORE_KEY_MARKER in value:
+        return (f"store_namespace must not contain {STORE_KEY_MARKER!r} (its keys would be "
+                f"those of another namespace)")
+    return None
 
 
 class Layout:

@@ -17,10 +17,11 @@ MiB = 1 << 20
 
 
 def attach(stub: Any, layout: Layout, *, engine: str = "E", role: int = pb.ROLE_BOTH,
-           rank: int | None = 0, world: int = 1, version: int = PROTOCOL_VERSION) -> Any:
+           rank: int | None = 0, world: int = 1, version: int = PROTOCOL_VERSION,
+           store_namespace: str = "") -> Any:
     """Attach a worker rank (or, with rank=None, a scheduler side)."""
     request = pb.AttachRequest(protocol_version=version, engine_id=engine, role=role,
-                               layout=layout.to_pb())
+                               layout=layout.to_pb(), store_namespace=store_namespace)
     if rank is None:
         request.scheduler.SetInParent()
     else:

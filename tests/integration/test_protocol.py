@@ -59,6 +59,41 @@ def test_attach_validation(daemon):
     assert reply.lease_ms == 10_000 and 0 < reply.heartbeat_ms <= reply.lease_ms // 5
 
 
+# vLLM's store namespace (ec_client.vllm_connector.store_namespace), as sent.
+STORE_NAMESPACE = ("fleet-a@embedding@model:/models/paligemma#weights=60eef318ec4b0c9f"
+                   "#layout=0123456789abcdef@revision:default@encoder:9718b4d8@"
+                   "dtype:torch.bfloat16@protocol:v3")
+
+
+BAD_CHARACTER = "store_namespace must be printable ASCII without whitespace, got {} at 17"
+
+
+@pytest.mark.parametrize(("store_namespace", "message"), [
+    ("x" * 1025, "store_namespace is longer than 1024 characters"),
+    ("embedding@model:m name", BAD_CHARACTER.format("' '")),
+    ("embedding@model:m\tx", BAD_CHARACTER.format("'\\t'")),
+    ("embedding@model:m\u00e9", BAD_CHARACTER.format("'\\xe9'")),
+    ("embedding@model:m\x00", BAD_CHARACTER.format("'\\x00'")),
+    # Keys are "<store_namespace>@id:<mm_hash>": this namespace's key of item
+    # "x" would be namespace "embedding@model:m"'s key of item "h@id:x".
+    ("embedding@model:m@id:h", "store_namespace must not contain '@id:' (its keys would be "
+                               "those of another namespace)"),
+], ids=["too-long", "space", "tab", "non-ascii", "nul", "id-marker"])
+def test_a_bad_store_namespace_is_refused_precisely(daemon, store_namespace, message):
+    with pytest.raises(grpc.RpcError) as info:
+        attach(daemon.stub, store_namespace=store_namespace)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == message
+    assert daemon.stats()["sessions"] == 0
+
+
+def test_a_store_namespace_as_vllm_builds_it_is_taken(daemon):
+    longest = "x" * 1024
+    for store_namespace in ("", STORE_NAMESPACE, longest):
+        attach(daemon.stub, store_namespace=store_namespace)
+    assert daemon.stats()["sessions"] == 3
+
+
 def test_bad_saves_get_precise_codes_and_change_nothing(daemon):
     stub = daemon.stub
     writer = attach(stub).session_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ec_daemon.convergence import Convergence
 from ec_daemon.events import AnswerEvent, Verdict
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
@@ -298,3 +300,58 @@ def test_a_consumer_only_engine_never_claims_across_hosts():
     drain(c)
     conv.want(c, ["img"])
     assert asked == [(("ns", "img"), False)]
+
+
+def test_a_stale_resolution_does_not_answer_a_later_making_of_the_same_key():
+    """A resolution that outlived its Making (expired, handed over,
+    released) must not land on a new Making of the same key as well as that
+    Making's own resolution: two promotions of one key (or an ENCODE for a
+    key another host is making). A Making takes one outcome, only while it
+    is being resolved."""
+    clock, cache, conv, started, asked = resolving_setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    drain(a), drain(b)
+    conv.want(a, ["img"])  # resolution 1 (a slow store: past the promotion bound)
+    clock.now += 11
+    conv.expire()
+    assert answers(a) == {"img": Verdict.ENCODE}
+    conv.release(a, ["img"])  # its request was aborted
+    assert ("ns", "img") not in conv.making
+    conv.want(b, ["img"])  # resolution 2
+    assert len(asked) == 2
+    conv.resolved(("ns", "img"), "found", 4096)  # resolution 1's answer, late
+    conv.resolved(("ns", "img"), "found", 4096)  # resolution 2's
+    assert len(started) == 1, started
+
+
+def test_an_item_another_host_claimed_is_promoted_when_its_value_appears():
+    """"elsewhere" is not the resolution's last word: the value (or the end
+    of the claim) follows, and is taken."""
+    _, cache, conv, started, _ = resolving_setup()
+    a = scheduler(cache, "A")
+    drain(a)
+    conv.want(a, ["img"])
+    conv.resolved(("ns", "img"), "elsewhere")
+    assert answers(a) == {"img": Verdict.PROMOTING}
+    conv.resolved(("ns", "img"), "found", 4096)
+    assert started == [(("ns", "img"), 4096)] and answers(a) == {}
+    conv.resolved(("ns", "img"), "found", 4096)  # (nothing more of that resolution)
+    assert len(started) == 1
+
+
+@pytest.mark.parametrize(("outcome", "b_told"), [
+    ("found", {}),  # B was told PROMOTING when it asked
+    ("elsewhere", {}),
+    ("claimed", {"img": Verdict.ENCODE}),  # the claim passes to B
+], ids=["found", "elsewhere", "claimed"])
+def test_an_engine_that_released_an_item_being_resolved_is_not_answered(outcome, b_told):
+    _, cache, conv, _, _ = resolving_setup()
+    a, b = scheduler(cache, "A"), scheduler(cache, "B")
+    drain(a), drain(b)
+    conv.want(a, ["img"])  # resolving: A's answer waits for it
+    conv.want(b, ["img"])
+    assert answers(b) == {"img": Verdict.PROMOTING}
+    conv.release(a, ["img"])  # A's request was aborted meanwhile
+    conv.resolved(("ns", "img"), outcome, 4096)
+    assert answers(a) == {}
+    assert answers(b) == b_told
