@@ -146,13 +146,15 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
                  pause_after: int = 0, copy_backend: str = "cpu",
                  env: dict[str, str] | None = None, wait_start: bool = False,
                  max_defer_seconds: float = 0, connector: str = "",
-                 hold_end: bool = False, core: int | None = None) -> Engine:
+                 hold_end: bool = False, core: int | None = None,
+                 extra_config: dict[str, Any] | None = None) -> Engine:
     """`wait_start`: the engine prints STARTED once built and waits for a
     line on stdin before its first request; `hold_end`: it waits for one
     after its RESULT before it shuts down. `core`: the engine's processes run
     on that core only, its forward passes on one OpenMP thread (engines that
     run at once then cannot starve each other's forward passes; their
-    numerics are a one-thread engine's)."""
+    numerics are a one-thread engine's). `extra_config`: more keys of the
+    connector's extra config (e.g. embedding_model_identity)."""
     args = [sys.executable, "-m", "tests.vllm.engine_run", str(model),
             "--images", ",".join(map(str, images)), "--role", role,
             "--copy-backend", copy_backend]
@@ -171,6 +173,8 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--max-defer-seconds", str(max_defer_seconds)]
     if connector:
         args += ["--connector", connector]
+    if extra_config:
+        args += ["--extra-config", json.dumps(extra_config)]
     before = _shm_names()
     return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -2,7 +2,7 @@
 
     python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
         --role ec_both --copy-backend cpu --connector MODULE:CLASS
-        --max-defer-seconds S] [--pause-after N]
+        --max-defer-seconds S --extra-config JSON] [--pause-after N]
         [--wait-start] [--hold-end]
 
 Generates greedily for each image seed in turn, one request at a time (the
@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--wait-start", action="store_true")
     parser.add_argument("--hold-end", action="store_true")
     parser.add_argument("--max-defer-seconds", type=float, default=0)
+    parser.add_argument("--extra-config", default="",
+                        help="JSON object: more keys of the connector's extra config")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -64,6 +66,9 @@ def main() -> int:
         if args.max_defer_seconds:
             extra["ec_transfer_config"]["ec_connector_extra_config"][
                 "ec_daemon_max_defer_s"] = args.max_defer_seconds
+        if args.extra_config:
+            extra["ec_transfer_config"]["ec_connector_extra_config"].update(
+                json.loads(args.extra_config))
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=128, max_num_seqs=4, limit_mm_per_prompt={"image": 1}, seed=0,
               **extra)
