@@ -19,7 +19,12 @@ process tree, printed as tables and written to results/bench-<time>.json.
    (benchmarks/warm_restart.py);
 10. the daemon's CPU per stored 1 MiB save, two worker processes saving
    through WorkerDelegate as fast as they can: Allocate and Report calls
-   (the baseline) vs saves on the session stream (benchmarks/saves.py).
+   (the baseline) vs saves on the session stream (benchmarks/saves.py);
+11. the second tier on Mooncake Store (a local mooncake_master and a store
+   node): a promotion vs a raw get_into of the same bytes (and the Redis
+   tier's promotion beside it), saves and hits with the tier on vs off, the
+   daemon's CPU per published 1 MiB, promotion end to end through two
+   daemons on Mooncake and on Redis (benchmarks/mooncake_tier.py).
 `--quick` shrinks every benchmark (a couple of minutes in all) to check that
 they run; its numbers are not results. This machine is noisy: ratios hold,
 absolute times do not.
@@ -38,10 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import concurrency, micro, remote, saves, tier, warm_restart
+from benchmarks import concurrency, micro, mooncake_tier, remote, saves, tier, warm_restart
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
+SECTIONS = 11
 
 
 class Sizes:
@@ -180,6 +186,12 @@ TARGETS: list[tuple[str, str, float, Check]] = [
     ("daemon CPU per stored 1 MiB save, on the session stream (ms)", "max", 0.1,
      lambda r: [row["daemon_cpu_ms_per_save"] for row in r.get("saves", [])
                 if row["path"] == "stream"]),
+    ("promotion through the Mooncake tier / raw get_into, 1-32 MiB", "min", 0.9,
+     lambda r: [row["promote_ratio"] for row in r.get("mooncake_promotion", [])]),
+    ("saves and hits, Mooncake tier on / off", "min", 0.95,
+     lambda r: [row["ratio"] for row in r.get("mooncake_saves", [])]),
+    ("daemon CPU per published 1 MiB, Mooncake tier (ms)", "max", 0.1,
+     lambda r: [row["daemon_cpu_ms_per_mib"] for row in r.get("mooncake_cpu", [])]),
     ("saves through the daemon, warm restart on / off", "min", 0.95,
      lambda r: [r["warm"]["daemon_saves"]["ratio"]] if "warm" in r else []),
     ("seconds from a restarted daemon's start to an engine's hit, 100k entries", "max", 1.0,
@@ -210,13 +222,13 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ main
 
 def _sections(value: str) -> set[int]:
-    """`--only`: section numbers, comma-separated, each 1-10."""
+    """`--only`: section numbers, comma-separated, each 1-11."""
     try:
         numbers = {int(part) for part in value.split(",") if part.strip()}
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of section numbers: {value!r}") from None
-    if not numbers or not numbers <= set(range(1, 11)):
-        raise argparse.ArgumentTypeError(f"sections are 1-10, got {value!r}")
+    if not numbers or not numbers <= set(range(1, SECTIONS + 1)):
+        raise argparse.ArgumentTypeError(f"sections are 1-{SECTIONS}, got {value!r}")
     return numbers
 
 
@@ -228,52 +240,58 @@ def main() -> None:
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="shrink every benchmark: checks they run, measures nothing")
-    parser.add_argument("--only", type=_sections, default=set(range(1, 11)), metavar="N,N",
-                        help="run only these sections (1-10), e.g. --only 1,6,10")
+    parser.add_argument("--only", type=_sections, default=set(range(1, SECTIONS + 1)),
+                        metavar="N,N", help=f"run only these sections (1-{SECTIONS}), "
+                        "e.g. --only 1,6,10")
     args = parser.parse_args()
     run = args.only.__contains__
     sizes = Sizes(args.quick)
     started = time.monotonic()
     results: dict[str, Any] = {"quick": args.quick}
     if run(1):
-        print(">> 1/10 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
+        print(">> 1/11 scheduler step: ECDaemonConnector vs vLLM's ECCPUScheduler", flush=True)
         results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
             args.vllm_python, args.torchvision, sizes.upstream_scale)
     if run(2):
-        print(">> 2/10 copy throughput", flush=True)
+        print(">> 2/11 copy throughput", flush=True)
         results["copy"] = micro.copy_throughput(sizes.copy_sizes)
     if run(3):
-        print(">> 3/10 stamp check", flush=True)
+        print(">> 3/11 stamp check", flush=True)
         results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
     if run(4):
-        print(">> 4/10 allocator quality", flush=True)
+        print(">> 4/11 allocator quality", flush=True)
         results["allocator"] = micro.allocator_quality(**sizes.allocator)
     if run(5):
-        print(">> 5/10 start-up", flush=True)
+        print(">> 5/11 start-up", flush=True)
         results["startup"] = micro.startup(**sizes.startup)
     if run(6):
-        print(f">> 6/10 eight engines at 100 steps/s (three mixes), then sixteen "
+        print(f">> 6/11 eight engines at 100 steps/s (three mixes), then sixteen "
               f"({sizes.concurrency_seconds:g} s each)", flush=True)
         results["concurrency"] = with_floor(concurrency.run_all(sizes.concurrency_seconds))
     if run(7):
-        print(">> 7/10 memory, and one eviction round published to 1 vs 200 watchers",
+        print(">> 7/11 memory, and one eviction round published to 1 vs 200 watchers",
               flush=True)
         results["memory"] = micro.memory(sizes.memory_entries)
         results["watchers"] = micro.watcher_fanout(repeat=sizes.watcher_repeat)
     if run(8):
-        print(">> 8/10 second tier (a local redis-server)", flush=True)
+        print(">> 8/11 second tier (a local redis-server)", flush=True)
         results["remote"] = remote.measure(quick=args.quick)
         results["tier"] = tier.measure(args.quick)
         results["publish_cpu"] = tier.publish_cpu(args.quick)
         results["promotion"] = tier.promotion_latency(args.quick)
     if run(9):
-        print(">> 9/10 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
+        print(">> 9/11 warm restart (adoption up to 1M entries, two daemons, kill -9 around "
               "an engine: a few minutes)", flush=True)
         results["warm"] = warm_restart.measure(args.quick)
     if run(10):
-        print(f">> 10/10 daemon CPU per save: 2 workers x {sizes.saves_each} saves of 1 MiB, "
+        print(f">> 10/11 daemon CPU per save: 2 workers x {sizes.saves_each} saves of 1 MiB, "
               "unary calls vs the session stream", flush=True)
         results["saves"] = saves.measure(sizes.saves_each)
+    if run(11):
+        print(">> 11/11 second tier on Mooncake Store (a local mooncake_master and store node)",
+              flush=True)
+        for part, run_part in mooncake_tier.PARTS.items():
+            results[f"mooncake_{part}"] = run_part(args.quick)
     results["targets"] = check_targets(results)
     results["seconds"] = time.monotonic() - started
 
@@ -358,6 +376,11 @@ def main() -> None:
                     "can (ratio = vs unary calls; msgs = stream messages sent per save)",
                     results["saves"], saves.COLUMNS))
         print()
+    for part in mooncake_tier.PARTS:
+        if f"mooncake_{part}" in results:
+            print(table(mooncake_tier.TITLES[part], results[f"mooncake_{part}"],
+                        mooncake_tier.COLUMNS[part]))
+            print()
     for number, name in ((4, "allocator"), (5, "startup"), (7, "memory")):
         if name not in results:
             continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,19 @@ MiB = 1 << 20
 
 
 class _Host:
-    def __init__(self, remote: str) -> None:
+    def __init__(self, remote: str, layout: Any = None) -> None:
+        """`layout`: the engines' (tests.integration.engines.LAYOUT unless given)."""
         from ec_client.scheduler import SchedulerDelegate
         from ec_client.worker import WorkerDelegate
         from tests.integration.daemon import Daemon
         from tests.integration.engines import LAYOUT
 
+        layout = layout or LAYOUT
         extra = ("--remote", remote) if remote else ()
         self.daemon = Daemon(cpu_bytes="512MiB", extra=extra, check_invariants=False).start()
         self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id="bench",
-                                           layout=LAYOUT)
-        self.worker = WorkerDelegate(self.daemon.socket, engine_id="bench", layout=LAYOUT)
+                                           layout=layout)
+        self.worker = WorkerDelegate(self.daemon.socket, engine_id="bench", layout=layout)
         for d in (self.scheduler, self.worker):
             assert d.link.wait_attached(30), d.link.last_error
         self.saved = 0
@@ -83,9 +86,7 @@ class _Host:
 def measure(quick: bool = False) -> list[dict[str, Any]]:
     from tests.redis_servers import single_node
 
-    rounds, saves, steps = (2, 20, 500) if quick else (5, 100, 5000)
     data = np.random.default_rng(0).integers(0, 256, (MiB // 2048, 2048), dtype=np.uint8)
-    keys = [f"hit-{i}" for i in range(8)]
     with single_node() as server:
         # The store is another machine's work in a fleet: its server runs
         # here at the lowest priority, so it takes only idle cycles.
@@ -93,29 +94,37 @@ def measure(quick: bool = False) -> list[dict[str, Any]]:
         os.setpriority(os.PRIO_PROCESS, server.pid, 19)
         hosts = {"off": _Host(""), "on": _Host(server.url)}
         try:
-            for host in hosts.values():
-                for key in keys:
-                    assert host.worker.save(key, data)
-                assert host.worker.flush(60)
-                deadline = time.monotonic() + 30
-                while not all(host.scheduler.view.get(k) for k in keys):
-                    assert time.monotonic() < deadline, "the hits never reached the view"
-                    time.sleep(0.01)
-            best: dict[tuple[str, str], float] = {}
-            for _ in range(rounds):
-                for name, host in hosts.items():
-                    value = host.saves(saves, data)
-                    best[name, "saves"] = max(best.get((name, "saves"), 0.0), value)
-                # Publishing is write-behind: let it finish before the hits,
-                # so they do not share two cores with it (saves already did).
-                hosts["on"].drained()
-                for name, host in hosts.items():
-                    value = host.hit_steps(keys, steps)
-                    best[name, "hits"] = max(best.get((name, "hits"), 0.0), value)
-            published = hosts["on"].daemon.stats()["remote_tier"]["publishes"]
+            return saves_and_hits(hosts, data, quick)
         finally:
             for host in hosts.values():
                 host.close()
+
+
+def saves_and_hits(hosts: dict[str, _Host], data: Any, quick: bool) -> list[dict[str, Any]]:
+    """Rounds of saves then hit steps on hosts "off" and "on", alternated;
+    the best round of each."""
+    rounds, saves, steps = (2, 20, 500) if quick else (5, 100, 5000)
+    keys = [f"hit-{i}" for i in range(8)]
+    for host in hosts.values():
+        for key in keys:
+            assert host.worker.save(key, data)
+        assert host.worker.flush(60)
+        deadline = time.monotonic() + 30
+        while not all(host.scheduler.view.get(k) for k in keys):
+            assert time.monotonic() < deadline, "the hits never reached the view"
+            time.sleep(0.01)
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(rounds):
+        for name, host in hosts.items():
+            value = host.saves(saves, data)
+            best[name, "saves"] = max(best.get((name, "saves"), 0.0), value)
+        # Publishing is write-behind: let it finish before the hits,
+        # so they do not share two cores with it (saves already did).
+        hosts["on"].drained()
+        for name, host in hosts.items():
+            value = host.hit_steps(keys, steps)
+            best[name, "hits"] = max(best.get((name, "hits"), 0.0), value)
+    published = hosts["on"].daemon.stats()["remote_tier"]["publishes"]
     return [{"what": "saves/s (1 MiB)", "off": best["off", "saves"], "on": best["on", "saves"],
              "ratio": best["on", "saves"] / best["off", "saves"], "published": published},
             {"what": "hit steps/s (8 hits)", "off": best["off", "hits"],
@@ -143,10 +152,8 @@ def publish_cpu(quick: bool = False) -> list[dict[str, Any]]:
     the redis-server, not the daemon); the least CPU of each over the rounds,
     per announcement with the tier, per save without."""
     from ec_daemon.remote.store import INDEX_SHARDS, index_key
-    from ec_daemon.remote.tier import PUBLISHER_NICE
     from tests.redis_servers import single_node
 
-    rounds, saves = (2, 100) if quick else (3, 300)
     data = np.random.default_rng(1).integers(0, 256, (MiB // 2048, 2048), dtype=np.uint8)
     with single_node() as server:
         assert server.pid is not None
@@ -159,37 +166,48 @@ def publish_cpu(quick: bool = False) -> list[dict[str, Any]]:
                 pipe.xlen(index_key(k))
             return sum(pipe.execute())
 
-        def published(count: int) -> None:
-            """Until `count` announcements, or none for a second (dropped or skipped)."""
-            last, quiet_since = announced(), time.monotonic()
-            while last < count and time.monotonic() - quiet_since < 1.0:
-                time.sleep(0.02)
-                now = announced()
-                if now != last:
-                    last, quiet_since = now, time.monotonic()
-
         hosts = {"off": _Host(""), "on": _Host(server.url)}
         try:
-            best: dict[str, float] = {}
-            for _ in range(rounds):
-                for name, host in hosts.items():
-                    assert host.daemon.proc is not None
-                    pid = host.daemon.proc.pid
-                    before = _cpu_s(pid), _cpu_s(pid, PUBLISHER_NICE), announced()
-                    for _ in range(saves // 100):  # (within the worker's save queue)
-                        host.saves(100, data)
-                        if name == "on":
-                            published(announced() + 100)
-                    after = _cpu_s(pid), _cpu_s(pid, PUBLISHER_NICE), announced()
-                    count = after[2] - before[2] if name == "on" else saves
-                    for what, spent in ((name, after[0] - before[0]),
-                                        (f"{name} publisher", after[1] - before[1])):
-                        best[what] = min(best.get(what, float("inf")), spent / max(1, count))
-            publishes = hosts["on"].daemon.stats()["remote_tier"]["publishes"]
+            return cpu_rounds(hosts, data, quick, announced)
         finally:
             client.close()
             for host in hosts.values():
                 host.close()
+
+
+def cpu_rounds(hosts: dict[str, _Host], data: Any, quick: bool,
+               announced: Callable[[], int]) -> list[dict[str, Any]]:
+    """publish_cpu's rounds on hosts "off" and "on"; `announced()`: the
+    publications the store holds, asked of the store (not the daemon)."""
+    from ec_daemon.remote.tier import PUBLISHER_NICE
+
+    rounds, saves = (2, 100) if quick else (3, 300)
+
+    def published(count: int) -> None:
+        """Until `count` announcements, or none for a second (dropped or skipped)."""
+        last, quiet_since = announced(), time.monotonic()
+        while last < count and time.monotonic() - quiet_since < 1.0:
+            time.sleep(0.02)
+            now = announced()
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, host in hosts.items():
+            assert host.daemon.proc is not None
+            pid = host.daemon.proc.pid
+            before = _cpu_s(pid), _cpu_s(pid, PUBLISHER_NICE), announced()
+            for _ in range(saves // 100):  # (within the worker's save queue)
+                host.saves(100, data)
+                if name == "on":
+                    published(announced() + 100)
+            after = _cpu_s(pid), _cpu_s(pid, PUBLISHER_NICE), announced()
+            count = after[2] - before[2] if name == "on" else saves
+            for what, spent in ((name, after[0] - before[0]),
+                                (f"{name} publisher", after[1] - before[1])):
+                best[what] = min(best.get(what, float("inf")), spent / max(1, count))
+    publishes = hosts["on"].daemon.stats()["remote_tier"]["publishes"]
     return [{"what": "daemon CPU per published 1 MiB (ms)",
              "off_ms_per_save": best["off"] * 1e3, "on_ms_per_save": best["on"] * 1e3,
              "daemon_cpu_ms_per_mib": (best["on"] - best["off"]) * 1e3,
@@ -203,38 +221,47 @@ def promotion_latency(quick: bool = False) -> list[dict[str, Any]]:
     ready event). The time until `ensure` says yes, per entry size."""
     from tests.redis_servers import single_node
 
-    sizes = (MiB, 8 * MiB) if quick else (MiB, 8 * MiB, 32 * MiB)
-    repeat = 2 if quick else 5
-    rows = []
     with single_node() as server:
         assert server.pid is not None
         os.setpriority(os.PRIO_PROCESS, server.pid, 19)
         one, two = _Host(server.url), _Host(server.url)
         try:
-            for size in sizes:
-                data = np.random.default_rng(size).integers(0, 256, (size // 2048, 2048),
-                                                            dtype=np.uint8)
-                best = float("inf")
-                for i in range(repeat):
-                    key = f"promote-{size}-{i}"
-                    assert one.worker.save(key, data) and one.worker.flush(60)
-                    deadline = time.monotonic() + 60
-                    while two.daemon.stats()["remote_tier"]["index_entries"] < \
-                            len(rows) * repeat + i + 1:
-                        assert time.monotonic() < deadline, "never indexed"
-                        time.sleep(0.01)
-                    started = time.perf_counter()
-                    while not two.scheduler.ensure([key]):
-                        assert time.perf_counter() - started < 60, "never promoted"
-                        time.sleep(0.0002)
-                    best = min(best, time.perf_counter() - started)
-                    assert two.scheduler.has_item(key)
-                    two.scheduler.build_step_metadata()
-                rows.append({"MiB": size // MiB, "promote_ms": best * 1e3,
-                             "promote_gbps": size / best / 1e9})
+            return promotions(one, two, quick, lambda size: np.random.default_rng(size).integers(
+                0, 256, (size // 2048, 2048), dtype=np.uint8),
+                lambda count: two.daemon.stats()["remote_tier"]["index_entries"] >= count)
         finally:
             one.close()
             two.close()
+
+
+def promotions(one: _Host, two: _Host, quick: bool, data_of: Callable[[int], Any],
+               found: Callable[[int], bool]) -> list[dict[str, Any]]:
+    """promotion_latency's measure: `data_of(size)` an entry of `size`
+    bytes; `found(count)` whether host 2 can find the first `count` entries
+    host 1 saved (say so without asking the scheduler: a miss asked too
+    early is remembered)."""
+    sizes = (MiB, 8 * MiB) if quick else (MiB, 8 * MiB, 32 * MiB)
+    repeat = 2 if quick else 5
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        data = data_of(size)
+        best = float("inf")
+        for i in range(repeat):
+            key = f"promote-{size}-{i}"
+            assert one.worker.save(key, data) and one.worker.flush(60)
+            deadline = time.monotonic() + 60
+            while not found(len(rows) * repeat + i + 1):
+                assert time.monotonic() < deadline, "never found"
+                time.sleep(0.01)
+            started = time.perf_counter()
+            while not two.scheduler.ensure([key]):
+                assert time.perf_counter() - started < 60, "never promoted"
+                time.sleep(0.0002)
+            best = min(best, time.perf_counter() - started)
+            assert two.scheduler.has_item(key)
+            two.scheduler.build_step_metadata()
+        rows.append({"MiB": size // MiB, "promote_ms": best * 1e3,
+                     "promote_gbps": size / best / 1e9})
     return rows
 
 
