@@ -499,11 +499,40 @@ class MooncakeStore:
         return "stored"
 
     def head(self, store_namespace: str, mm_hash: str) -> Head | None:
-        """The value's shape, dtype and size (its header) and ec-daemon's
-        checksum beside it; None when absent. Raises values.BadValue for a
-        header that is not vLLM's format or disagrees with the checksum's."""
+        """The value's shape, dtype and size, and ec-daemon's checksum beside
+        it; None when absent. A value ec-daemon published is described by
+        its checksum's header, read alone (one store read: the value's own
+        header is checked against it when the value is read, `get_into`);
+        one vLLM wrote, by its header. (A checksum whose value was evicted
+        reads as a head; the value's read then finds nothing: a miss.)
+        Raises values.BadValue for a header that is not vLLM's format, or a
+        checksum beside a value that describes no value of that format or
+        names another key."""
         key = value_key(store_namespace, mm_hash)
         client, generation = self._ready()
+        with self._buffer(client, generation, values.MAX_HEADER_BYTES) as (buffer, address):
+            code = client.get_into(key + SIDECAR, address, values.MAX_HEADER_BYTES)
+            sidecar = bytes(buffer[:code]) if isinstance(code, int) and code >= 0 else None
+        refused: values.BadValue | None = None
+        if sidecar is None and code != OBJECT_NOT_FOUND:
+            size = client.get_size(key + SIDECAR) if code == -600 else None
+            if not (isinstance(size, int) and size > values.MAX_HEADER_BYTES):
+                if code == TRANSFER_FAIL:
+                    raise RemotePeerError(f"get {key}{SIDECAR}: {_error(code)}")
+                raise RemoteError(f"get {key}{SIDECAR}: {_error(code)}")
+            refused = values.BadValue(f"ec-daemon's header beside the value is {size} bytes: "
+                                      "malformed")
+        if sidecar is not None:
+            try:
+                stated, dtype, nbytes = _sidecar_fields(sidecar, store_namespace, mm_hash)
+                if not storable(stated, dtype) or not all(0 < d < 1 << 32 for d in stated) \
+                        or nbytes != stated[0] * stated[1] * ITEM_BYTES[dtype]:
+                    raise values.BadValue(f"ec-daemon's header says {dtype} {stated}, "
+                                          f"{nbytes} bytes: no value of vLLM's format")
+            except values.BadValue as exc:
+                refused = exc  # (once the value is known to be there: else a miss)
+            else:
+                return Head((int(stated[0]), int(stated[1])), dtype, nbytes, sidecar)
         with self._buffer(client, generation, HEADER.size) as (buffer, address):
             result = client.get_into_ranges([address], [[key]], [[[0]]], [[[0]]],
                                             [[[HEADER.size]]])
@@ -519,18 +548,9 @@ class MooncakeStore:
                 raise RemotePeerError(f"get {key} (header): {_error(code)}")
             raise RemoteError(f"get {key} (header): {_error(code)}")
         shape, dtype = _parse_header(header)
-        nbytes = shape[0] * shape[1] * ITEM_BYTES[dtype]
-        raw = client.get(key + SIDECAR)
-        if not raw and client.is_exist(key + SIDECAR) == 1:
-            # (get answers b"" for a failed read too: never taken for "no checksum")
-            raise RemotePeerError(f"get {key}{SIDECAR}: there, but unreadable")
-        sidecar = bytes(raw) if raw else None
-        if sidecar is not None:
-            stated = _sidecar_fields(sidecar, store_namespace, mm_hash)
-            if stated != (shape, dtype, nbytes):
-                raise values.BadValue(f"ec-daemon's header says {stated}, the value's "
-                                      f"{(shape, dtype, nbytes)}")
-        return Head(shape, dtype, nbytes, sidecar)
+        if refused is not None:
+            raise refused
+        return Head(shape, dtype, shape[0] * shape[1] * ITEM_BYTES[dtype], None)
 
     def get_into(self, store_namespace: str, mm_hash: str, head: Head,
                  extents: Sequence[tuple[int, int]]) -> bool:
@@ -562,7 +582,9 @@ class MooncakeStore:
                 raise RemotePeerError(f"get {key}: {_error(code)}")
             raise RemoteError(f"get {key}: {_error(code)}")
         if _parse_header(header) != (head.shape, head.dtype):
-            raise values.BadValue("the value was rewritten between its header and its read")
+            raise values.BadValue("the value's header is not the one its head described (the "
+                                  "value was rewritten between its header and its read, or "
+                                  "is not the value its checksum is of)")
         if head.sidecar is not None:
             values.decode([head.sidecar, *pages], namespace=store_namespace, mm_hash=mm_hash)
         return True

@@ -474,10 +474,14 @@ def _bad_values(mm_hash: str) -> dict[str, tuple[bytes, bytes | None, str, str]]
         "checksum of another namespace": (
             good, sidecar(mm_hash, SHAPE, "float16", data, namespace="other|model"), "head",
             "names another key"),
+        # (A checksum is read first, alone: the value's header is checked
+        # against it once the value is read.)
         "checksum of another shape": (good, sidecar(mm_hash, (8, 50), "float16", data),
-                                      "head", "ec-daemon's header says ((8, 50)"),
+                                      "get_into", "not the one its head described"),
         "checksum of another dtype": (good, sidecar(mm_hash, (2, 100), "float32", data),
-                                      "head", "'float32'"),
+                                      "get_into", "not the one its head described"),
+        "checksum of no vLLM value": (good, sidecar(mm_hash, (4, 50, 2), "float16", data),
+                                      "head", "no value of vLLM's format"),
         "malformed checksum": (good, b"ECDV" + b"\0" * 40, "head", "malformed"),
         "truncated checksum": (good, sidecar(mm_hash, SHAPE, "float16", data)[:20], "head",
                                "truncated"),
@@ -499,7 +503,7 @@ def test_values_that_are_refused(hosts: tuple[Host, Host], raw: Any, case: str) 
             store.head(NAMESPACE, mm_hash)
         return
     head = store.head(NAMESPACE, mm_hash)
-    assert head is not None and (head.shape, head.dtype, head.nbytes) == (SHAPE, "float16", 800)
+    assert head is not None and head.nbytes == 800
     hosts[1].fill(at)
     with pytest.raises(values.BadValue, match=_escaped(reason)):
         store.get_into(NAMESPACE, mm_hash, head, at)
@@ -529,25 +533,28 @@ def test_a_value_replaced_between_head_and_read(hosts: tuple[Host, Host], raw: A
 
 def test_a_failed_checksum_read_is_not_taken_for_no_checksum(
         hosts: tuple[Host, Host], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The binding's get() answers b"" both for an absent key and for a
-    failed read: a checksum that is there but could not be read must not
-    make the value pass as vLLM's (unchecked)."""
+    """A checksum that is there but could not be read must not make the
+    value pass as vLLM's (unchecked): the read's error is an error, not "no
+    checksum" (the binding's get() answers b"" for both: head reads the
+    checksum with get_into, which says which)."""
     one, two = hosts
     mm_hash, shape = fresh(), (2, 1500)
     one.write(WRITE_AT, entry(shape, "bfloat16"))
     assert one.store.put_entry(NAMESPACE, mm_hash, shape, "bfloat16", WRITE_AT) == "stored"
 
-    class FailingGets:
+    class FailingReads:
         def __init__(self, client: Any) -> None:
             self._client = client
 
-        def get(self, key: str) -> bytes:
-            return b""  # (what the binding returns when the read fails)
+        def get_into(self, key: str, address: int, size: int) -> int:
+            if key.endswith(SIDECAR):
+                return -900  # RPC_FAIL
+            return int(self._client.get_into(key, address, size))
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._client, name)
 
-    monkeypatch.setattr(two.store, "_client", FailingGets(two.store._client))
+    monkeypatch.setattr(two.store, "_client", FailingReads(two.store._client))
     with pytest.raises(RemoteError, match="@ecd1"):
         two.store.head(NAMESPACE, mm_hash)
     monkeypatch.undo()

@@ -1,0 +1,103 @@
+"""`MooncakeStore.head` against a real mooncake_master, counting the store
+calls it makes: a value ec-daemon published is described by the checksum
+beside it, read in one call (benchmarks/mooncake_tier.py: a promotion's head
+went from two reads to one); a value vLLM wrote (no checksum) by its own
+header, as before. What a head refuses: tests/remote/test_mooncake.py."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from ec_daemon.remote.mooncake import (
+    MooncakeStore,
+    parse_url,
+    value_key,
+    vllm_header,
+)
+from tests import mooncake_servers
+from tests.remote.conftest import needs_mooncake, payload, wait_for
+
+pytestmark = needs_mooncake
+STORE_NS = ("embedding@model:test#weights=x@revision:default@encoder:e"
+            "@dtype:torch.float16@protocol:v3")
+REGION = 4 << 20
+SHAPE = (4, 100)  # float16: 800 bytes
+
+
+class Counting:
+    """A MooncakeDistributedStore whose calls are counted by name."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attribute(*args, **kwargs)
+        return call
+
+
+@pytest.fixture(scope="module")
+def stores(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[Any, Any]]:
+    """(a MooncakeStore over a counting client, with a region; a raw client
+    lending the store its memory)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    with mooncake_servers.raw_client(mooncake_master) as raw:
+        counting = Counting(MooncakeDistributedStore())
+        spec = replace(parse_url(mooncake_master.url), segment_bytes=0)
+        store = MooncakeStore(spec, client_factory=lambda: counting)
+        fd = os.memfd_create("region")
+        try:
+            os.ftruncate(fd, REGION)
+            store.use_region(fd, REGION)
+            assert wait_for(lambda: store._client is not None, 60)
+            yield store, raw
+        finally:
+            store.close()
+            os.close(fd)
+
+
+def _reads(store: MooncakeStore) -> int:
+    calls = store._client.calls
+    return int(sum(n for name, n in calls.items() if "get" in name or "exist" in name))
+
+
+def test_a_published_value_is_described_by_its_checksum_in_one_read(stores):
+    store, _raw = stores
+    data = payload(800)
+    store.region_views([(0, 800)])[0][:] = data
+    assert store.put_entry(STORE_NS, "one-read", SHAPE, "float16", [(0, 800)]) == "stored"
+    before = _reads(store)
+    head = store.head(STORE_NS, "one-read")
+    assert _reads(store) - before == 1
+    assert head is not None and (head.shape, head.dtype, head.nbytes) == (SHAPE, "float16", 800)
+    assert head.sidecar is not None
+    assert store.get_into(STORE_NS, "one-read", head, [(4096, 300), (8192, 500)])
+    views = store.region_views([(4096, 300), (8192, 500)])
+    assert bytes(views[0]) + bytes(views[1]) == data
+
+
+def test_a_value_vllm_wrote_is_described_by_its_header(stores):
+    store, raw = stores
+    data = payload(800)
+    assert raw.put(value_key(STORE_NS, "vllm"), vllm_header(SHAPE, "float16") + data) == 0
+    before = _reads(store)
+    head = store.head(STORE_NS, "vllm")
+    assert _reads(store) - before == 2  # no checksum (said absent, not failed), the header
+    assert head is not None and head.sidecar is None
+    assert (head.shape, head.dtype, head.nbytes) == (SHAPE, "float16", 800)
+    assert store.get_into(STORE_NS, "vllm", head, [(0, 800)])
+    assert bytes(store.region_views([(0, 800)])[0]) == data
+    assert store.head(STORE_NS, "absent") is None
