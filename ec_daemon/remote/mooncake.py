@@ -55,6 +55,7 @@ which does not count against the master's circuit breaker.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -428,6 +429,21 @@ class MooncakeStore:
             if not keep and self._pool_generation == generation:
                 client.unregister_buffer(ctypes.addressof(buffer))
 
+    def _drop(self, extents: Sequence[tuple[int, int]]) -> None:
+        """Drop the pages under `extents` from the store's mapping once used
+        (MADV_DONTNEED: the shared pages stay in the region): else every
+        page ever published or promoted counts in the daemon's RSS, which the
+        OOM killer reads, up to the whole region."""
+        region = self._region
+        if region is None:
+            return
+        page = mmap.PAGESIZE
+        for offset, length in extents:
+            start = offset - offset % page
+            if start >= 0 and offset + length <= self._region_size and length > 0:
+                with contextlib.suppress(ValueError, OSError):
+                    region.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
+
     def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Views of the region's bytes under `extents` (checked to lie in it)."""
         view = self._region_view
@@ -456,6 +472,15 @@ class MooncakeStore:
     def put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
                   dtype: str, extents: Sequence[tuple[int, int]],
                   current: Any = None) -> str:
+        """`_put_entry`, then the pages dropped from the store's mapping."""
+        try:
+            return self._put_entry(store_namespace, mm_hash, shape, dtype, extents, current)
+        finally:
+            self._drop(extents)
+
+    def _put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
+                   dtype: str, extents: Sequence[tuple[int, int]],
+                   current: Any = None) -> str:
         """Publish an entry from its pages: checksummed in place, copied with
         vLLM's header into this thread's transfer buffer, the pages' stamp
         checked (`current()`: they still hold the entry, so the copy is the
@@ -554,6 +579,14 @@ class MooncakeStore:
 
     def get_into(self, store_namespace: str, mm_hash: str, head: Head,
                  extents: Sequence[tuple[int, int]]) -> bool:
+        """`_get_into`, then the pages dropped from the store's mapping."""
+        try:
+            return self._get_into(store_namespace, mm_hash, head, extents)
+        finally:
+            self._drop(extents)
+
+    def _get_into(self, store_namespace: str, mm_hash: str, head: Head,
+                  extents: Sequence[tuple[int, int]]) -> bool:
         """Read the value and copy its payload into `extents` (the region),
         then verify it there, where no peer can change it: the header read
         again, then the checksum when ec-daemon's is beside it. False when

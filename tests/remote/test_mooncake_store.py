@@ -133,3 +133,25 @@ def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
         assert moon.claim_many([], "host-a", 30.0) == []
     finally:
         other.close()
+
+
+def test_published_and_promoted_pages_leave_the_daemons_rss(store: Any) -> None:
+    """The store reads and writes entries through its own mapping of the
+    region; once done, their pages are dropped from it (the region keeps
+    them): the daemon's RSS, which the OOM killer reads, does not grow to
+    the region's size with everything it ever published or promoted."""
+    from tests.unit.test_region import rss_shmem_kib
+
+    moon, region = store
+    shape, half = (1024, 256), REGION_BYTES // 2  # 512 KiB of float16
+    data = np.random.default_rng(9).standard_normal(shape).astype(np.float16).tobytes()
+    region[:half] = data
+    region[half:] = bytes(half)  # (the test's own mapping: touched before measuring)
+    before = rss_shmem_kib()
+    assert moon.put_entry(NAMESPACE, "rss", shape, "float16", [(0, half)]) == "stored"
+    head = moon.head(NAMESPACE, "rss")
+    assert head is not None
+    assert moon.get_into(NAMESPACE, "rss", head, [(half, half)])
+    after = rss_shmem_kib()
+    assert bytes(region[half:]) == data  # read through the store's mapping, written there
+    assert after - before < 128, (before, after)
