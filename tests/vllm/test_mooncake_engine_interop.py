@@ -19,7 +19,6 @@ vLLM's connector code (its store client and backend) beside real engines.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,22 +41,13 @@ from ec_protocol.protocol import pb
 from tests import mooncake_servers
 from tests.integration.daemon import Daemon
 from tests.vllm.engine_proc import A, B, run_engine, same_output
+from tests.vllm.test_two_hosts import check_mooncake
 
 pytestmark = [pytest.mark.timeout(1200)]
 
 IDENTITY = {"embedding_model_identity": "tiny-paligemma@release-1"}
 SIDECAR = "@ecd1"  # ec-daemon's checksum beside a value it published
 WAIT = 30.0
-
-
-def check_mooncake() -> None:
-    """Skip when Mooncake cannot run here; with EC_MOONCAKE_REQUIRED=1 (CI), fail."""
-    reason = mooncake_servers.skip_reason()
-    if reason is None:
-        return
-    if os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0"):
-        pytest.fail(f"Mooncake is required here (EC_MOONCAKE_REQUIRED=1): {reason}")
-    pytest.skip(reason)
 
 
 def engine_namespace(model: Path, socket: str) -> str:
