@@ -27,12 +27,14 @@ One copy, not zero: the transfer engine reads and writes only registered
 memory, and every peer that reaches a transfer engine may read and write every
 buffer registered with it (a peer's `transfer_sync_write` rewrote one in our
 test). Registering the region would let any host on the fabric rewrite entries
-this host serves, past every check. So the daemon maps its region privately,
-and bytes pass through a registered buffer per thread: a publication is
-checksummed in the pages, copied out and put; a promotion is read into the
-buffer, copied into the pages allocated for it, and verified there, where no
-peer can reach, before it is committed (docs/performance.md: what the copy
-costs).
+this host serves, past every check. So bytes pass through private
+registered buffers: a publication is checksummed in the region's pages (a
+read-only mapping), copied out and put; a promotion is read into a buffer,
+then copied chunk by chunk into a private scratch, verified there (where no
+peer can reach) and written from it into the pages allocated for it with
+pwrite, before it is committed. The daemon never maps the pages it promotes
+into: a fault per page (about 0.6 ms per MiB here) cost more than the read
+(docs/performance.md: what the copy costs).
 
 Mooncake has no atomic "set if absent": a put on an existing key succeeds
 without writing. A claim is therefore taken by a put and confirmed by reading
@@ -95,6 +97,7 @@ SETUP_RETRY_S = 2.0
 SMALL_BUFFER_BYTES = 64 << 10  # the smallest transfer buffer
 POOL_BYTES = 128 << 20  # transfer buffers kept for the next call, at most this in all
 MAX_BOUNCE_BYTES = 1 << 30  # a value larger than this (header and payload) is not moved
+COPY_CHUNK = 1 << 20  # a promotion's bytes are verified and written this much at a time
 # Mooncake's error codes (types.h), as the binding returns them.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
@@ -269,9 +272,11 @@ class MooncakeStore:
         self._client: Any = None
         self._generation = 0  # bumped on every (re)connection: registrations redone
         self._last_error = "not connected yet"
-        self._region: mmap.mmap | None = None
+        self._region: mmap.mmap | None = None  # read-only: publications read from it
+        self._region_file: Any = None  # promotions write into it (pwrite)
         self._region_size = 0
         self._region_view: memoryview | None = None
+        self._scratch = threading.local()  # a private chunk per thread (promotions)
         # Registered transfer buffers free for the next call (never freed while
         # registered: the next registration at that address would fail).
         self._pool: list[ctypes.Array[ctypes.c_char]] = []
@@ -376,17 +381,23 @@ class MooncakeStore:
             client, self._client = self._client, None
         if client is not None:
             _close_quietly(client)
+        # (A call still running holds its own references: the file is closed,
+        # and the mapping unmapped, when the last one lets go.)
+        self._region_view = self._region = self._region_file = None
 
     # -- the region
 
     def use_region(self, fd: int, size: int) -> None:
-        """Map the region (shared, writable) to publish from and promote into
-        it. The mapping is never registered with the transfer engine: any
-        peer that reaches a transfer engine may read and write every buffer
-        registered with it (tested: a peer's `transfer_sync_write` rewrote
-        one), and the region's entries are served as they are. Bytes pass
-        through a private registered buffer per thread instead (one copy)."""
-        self._region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        """Publish from the region (`fd`, of `size` bytes) and promote into it:
+        it is mapped read-only to publish from, and a duplicate of `fd` is
+        written to promote. Neither is ever registered with the transfer
+        engine: any peer that reaches a transfer engine may read and write
+        every buffer registered with it (tested: a peer's
+        `transfer_sync_write` rewrote one), and the region's entries are
+        served as they are. Bytes pass through private registered buffers
+        instead (one copy). Call it once, before the first publication."""
+        self._region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._region_file = os.fdopen(os.dup(fd), "r+b", buffering=0)
         self._region_size = size
         self._region_view = memoryview(self._region)
 
@@ -445,16 +456,48 @@ class MooncakeStore:
                     region.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
 
     def region_views(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Views of the region's bytes under `extents` (checked to lie in it)."""
+        """Read-only views of the region's bytes under `extents` (checked to
+        lie in it)."""
         view = self._region_view
         if view is None:
             raise RemoteError("the store was given no region to read from or write into")
-        out = []
+        self._inside(extents)
+        return [view[offset:offset + length] for offset, length in extents]
+
+    def _inside(self, extents: Sequence[tuple[int, int]]) -> None:
         for offset, length in extents:
             if offset < 0 or length < 0 or offset + length > self._region_size:
                 raise ValueError(f"extent ({offset}, {length}) is outside the region")
-            out.append(view[offset:offset + length])
-        return out
+
+    def _write_region(self, source: memoryview, extents: Sequence[tuple[int, int]],
+                      check: values.Check | None) -> None:
+        """Write `source` (a registered buffer's bytes: any peer may change
+        them meanwhile) across `extents` with pwrite. With `check`, each chunk
+        is first copied into this thread's private scratch, checked there and
+        written from there: what is verified is what the pages receive, in
+        one pass. (Without one there is nothing to verify: a value vLLM
+        wrote is checked for its format only.)"""
+        region = self._region_file
+        if region is None:
+            raise RemoteError("the store was given no region to write into")
+        self._inside(extents)
+        scratch: memoryview = getattr(self._scratch, "chunk", None) or memoryview(b"")
+        if check is not None and not scratch:
+            scratch = self._scratch.chunk = memoryview(bytearray(COPY_CHUNK))
+        fd = region.fileno()
+        at = 0
+        for offset, length in extents:
+            end = offset + length
+            while offset < end:
+                size = min(COPY_CHUNK, end - offset)
+                piece = source[at:at + size]
+                if check is not None:
+                    scratch[:size] = piece
+                    piece = scratch[:size]
+                    check.update(piece)
+                while piece:
+                    wrote = os.pwrite(fd, piece, offset)
+                    piece, offset, at = piece[wrote:], offset + wrote, at + wrote
 
     # -- values
 
@@ -549,15 +592,16 @@ class MooncakeStore:
                                       "malformed")
         if sidecar is not None:
             try:
-                stated, dtype, nbytes = _sidecar_fields(sidecar, store_namespace, mm_hash)
-                if not storable(stated, dtype) or not all(0 < d < 1 << 32 for d in stated) \
-                        or nbytes != stated[0] * stated[1] * ITEM_BYTES[dtype]:
-                    raise values.BadValue(f"ec-daemon's header says {dtype} {stated}, "
-                                          f"{nbytes} bytes: no value of vLLM's format")
-            except values.BadValue as exc:
-                refused = exc  # (once the value is known to be there: else a miss)
+                stated, dtype, nbytes = values.parse_header(
+                    sidecar, namespace=store_namespace, mm_hash=mm_hash)[:3]
+            except values.BadValue as exc:  # (once the value is known to be there: else a miss)
+                refused = values.BadValue(f"ec-daemon's header beside the value: {exc}")
             else:
-                return Head((int(stated[0]), int(stated[1])), dtype, nbytes, sidecar)
+                if storable(stated, dtype) and all(0 < d < 1 << 32 for d in stated) \
+                        and nbytes == stated[0] * stated[1] * ITEM_BYTES[dtype]:
+                    return Head((int(stated[0]), int(stated[1])), dtype, nbytes, sidecar)
+                refused = values.BadValue(f"ec-daemon's header says {dtype} {stated}, "
+                                          f"{nbytes} bytes: no value of vLLM's format")
         with self._buffer(client, generation, HEADER.size) as (buffer, address):
             result = client.get_into_ranges([address], [[key]], [[[0]]], [[[0]]],
                                             [[[HEADER.size]]])
@@ -579,33 +623,30 @@ class MooncakeStore:
 
     def get_into(self, store_namespace: str, mm_hash: str, head: Head,
                  extents: Sequence[tuple[int, int]]) -> bool:
-        """`_get_into`, then the pages dropped from the store's mapping."""
-        try:
-            return self._get_into(store_namespace, mm_hash, head, extents)
-        finally:
-            self._drop(extents)
-
-    def _get_into(self, store_namespace: str, mm_hash: str, head: Head,
-                  extents: Sequence[tuple[int, int]]) -> bool:
-        """Read the value and copy its payload into `extents` (the region),
-        then verify it there, where no peer can change it: the header read
-        again, then the checksum when ec-daemon's is beside it. False when
-        the value is gone; raises values.BadValue (the pages hold unverified
-        bytes: the caller aborts them) or RemoteError."""
+        """Read the value and write its payload into `extents` (the region),
+        verified on its way in where no peer can change it (`_write_region`):
+        its header against the head, then ec-daemon's checksum when one is
+        beside it. False when the value is gone; raises values.BadValue (the
+        pages may hold unverified bytes: the caller aborts them) or
+        RemoteError."""
         if sum(length for _, length in extents) != head.nbytes:
             raise ValueError("the extents do not hold the value's payload")
         key = value_key(store_namespace, mm_hash)
         client, generation = self._ready()
-        pages = self.region_views(extents)
+        self._inside(extents)
+        check = None if head.sidecar is None else \
+            values.Check(head.sidecar, namespace=store_namespace, mm_hash=mm_hash)
         size = HEADER.size + head.nbytes
         with self._buffer(client, generation, size) as (buffer, address):
             code = client.get_into(key, address, size)
             if code == size:
                 header = bytes(buffer[:HEADER.size])
-                at = HEADER.size
-                for page in pages:
-                    page[:] = buffer[at:at + len(page)]
-                    at += len(page)
+                if _parse_header(header) != (head.shape, head.dtype):
+                    raise values.BadValue(
+                        "the value's header is not the one its head described (the value "
+                        "was rewritten between its header and its read, or is not the "
+                        "value its checksum is of)")
+                self._write_region(buffer[HEADER.size:size], extents, check)
         if code == OBJECT_NOT_FOUND:
             return False
         if code != size:
@@ -614,12 +655,8 @@ class MooncakeStore:
             if code == TRANSFER_FAIL:
                 raise RemotePeerError(f"get {key}: {_error(code)}")
             raise RemoteError(f"get {key}: {_error(code)}")
-        if _parse_header(header) != (head.shape, head.dtype):
-            raise values.BadValue("the value's header is not the one its head described (the "
-                                  "value was rewritten between its header and its read, or "
-                                  "is not the value its checksum is of)")
-        if head.sidecar is not None:
-            values.decode([head.sidecar, *pages], namespace=store_namespace, mm_hash=mm_hash)
+        if check is not None:
+            check.done()
         return True
 
     # -- claims
@@ -761,27 +798,6 @@ def _parse_header(raw: bytes) -> tuple[tuple[int, int], str]:
     if not 0 < tokens < 1 << 32 or not 0 < hidden < 1 << 32:
         raise values.BadValue(f"implausible shape ({tokens}, {hidden}) in vLLM's header")
     return (tokens, hidden), dtype
-
-
-def _sidecar_fields(sidecar: bytes, namespace: str,
-                    mm_hash: str) -> tuple[tuple[int, ...], str, int]:
-    """Shape, dtype and size ec-daemon's header states, checked to name the key."""
-    fixed = values._FIXED  # (the header's fixed part: one format, one module)
-    if len(sidecar) < fixed.size:
-        raise values.BadValue(f"ec-daemon's header is {len(sidecar)} bytes, truncated")
-    (magic, version, _algorithm, ndim, dtype_len, ns_len, hash_len, header_len,
-     nbytes) = fixed.unpack_from(sidecar)
-    if magic != values.MAGIC or version != values.FORMAT_VERSION or header_len != len(sidecar):
-        raise values.BadValue("ec-daemon's header beside the value is malformed")
-    at = fixed.size
-    shape = struct.unpack_from(f"<{ndim}Q", sidecar, at)
-    at += 8 * ndim
-    if sidecar[at:at + ns_len] != namespace.encode() or \
-            sidecar[at + ns_len:at + ns_len + hash_len] != mm_hash.encode():
-        raise values.BadValue("ec-daemon's header beside the value names another key")
-    at += ns_len + hash_len
-    dtype = sidecar[at:at + dtype_len].decode("ascii", errors="replace")
-    return tuple(shape), dtype, nbytes
 
 
 def _close_quietly(client: Any) -> None:

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -167,22 +167,19 @@ def _head(parts: Sequence[memoryview], size: int) -> bytes:
     return bytes(out)
 
 
-def decode(value: Buffer | Sequence[Buffer], *, namespace: str, mm_hash: str) -> Value:
-    """Verify a value read for (namespace, mm_hash): the whole value, or its
-    bytes in consecutive parts (a chunked read). Returns the payload as views
-    of the given buffers (no copy); raises BadValue with the reason."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        parts = [memoryview(value).cast("B")]
-    else:
-        parts = [memoryview(p).cast("B") for p in value]
-    parts = [p for p in parts if len(p)] or [memoryview(b"")]
-    total = sum(len(p) for p in parts)
-    fixed = _head(parts, FIXED_BYTES)
-    if fixed[:4] != MAGIC[:len(fixed[:4])] or total == 0:
-        raise BadValue(f"not an ec-daemon value (starts with {fixed[:8]!r}, {total} bytes)")
-    if total < FIXED_BYTES:
-        raise BadValue(f"truncated: {total} bytes, shorter than the fixed header "
-                       f"({FIXED_BYTES} bytes)")
+class Header(NamedTuple):
+    """A value's header, checked to name the key it was read for."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int  # the payload's
+    length: int  # the header's, its checksum included
+    checksum: int
+
+
+def _fields(fixed: bytes) -> tuple[int, int, int, int, int, int]:
+    """(ndim, dtype_len, ns_len, hash_len, header_len, nbytes) of the fixed
+    part, past its magic, checked to describe a header this code reads."""
     (_magic, version, algorithm, ndim, dtype_len, ns_len, hash_len, header_len,
      nbytes) = _FIXED.unpack(fixed)
     if version != FORMAT_VERSION:
@@ -195,13 +192,13 @@ def decode(value: Buffer | Sequence[Buffer], *, namespace: str, mm_hash: str) ->
     if header_len != expected_len:
         raise BadValue(f"malformed header: length field {header_len}, fields add up to "
                        f"{expected_len}")
-    if total < header_len:
-        raise BadValue(f"truncated: {total} bytes, shorter than its header ({header_len} bytes)")
-    if total != header_len + nbytes:
-        what = "truncated" if total < header_len + nbytes else "trailing bytes"
-        raise BadValue(f"{what}: payload of {total - header_len} bytes, the header says "
-                       f"{nbytes}")
-    head = _head(parts, header_len)
+    return ndim, dtype_len, ns_len, hash_len, header_len, nbytes
+
+
+def _named(head: bytes, fields: tuple[int, int, int, int, int, int], namespace: str,
+           mm_hash: str) -> Header:
+    """The header in `head` (its first header_len bytes), checked to name the key."""
+    ndim, dtype_len, ns_len, hash_len, header_len, nbytes = fields
     at = FIXED_BYTES
     shape = struct.unpack_from(f"<{ndim}Q", head, at)
     at += 8 * ndim
@@ -221,14 +218,83 @@ def decode(value: Buffer | Sequence[Buffer], *, namespace: str, mm_hash: str) ->
     except UnicodeDecodeError:
         raise BadValue(f"malformed header: dtype {stored_dtype!r} is not ASCII") from None
     (stored_sum,) = _CHECKSUM.unpack_from(head, header_len - _CHECKSUM.size)
+    return Header(tuple(shape), dtype, nbytes, header_len, stored_sum)
+
+
+def parse_header(header: Buffer, *, namespace: str, mm_hash: str) -> Header:
+    """A header read alone (no payload after it: its length is the whole
+    buffer), checked as `decode` checks it; raises BadValue with the reason."""
+    head = bytes(header)
+    if head[:4] != MAGIC:
+        raise BadValue(f"not an ec-daemon header (starts with {head[:8]!r}, {len(head)} bytes)")
+    if len(head) < FIXED_BYTES:
+        raise BadValue(f"truncated: {len(head)} bytes, shorter than the fixed header "
+                       f"({FIXED_BYTES} bytes)")
+    fields = _fields(head[:FIXED_BYTES])
+    if fields[4] != len(head):
+        raise BadValue(f"malformed header: length field {fields[4]}, {len(head)} bytes read")
+    return _named(head, fields, namespace, mm_hash)
+
+
+class Check:
+    """A payload verified piece by piece against its header, read alone:
+    `update` with each piece in order (as it is written where no one else can
+    change it: one pass over the bytes, no second read), then `done`."""
+
+    def __init__(self, header: Buffer, *, namespace: str, mm_hash: str) -> None:
+        self.header = parse_header(header, namespace=namespace, mm_hash=mm_hash)
+        self._digest = xxhash.xxh3_64(bytes(header)[:self.header.length - _CHECKSUM.size])
+        self._seen = 0
+
+    def update(self, piece: Buffer) -> None:
+        self._digest.update(piece)
+        self._seen += len(piece)
+
+    def done(self) -> None:
+        """Raises BadValue unless the pieces were the header's payload."""
+        if self._seen != self.header.nbytes:
+            raise BadValue(f"payload of {self._seen} bytes, the header says "
+                           f"{self.header.nbytes}")
+        if self._digest.intdigest() != self.header.checksum:
+            raise BadValue(f"checksum mismatch: header or payload corrupted (stored "
+                           f"{self.header.checksum:016x}, computed "
+                           f"{self._digest.intdigest():016x})")
+
+
+def decode(value: Buffer | Sequence[Buffer], *, namespace: str, mm_hash: str) -> Value:
+    """Verify a value read for (namespace, mm_hash): the whole value, or its
+    bytes in consecutive parts (a chunked read). Returns the payload as views
+    of the given buffers (no copy); raises BadValue with the reason."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        parts = [memoryview(value).cast("B")]
+    else:
+        parts = [memoryview(p).cast("B") for p in value]
+    parts = [p for p in parts if len(p)] or [memoryview(b"")]
+    total = sum(len(p) for p in parts)
+    fixed = _head(parts, FIXED_BYTES)
+    if fixed[:4] != MAGIC[:len(fixed[:4])] or total == 0:
+        raise BadValue(f"not an ec-daemon value (starts with {fixed[:8]!r}, {total} bytes)")
+    if total < FIXED_BYTES:
+        raise BadValue(f"truncated: {total} bytes, shorter than the fixed header "
+                       f"({FIXED_BYTES} bytes)")
+    fields = _fields(fixed)
+    header_len, nbytes = fields[4], fields[5]
+    if total < header_len:
+        raise BadValue(f"truncated: {total} bytes, shorter than its header ({header_len} bytes)")
+    if total != header_len + nbytes:
+        what = "truncated" if total < header_len + nbytes else "trailing bytes"
+        raise BadValue(f"{what}: payload of {total - header_len} bytes, the header says "
+                       f"{nbytes}")
+    head = _head(parts, header_len)
+    header = _named(head, fields, namespace, mm_hash)
     payload = _split(parts, header_len)
     digest = xxhash.xxh3_64(head[:header_len - _CHECKSUM.size])
     for part in payload:
         digest.update(part)
-    if digest.intdigest() != stored_sum:
+    if digest.intdigest() != header.checksum:
         raise BadValue(f"checksum mismatch: header or payload corrupted (stored "
-                       f"{stored_sum:016x}, computed {digest.intdigest():016x})")
-    return Value(shape=tuple(shape), dtype=dtype, nbytes=nbytes, parts=tuple(payload))
+                       f"{header.checksum:016x}, computed {digest.intdigest():016x})")
+    return Value(shape=header.shape, dtype=header.dtype, nbytes=nbytes, parts=tuple(payload))
 
 
 def _split(parts: Sequence[memoryview], skip: int) -> list[memoryview]:

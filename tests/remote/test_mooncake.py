@@ -79,10 +79,12 @@ class Host:
         self.fd, self.path = fd, path
 
     def write(self, extents: list[tuple[int, int]], data: bytes) -> None:
+        """Write into the region's file (as a worker's save does; the store's
+        mapping is read-only)."""
         at = 0
-        for view in self.store.region_views(extents):
-            view[:] = data[at:at + len(view)]
-            at += len(view)
+        for offset, length in extents:
+            assert os.pwrite(self.fd, data[at:at + length], offset) == length
+            at += length
         assert at == len(data)
 
     def read(self, extents: list[tuple[int, int]]) -> bytes:
@@ -470,10 +472,10 @@ def _bad_values(mm_hash: str) -> dict[str, tuple[bytes, bytes | None, str, str]]
             bytes(flipped), sidecar(mm_hash, SHAPE, "float16", data), "get_into",
             "checksum mismatch"),
         "checksum of another key": (good, sidecar("another", SHAPE, "float16", data), "head",
-                                    "names another key"),
+                                    "beside the value: stored for mm_hash 'another'"),
         "checksum of another namespace": (
             good, sidecar(mm_hash, SHAPE, "float16", data, namespace="other|model"), "head",
-            "names another key"),
+            "beside the value: stored for namespace 'other|model'"),
         # (A checksum is read first, alone: the value's header is checked
         # against it once the value is read.)
         "checksum of another shape": (good, sidecar(mm_hash, (8, 50), "float16", data),
@@ -482,7 +484,7 @@ def _bad_values(mm_hash: str) -> dict[str, tuple[bytes, bytes | None, str, str]]
                                       "get_into", "not the one its head described"),
         "checksum of no vLLM value": (good, sidecar(mm_hash, (4, 50, 2), "float16", data),
                                       "head", "no value of vLLM's format"),
-        "malformed checksum": (good, b"ECDV" + b"\0" * 40, "head", "malformed"),
+        "malformed checksum": (good, b"ECDV" + b"\0" * 40, "head", "format version 0"),
         "truncated checksum": (good, sidecar(mm_hash, SHAPE, "float16", data)[:20], "head",
                                "truncated"),
     }

@@ -63,7 +63,7 @@ def stores(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[A
             os.ftruncate(fd, REGION)
             store.use_region(fd, REGION)
             assert wait_for(lambda: store._client is not None, 60)
-            yield store, raw
+            yield store, raw, fd
         finally:
             store.close()
             os.close(fd)
@@ -75,9 +75,9 @@ def _reads(store: MooncakeStore) -> int:
 
 
 def test_a_published_value_is_described_by_its_checksum_in_one_read(stores):
-    store, _raw = stores
+    store, _raw, fd = stores
     data = payload(800)
-    store.region_views([(0, 800)])[0][:] = data
+    os.pwrite(fd, data, 0)
     assert store.put_entry(STORE_NS, "one-read", SHAPE, "float16", [(0, 800)]) == "stored"
     before = _reads(store)
     head = store.head(STORE_NS, "one-read")
@@ -90,7 +90,7 @@ def test_a_published_value_is_described_by_its_checksum_in_one_read(stores):
 
 
 def test_a_value_vllm_wrote_is_described_by_its_header(stores):
-    store, raw = stores
+    store, raw, _fd = stores
     data = payload(800)
     assert raw.put(value_key(STORE_NS, "vllm"), vllm_header(SHAPE, "float16") + data) == 0
     before = _reads(store)
@@ -101,3 +101,52 @@ def test_a_value_vllm_wrote_is_described_by_its_header(stores):
     assert store.get_into(STORE_NS, "vllm", head, [(0, 800)])
     assert bytes(store.region_views([(0, 800)])[0]) == data
     assert store.head(STORE_NS, "absent") is None
+
+
+def test_bytes_a_peer_rewrites_after_they_were_checked_never_reach_the_pages(
+        stores, monkeypatch):
+    """The transfer buffer a promotion reads into is open to every peer of
+    the transfer engine. Each chunk is copied out of it, checked, and written
+    into the pages from that private copy: a peer rewriting the chunk just
+    after it was checked changes nothing served (checked one place, written
+    from another, its bytes would reach the pages behind a passing check)."""
+    import ec_daemon.remote.mooncake as mooncake
+
+    store, _raw, fd = stores
+    data = payload(800)
+    os.pwrite(fd, data, 0)
+    assert store.put_entry(STORE_NS, "peer", SHAPE, "float16", [(0, 800)]) == "stored"
+    head = store.head(STORE_NS, "peer")
+    assert head is not None and head.sidecar is not None
+    buffers: list[memoryview] = []
+    taken = store._buffer
+
+    def capture(*args: Any) -> Any:
+        context = taken(*args)
+        buffer, address = context.__enter__()
+        buffers.append(buffer)
+
+        class Held:
+            def __enter__(self) -> Any:
+                return buffer, address
+
+            def __exit__(self, *exc: Any) -> Any:
+                return context.__exit__(*exc)
+        return Held()
+
+    class Scribbled(mooncake.values.Check):
+        seen = 0
+
+        def update(self, piece: Any) -> None:
+            super().update(piece)
+            at = 24 + self.seen  # (vLLM's header, then the payload)
+            buffers[-1][at:at + len(piece)] = bytes(len(piece))  # the peer's write
+            self.seen += len(piece)
+
+    monkeypatch.setattr(store, "_buffer", capture)
+    monkeypatch.setattr(mooncake, "COPY_CHUNK", 256)
+    monkeypatch.setattr(mooncake.values, "Check", Scribbled)
+    os.pwrite(fd, b"\xee" * 800, 4096)
+    assert store.get_into(STORE_NS, "peer", head, [(4096, 300), (8192, 500)])
+    assert os.pread(fd, 300, 4096) + os.pread(fd, 500, 8192) == data
+    assert bytes(buffers[-1][24:824]) == bytes(800)  # (the peer did write)

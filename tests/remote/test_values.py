@@ -11,9 +11,11 @@ import pytest
 from ec_daemon.remote.values import (
     FORMAT_VERSION,
     BadValue,
+    Check,
     Value,
     decode,
     encode,
+    parse_header,
 )
 
 NS = "model|bfloat16|image=2304|variant"
@@ -148,3 +150,42 @@ def test_encode_refuses_what_the_format_cannot_carry() -> None:
         encode(NS, HASH, (1,) * 17, "uint8", b"x")
     with pytest.raises(ValueError, match="C-contiguous"):
         encode(NS, HASH, (2,), "uint8", memoryview(b"abcd")[::2])
+
+
+def test_a_payload_checked_piece_by_piece_against_its_header_alone() -> None:
+    """A header read apart from its payload (Mooncake's checksum beside a
+    value) checks the payload as it streams past, in pieces of any size; a
+    flipped byte, a missing or an extra byte is refused at `done`."""
+    data = bytes(range(256)) * 40
+    header = bytes(encode(NS, HASH, (40, 256), "uint8", data)[0])
+    assert parse_header(header, namespace=NS, mm_hash=HASH)[:3] == ((40, 256), "uint8",
+                                                                     len(data))
+    for step in (1000, 4096, len(data)):
+        check = Check(header, namespace=NS, mm_hash=HASH)
+        for at in range(0, len(data), step):
+            check.update(data[at:at + step])
+        check.done()
+    flipped = bytearray(data)
+    flipped[5000] ^= 0x10
+    for payload, match in ((flipped, "checksum mismatch"), (data[:-1], "payload of 10239"),
+                           (data + b"x", "payload of 10241")):
+        check = Check(header, namespace=NS, mm_hash=HASH)
+        check.update(payload)
+        with pytest.raises(BadValue, match=match):
+            check.done()
+
+
+@pytest.mark.parametrize(("header", "ns", "mm_hash", "match"), [
+    (lambda h: h, "other|ns", HASH, "stored for namespace"),
+    (lambda h: h, NS, "b" * 64, "stored for mm_hash"),
+    (lambda h: h[:20], NS, HASH, "truncated: 20 bytes"),
+    (lambda h: h + b"\0", NS, HASH, "length field"),  # a value, not a header alone
+    (lambda h: b"XXXX" + h[4:], NS, HASH, "not an ec-daemon header"),
+])
+def test_a_header_alone_is_refused_when_it_is_not_this_keys(header, ns, mm_hash,
+                                                            match) -> None:
+    good = bytes(encode(NS, HASH, (4, 4), "uint8", b"x" * 16)[0])
+    with pytest.raises(BadValue, match=match):
+        parse_header(header(good), namespace=ns, mm_hash=mm_hash)
+    with pytest.raises(BadValue, match=match):
+        Check(header(good), namespace=ns, mm_hash=mm_hash)
