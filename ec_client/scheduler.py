@@ -576,6 +576,11 @@ class SchedulerDelegate(LinkListener):
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)
 
+    def beat_due(self) -> bool:
+        """Loads to touch: the daemon's LRU hears of them within
+        EARLY_BEAT_SECONDS, not a whole heartbeat interval later."""
+        return self.view.has_touches()
+
     def heartbeat_message(self) -> Any:
         since = self._unmapped_since
         if since is not None and not self._ranks_mapped \

@@ -58,6 +58,12 @@ BACKOFF_MAX_SECONDS = 2.0
 # margin for a dispatched load to land.
 FRESH_FRACTION = 0.5
 MAX_BEATS_IN_FLIGHT = 64
+# A heartbeat goes out this soon (not a whole interval later) when the owner
+# has something for it (`LinkListener.beat_due`: loads to touch), so the
+# daemon's LRU hears of hits within this: with a heartbeat only every
+# lease/10, entries hit every step were evicted from a cache turning over
+# faster than that (docs/performance.md 6).
+EARLY_BEAT_SECONDS = 0.1
 
 Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
@@ -107,6 +113,12 @@ class LinkListener:
     def heartbeat_message(self) -> Any:
         """The ClientMessage of the next heartbeat (counters, batched touches)."""
         return pb.ClientMessage(heartbeat=pb.Heartbeat())
+
+    def beat_due(self) -> bool:
+        """Whether the next heartbeat should go out early (after
+        EARLY_BEAT_SECONDS): it has something that should not wait a whole
+        interval. Called on the link's thread; must be cheap."""
+        return False
 
 
 class SessionLink:
@@ -338,13 +350,21 @@ class SessionLink:
 
     def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
         """The stream's messages: what `send` queued, plus a heartbeat every
-        `interval` whether or not anything else went out."""
+        `interval` whether or not anything else went out, and one as soon as
+        EARLY_BEAT_SECONDS after the last when the listener says one is due
+        (asked every EARLY_BEAT_SECONDS, by listeners that can say so)."""
         yield outbox.get()  # the open message
         yield self._beat()  # renews the lease at once: fresh from the first step
-        next_beat = time.monotonic() + interval
+        early = min(interval, EARLY_BEAT_SECONDS)
+        due = self.listener.beat_due
+        asks = type(self.listener).beat_due is not LinkListener.beat_due
+        last_beat = time.monotonic()
         while True:
+            wake = last_beat + interval
+            if asks:
+                wake = min(wake, max(last_beat + early, time.monotonic() + early / 2))
             try:
-                message = outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+                message = outbox.get(timeout=max(0.0, wake - time.monotonic()))
             except queue.Empty:
                 message = _NOTHING
             if message is None:
@@ -353,9 +373,10 @@ class SessionLink:
                 yield message.to_message()
             elif message is not _NOTHING:
                 yield message
-            if time.monotonic() >= next_beat:
+            now = time.monotonic()
+            if now >= last_beat + interval or (asks and now >= last_beat + early and due()):
                 yield self._beat()
-                next_beat = time.monotonic() + interval
+                last_beat = time.monotonic()
 
     def _end_stream(self) -> None:
         responses = self._responses

@@ -163,6 +163,11 @@ class ReadyView:
             if acks:
                 send(acks)
 
+    def has_touches(self) -> bool:
+        """Whether loads were dispatched since the last `take_touches` (any
+        thread; a read of one reference, no lock)."""
+        return bool(self._touches)
+
     def take_touches(self, limit: int = MAX_BATCH) -> list[tuple[str, int, int]]:
         """(mm_hash, entry_id, loads) dispatched since the previous call, at
         most `limit` entries (the rest wait for the next heartbeat)."""

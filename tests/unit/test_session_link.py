@@ -3,6 +3,7 @@ link that survives its own callbacks raising, on a stand-in transport."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -308,3 +309,79 @@ def test_acknowledgements_leave_in_messages_of_at_most_max_batch():
     sizes = [len(part.to_message().acks) for part in outbox]
     assert sizes == [MAX_BATCH, MAX_BATCH, 1]
     assert [(r.mm_hash, r.entry_id) for p in outbox for r in p.to_message().acks] == acks
+
+
+class Touching(LinkListener):
+    """A scheduler's listener in miniature: loads to touch make a heartbeat due."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def beat_due(self) -> bool:
+        return self.pending
+
+    def heartbeat_message(self) -> Any:
+        touched, self.pending = self.pending, False
+        return pb.ClientMessage(heartbeat=pb.Heartbeat(), touches=[
+            pb.Touch(mm_hash="hit", entry_id=1, loads=1)] if touched else [])
+
+
+def _stream_of(link: SessionLink, interval: float) -> tuple[queue.SimpleQueue[Any],
+                                                             queue.Queue[Any]]:
+    """Run the link's request generator on a thread: (its outbox, what it yields)."""
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    outbox.put(pb.ClientMessage())  # the open message
+    sent: queue.Queue[Any] = queue.Queue()
+    requests = link._requests(outbox, interval)
+    threading.Thread(target=lambda: [sent.put(m) for m in requests], daemon=True).start()
+    return outbox, sent
+
+
+def test_loads_to_touch_send_a_heartbeat_early_not_a_whole_interval_later(monkeypatch):
+    """The daemon's LRU hears of hits within EARLY_BEAT_SECONDS: with a
+    heartbeat only every lease/10 (1 s by default), entries hit every step
+    were evicted from a cache turning over faster. Nothing due, nothing
+    extra is sent; early beats are spaced by EARLY_BEAT_SECONDS at least."""
+    monkeypatch.setattr(session, "EARLY_BEAT_SECONDS", 0.05)
+    listener = Touching()
+    link = SessionLink(None, engine_id="E", role="consumer", layout=LAYOUT, listener=listener)
+    outbox, sent = _stream_of(link, interval=60.0)
+    try:
+        sent.get(timeout=10)  # the open message
+        assert sent.get(timeout=10).heartbeat.seq == 1  # the first beat, at once
+        with pytest.raises(queue.Empty):
+            sent.get(timeout=0.3)  # nothing due: nothing before the interval
+        listener.pending = True
+        started = time.monotonic()
+        beat = sent.get(timeout=10)
+        assert beat.heartbeat.seq == 2 and [t.mm_hash for t in beat.touches] == ["hit"]
+        assert time.monotonic() - started < 10  # (the interval is 60 s)
+        beats, until = 0, time.monotonic() + 0.5
+        while time.monotonic() < until:  # due all the time: one per 50 ms at most
+            listener.pending = True
+            with contextlib.suppress(queue.Empty):
+                sent.get(timeout=max(0.0, until - time.monotonic()))
+                beats += 1
+        assert 1 <= beats <= 11
+    finally:
+        outbox.put(None)
+
+
+def test_a_listener_that_never_has_a_beat_due_is_not_asked(monkeypatch):
+    """Workers' links (no touches) keep the plain interval and are never
+    woken to ask."""
+    monkeypatch.setattr(session, "EARLY_BEAT_SECONDS", 0.05)
+    asked = []
+    listener = LinkListener()
+    listener.beat_due = lambda: asked.append(1) or True  # type: ignore[method-assign]
+    link = SessionLink(None, engine_id="E", role="consumer", layout=LAYOUT, rank=0,
+                       listener=listener)
+    outbox, sent = _stream_of(link, interval=60.0)
+    try:
+        sent.get(timeout=10)
+        assert sent.get(timeout=10).heartbeat.seq == 1
+        with pytest.raises(queue.Empty):
+            sent.get(timeout=0.3)
+        assert not asked
+    finally:
+        outbox.put(None)
