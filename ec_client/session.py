@@ -57,7 +57,10 @@ BACKOFF_MAX_SECONDS = 2.0
 # of the newest heartbeat the daemon echoed; the rest of the lease is the
 # margin for a dispatched load to land.
 FRESH_FRACTION = 0.5
-MAX_BEATS_IN_FLIGHT = 64
+# Heartbeats remembered until echoed: at one per EARLY_BEAT_SECONDS, 1,024
+# cover 100 s, past any useful echo of a lease up to 200 s (an echo counts
+# only until its send time + lease * FRESH_FRACTION).
+MAX_BEATS_IN_FLIGHT = 1024
 # A heartbeat goes out this soon (not a whole interval later) when the owner
 # has something for it (`LinkListener.beat_due`: loads to touch), so the
 # daemon's LRU hears of hits within this: with a heartbeat only every
