@@ -59,7 +59,8 @@ BACKOFF_MAX_SECONDS = 2.0
 FRESH_FRACTION = 0.5
 # Heartbeats remembered until echoed: at one per EARLY_BEAT_SECONDS, 1,024
 # cover 100 s, past any useful echo of a lease up to 200 s (an echo counts
-# only until its send time + lease * FRESH_FRACTION).
+# only until its send time + lease * FRESH_FRACTION; one forgotten makes
+# freshness conservative, never longer).
 MAX_BEATS_IN_FLIGHT = 1024
 # A heartbeat goes out this soon (not a whole interval later) when the owner
 # has something for it (`LinkListener.beat_due`: loads to touch), so the
@@ -67,6 +68,7 @@ MAX_BEATS_IN_FLIGHT = 1024
 # lease/10, entries hit every step were evicted from a cache turning over
 # faster than that (docs/performance.md 6).
 EARLY_BEAT_SECONDS = 0.1
+MIN_BEAT_SECONDS = 0.01  # whatever interval a daemon asks for (ours: 50 ms at least)
 
 Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
@@ -120,7 +122,8 @@ class LinkListener:
     def beat_due(self) -> bool:
         """Whether the next heartbeat should go out early (after
         EARLY_BEAT_SECONDS): it has something that should not wait a whole
-        interval. Called on the link's thread; must be cheap."""
+        interval. Called on gRPC's request thread, beside the engine's; must
+        be cheap and thread-safe (a raise counts as False)."""
         return False
 
 
@@ -148,6 +151,7 @@ class SessionLink:
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._responses: Any = None
         self._stopping = threading.Event()
+        self._beat_due_failed = False  # (logged once)
         self._attached = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"ec-session-{engine_id}",
                                         daemon=True)
@@ -351,6 +355,17 @@ class SessionLink:
         message.heartbeat.seq = seq
         return message
 
+    def _beat_due(self) -> bool:
+        """The listener's `beat_due`; a raise is logged once and is False
+        (raised here, on gRPC's request thread, it would end the stream)."""
+        try:
+            return bool(self.listener.beat_due())
+        except Exception:
+            if not self._beat_due_failed:
+                self._beat_due_failed = True
+                log.exception("ec-daemon link: beat_due raised; heartbeats keep their interval")
+            return False
+
     def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
         """The stream's messages: what `send` queued, plus a heartbeat every
         `interval` whether or not anything else went out, and one as soon as
@@ -358,9 +373,10 @@ class SessionLink:
         (asked every EARLY_BEAT_SECONDS, by listeners that can say so)."""
         yield outbox.get()  # the open message
         yield self._beat()  # renews the lease at once: fresh from the first step
+        interval = max(interval, MIN_BEAT_SECONDS)
         early = min(interval, EARLY_BEAT_SECONDS)
-        due = self.listener.beat_due
         asks = type(self.listener).beat_due is not LinkListener.beat_due
+        due = self._beat_due
         last_beat = time.monotonic()
         while True:
             wake = last_beat + interval

@@ -73,7 +73,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ec_daemon.remote import values
-from ec_daemon.remote.store import RemoteError, RemotePeerError
+from ec_daemon.remote.store import LocalWriteError, RemoteError, RemotePeerError
 from ec_daemon.sizes import parse_size
 
 log = logging.getLogger("ec_daemon.remote")
@@ -476,28 +476,37 @@ class MooncakeStore:
         is first copied into this thread's private scratch, checked there and
         written from there: what is verified is what the pages receive, in
         one pass. (Without one there is nothing to verify: a value vLLM
-        wrote is checked for its format only.)"""
-        region = self._region_file
+        wrote is checked for its format only.) Raises LocalWriteError when the
+        region's file refuses a write (the pages then hold unverified bytes)."""
+        region = self._region_file  # (held: a close meanwhile leaves the file open)
         if region is None:
-            raise RemoteError("the store was given no region to write into")
+            raise LocalWriteError("the store was given no region to write into, or was closed")
         self._inside(extents)
+        if sum(length for _, length in extents) != len(source):
+            raise ValueError(f"{len(source)} bytes do not fill the extents")
+        chunk = COPY_CHUNK
         scratch: memoryview = getattr(self._scratch, "chunk", None) or memoryview(b"")
-        if check is not None and not scratch:
-            scratch = self._scratch.chunk = memoryview(bytearray(COPY_CHUNK))
+        if check is not None and len(scratch) < chunk:
+            scratch = self._scratch.chunk = memoryview(bytearray(chunk))
         fd = region.fileno()
         at = 0
-        for offset, length in extents:
-            end = offset + length
-            while offset < end:
-                size = min(COPY_CHUNK, end - offset)
-                piece = source[at:at + size]
-                if check is not None:
-                    scratch[:size] = piece
-                    piece = scratch[:size]
-                    check.update(piece)
-                while piece:
-                    wrote = os.pwrite(fd, piece, offset)
-                    piece, offset, at = piece[wrote:], offset + wrote, at + wrote
+        try:
+            for offset, length in extents:
+                end = offset + length
+                while offset < end:
+                    size = min(chunk, end - offset)
+                    piece = source[at:at + size]
+                    if check is not None:
+                        scratch[:size] = piece
+                        piece = scratch[:size]
+                        check.update(piece)
+                    while piece:
+                        wrote = os.pwrite(fd, piece, offset)
+                        if wrote <= 0:
+                            raise OSError(f"pwrite at {offset} wrote nothing")
+                        piece, offset, at = piece[wrote:], offset + wrote, at + wrote
+        except OSError as exc:
+            raise LocalWriteError(f"writing into the region failed: {exc}") from exc
 
     # -- values
 

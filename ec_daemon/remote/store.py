@@ -106,6 +106,12 @@ class RemotePeerError(RemoteError):
     so this does not count against its circuit breaker."""
 
 
+class LocalWriteError(Exception):
+    """Writing what the store returned into this host's region failed (the
+    region's file refused the write, or the store was closed meanwhile): the
+    store answered, so this does not count against its circuit breaker."""
+
+
 class RemoteAuthError(RemoteError):
     """The store refused our credentials (a wrong or missing token): an
     operator's mistake, worth failing start-up for."""

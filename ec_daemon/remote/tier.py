@@ -43,6 +43,7 @@ from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.index import RemoteIndex
 from ec_daemon.remote.store import (
     Announcement,
+    LocalWriteError,
     RemoteAuthError,
     RemoteError,
     RemotePeerError,
@@ -647,6 +648,11 @@ class RemoteTier:
                 # a stale checksum): both go, and the next encode publishes anew.
                 with contextlib.suppress(Exception):
                     self.store.forget(self.store_name(namespace), mm_hash)
+            return False
+        except LocalWriteError as exc:  # (the store answered: not its breaker's business)
+            self._count(errors=1)
+            self._forget(namespace, mm_hash)
+            log.warning("promotion of %s failed here: %s", mm_hash, exc)
             return False
         except Exception as exc:
             _failed(breaker, exc)

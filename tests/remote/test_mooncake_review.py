@@ -74,6 +74,38 @@ time.sleep(600)
 '''
 
 
+def test_a_promotion_the_regions_file_refuses_is_not_the_stores_failure(
+        store: Any, tmp_path: Any) -> None:  # noqa: F811
+    """(Before the dead host below: its segment would take the put.) A write
+    into this host's region that fails (a full tmpfs, a closed store) is
+    refused as a local error: the promotion fails, counted, but the
+    store answered, and its circuit breaker (one failure opens it here) stays
+    closed for every other key."""
+    from ec_daemon.remote.tier import RemoteTier, StoredValue
+
+    moon, region = store
+    fill(region, 5)
+    assert moon.put_entry(NAMESPACE, "local", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    tier = RemoteTier(moon, ttl_s=60, publish_queue_bytes=1 << 20, breaker_threshold=1)
+    tier.follow("ns", NAMESPACE)
+    readonly = tmp_path / "region"
+    readonly.write_bytes(bytes(4 * NBYTES))
+    held = moon._region_file
+    moon._region_file = open(readonly, "rb", buffering=0)  # noqa: SIM115 (pwrite: EBADF)
+    try:
+        value = tier.fetch("ns", "local")
+        assert isinstance(value, StoredValue)
+        assert not value.write_into(None, [(NBYTES, NBYTES)])
+    finally:
+        moon._region_file.close()
+        moon._region_file = held
+    assert tier.snapshot()["errors"] == 1
+    assert set(tier.states().values()) == {"closed"}
+    value = tier.fetch("ns", "local")
+    assert value is not None and value.write_into(None, [(NBYTES, NBYTES)])
+    assert bytes(region[NBYTES:2 * NBYTES]) == bytes(region[:NBYTES])
+
+
 def test_a_dead_hosts_claims_do_not_hold_up_every_other_resolution(
         mooncake_master: mooncake_servers.MooncakeMaster) -> None:
     """Review (failing): a host killed with claims (or values) on its segment
@@ -123,3 +155,4 @@ def test_a_dead_hosts_claims_do_not_hold_up_every_other_resolution(
         assert done["fresh"] < 1.0, done
     finally:
         tier.stop()
+

@@ -385,3 +385,23 @@ def test_a_listener_that_never_has_a_beat_due_is_not_asked(monkeypatch):
         assert not asked
     finally:
         outbox.put(None)
+
+
+def test_a_beat_due_that_raises_keeps_the_stream_and_its_heartbeats(monkeypatch):
+    """Raised on gRPC's request thread, it would end the stream (the lease
+    lost, the link attaching again): it counts as not due instead, and the
+    interval's heartbeats go on."""
+    monkeypatch.setattr(session, "EARLY_BEAT_SECONDS", 0.05)
+
+    class Broken(LinkListener):
+        def beat_due(self) -> bool:
+            raise RuntimeError("a listener bug")
+
+    link = SessionLink(None, engine_id="E", role="consumer", layout=LAYOUT, listener=Broken())
+    outbox, sent = _stream_of(link, interval=0.2)
+    try:
+        sent.get(timeout=10)
+        seqs = [sent.get(timeout=10).heartbeat.seq for _ in range(3)]
+        assert seqs == [1, 2, 3]
+    finally:
+        outbox.put(None)
