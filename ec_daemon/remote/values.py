@@ -242,8 +242,18 @@ class Check:
     change it: one pass over the bytes, no second read), then `done`."""
 
     def __init__(self, header: Buffer, *, namespace: str, mm_hash: str) -> None:
-        self.header = parse_header(header, namespace=namespace, mm_hash=mm_hash)
-        self._digest = xxhash.xxh3_64(bytes(header)[:self.header.length - _CHECKSUM.size])
+        self._start(parse_header(header, namespace=namespace, mm_hash=mm_hash), bytes(header))
+
+    @classmethod
+    def _parsed(cls, header: Header, head: bytes) -> Check:
+        """A check of a header already parsed (`head`: its bytes, and maybe more)."""
+        check = cls.__new__(cls)
+        check._start(header, head)
+        return check
+
+    def _start(self, header: Header, head: bytes) -> None:
+        self.header = header
+        self._digest = xxhash.xxh3_64(head[:header.length - _CHECKSUM.size])
         self._seen = 0
 
     def update(self, piece: Buffer) -> None:
@@ -288,12 +298,10 @@ def decode(value: Buffer | Sequence[Buffer], *, namespace: str, mm_hash: str) ->
     head = _head(parts, header_len)
     header = _named(head, fields, namespace, mm_hash)
     payload = _split(parts, header_len)
-    digest = xxhash.xxh3_64(head[:header_len - _CHECKSUM.size])
+    check = Check._parsed(header, head)
     for part in payload:
-        digest.update(part)
-    if digest.intdigest() != header.checksum:
-        raise BadValue(f"checksum mismatch: header or payload corrupted (stored "
-                       f"{header.checksum:016x}, computed {digest.intdigest():016x})")
+        check.update(part)
+    check.done()  # (the sizes agree, checked above: the checksum alone can fail here)
     return Value(shape=header.shape, dtype=header.dtype, nbytes=nbytes, parts=tuple(payload))
 
 
