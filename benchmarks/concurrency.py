@@ -38,6 +38,8 @@ on the saver thread).
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing
 import random
 import statistics
@@ -49,8 +51,8 @@ import numpy as np
 import psutil
 
 from benchmarks.scheduler_step import count_sends
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, pb
 from tests.integration.daemon import Daemon
 
@@ -240,6 +242,25 @@ def p99(ordered: list[float]) -> float:
     return ordered[int(len(ordered) * 0.99)]
 
 
+def main() -> None:
+    """All mixes (`make bench` runs them through benchmarks/run.py), or the
+    engine counts and mix asked for (`make gpu-check`: 8 and 16 engines,
+    every step with items, on the device machine's 16 cores)."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", type=int, nargs="+", help="engine counts, one run each")
+    parser.add_argument("--mix", choices=list(MIXES), default="every step")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    rows = ([run(engines=n, seconds=args.seconds, mix=args.mix) for n in args.engines]
+            if args.engines else run_all(args.seconds))
+    for row in rows:
+        print(row, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 if __name__ == "__main__":
-    for row in run_all():
-        print(row)
+    main()

@@ -1,9 +1,23 @@
-"""`make gpu-bench` (CUDA only): H2D and D2H throughput of the torch and
-cupy copy backends through the registered region, against cudaMemcpy
-between pinned host memory (torch's pin_memory) and the device in the same
-run, for 1 MiB to 1 GiB; plus the time to register the region.
+"""`make gpu-bench` (CUDA only; part of `make gpu-check`): saves and loads of
+the torch and cupy copy backends through a registered /dev/shm region against
+cudaMemcpyAsync of the same bytes from pinned memory (a pinned torch tensor's
+`copy_(non_blocking=True)`), measured in the same run; and what a load costs
+the compute stream.
 
-    python -m benchmarks.gpu [--region-gib 4]
+Entries of 1, 8 and 64 MiB start at non-zero offsets; one 64 MiB entry
+crosses the 1 GiB registration chunk boundary and one is scattered over 64
+extents of 1 MiB (pages as the daemon hands them out). Each backend attaches
+its own mapping of the region and detaches it before the next backend
+attaches (registering pages twice is cudaErrorHostMemoryAlreadyRegistered),
+and is timed only once its background registration finished.
+
+The compute stream: a chain of sleep kernels (20 ms each) is queued on it
+with one load after each kernel. A load that made the host wait for the
+compute stream finds it idle when it returns (counted as a host sync), and
+the stream then idles while the host queues the next kernel (the chain's
+time against the same chain without loads, per load).
+
+    python -m benchmarks.gpu [--json PATH]
 """
 
 from __future__ import annotations
@@ -11,86 +25,209 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ec_client.copy import get_backend
-from ec_client.mapping import RegionMapping
+from ec_client.copy.mapping import RegionMapping
+from ec_client.copy.pinning import REGISTER_CHUNK_BYTES as CHUNK
 
 MiB = 1 << 20
-SIZES = (MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
+REGION_BYTES = CHUNK + 128 * MiB
+PAGE = 64 << 10
+# (case, extents): the cases benchmarks/gpu_report.py's targets name come first.
+CASES: list[tuple[str, list[tuple[int, int]]]] = [
+    ("1 MiB", [(64 * MiB + PAGE, MiB)]),
+    ("8 MiB", [(96 * MiB + PAGE, 8 * MiB)]),
+    ("64 MiB", [(128 * MiB + PAGE, 64 * MiB)]),
+    ("64 MiB across the 1 GiB chunk", [(CHUNK - 32 * MiB + PAGE, 64 * MiB)]),
+    ("64 MiB in 64 extents of 1 MiB", [(256 * MiB + i * 2 * MiB, MiB) for i in range(64)]),
+]
+PIN_WAIT_S = 60.0
+KERNEL_MS = 20.0
+IDLE_LOADS = 20
+IDLE_CASE = "8 MiB"
 
 
-def _timed(fn: Any, repeat: int) -> float:
-    best = float("inf")
+def _median_s(fn: Callable[[], Any], nbytes: int) -> float:
+    repeat = 30 if nbytes <= 8 * MiB else 10
+    fn()  # warm-up
+    times = []
     for _ in range(repeat):
         torch.cuda.synchronize()
         started = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
-def _row(size: int, backends: dict[str, Any], mapping: RegionMapping) -> dict[str, Any]:
-    repeat = max(3, min(20, (1024 * MiB) // size))
-    device = torch.empty(size, dtype=torch.uint8, device="cuda")
-    pinned = torch.empty(size, dtype=torch.uint8).pin_memory()
-    base_h2d = _timed(lambda: device.copy_(pinned, non_blocking=True), repeat)
-    base_d2h = _timed(lambda: pinned.copy_(device, non_blocking=True), repeat)
-    row: dict[str, Any] = {"bytes": size, "memcpy_h2d_gbps": size / base_h2d / 1e9,
-                           "memcpy_d2h_gbps": size / base_d2h / 1e9}
-    extents = [(0, size)]
-    for name, backend in backends.items():
-        d2h = _timed(lambda b=backend: b.save(device, mapping, extents), repeat)
-        h2d = _timed(lambda b=backend: b.load(mapping, extents, device), repeat)
-        row[f"{name}_d2h_ratio"] = base_d2h / d2h
-        row[f"{name}_h2d_ratio"] = base_h2d / h2d
-    return row
+def _memcpy_baseline(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """(D2H, H2D) seconds of one cudaMemcpyAsync between pinned memory and the device."""
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+
+    def d2h() -> None:
+        pinned.copy_(on_device, non_blocking=True)
+        stream.synchronize()
+
+    def h2d() -> None:
+        on_device.copy_(pinned, non_blocking=True)
+        stream.synchronize()
+
+    return _median_s(d2h, nbytes), _median_s(h2d, nbytes)
 
 
-def run(region_bytes: int) -> dict[str, Any]:
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": []}
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-gpu-") as f:
-        os.posix_fallocate(f.fileno(), 0, region_bytes)
-        mapping = RegionMapping(f.name, region_bytes, generation=1)
-        backends = {}
-        for name in ("torch", "cupy"):
-            try:
-                backend = get_backend(name)
-            except ImportError:
-                continue
-            started = time.perf_counter()
-            backend.attach(mapping)
-            results[f"{name}_register_s"] = time.perf_counter() - started
-            backends[name] = backend
-        results["rows"] = [_row(size, backends, mapping) for size in SIZES
-                           if size <= region_bytes]
-        for backend in backends.values():
+def _rows(name: str, backend: Any, mapping: RegionMapping) -> list[dict[str, Any]]:
+    rows = []
+    for case, extents in CASES:
+        nbytes = sum(length for _, length in extents)
+        base_d2h, base_h2d = _memcpy_baseline(nbytes, backend.device)
+        source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=backend.device)
+
+        def save(source: torch.Tensor = source, extents: list[tuple[int, int]] = extents) -> None:
+            backend.save(source, mapping, extents, backend.prepare_save(source))
+
+        def load(nbytes: int = nbytes, extents: list[tuple[int, int]] = extents) -> None:
+            backend.load(mapping, extents, backend.empty((nbytes,), "uint8"))
+
+        save_s, load_s = _median_s(save, nbytes), _median_s(load, nbytes)
+        out = backend.empty((nbytes,), "uint8")
+        backend.load(mapping, extents, out)
+        rows.append({"case": case, "backend": name, "bytes": nbytes, "extents": len(extents),
+                     "bit_exact": bool(torch.equal(out, source)),
+                     "save_gbps": nbytes / save_s / 1e9, "load_gbps": nbytes / load_s / 1e9,
+                     "memcpy_d2h_gbps": nbytes / base_d2h / 1e9,
+                     "memcpy_h2d_gbps": nbytes / base_h2d / 1e9,
+                     "save_ratio": base_d2h / save_s, "load_ratio": base_h2d / load_s})
+    return rows
+
+
+def _sleep_cycles(device: torch.device, ms: float) -> int:
+    """torch.cuda._sleep cycles that keep `device` busy for about `ms`."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(probe)  # warm-up
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
+
+
+def _chain_ms(device: torch.device, cycles: int, load: Callable[[], Any] | None,
+              ) -> tuple[float, int]:
+    """(ms the compute stream took for IDLE_LOADS sleep kernels, with `load`
+    called after queueing each; how many loads found the stream idle)."""
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host_syncs = 0
+    torch.cuda.synchronize(device)
+    with torch.cuda.device(device):
+        start.record(stream)
+        for _ in range(IDLE_LOADS):
+            torch.cuda._sleep(cycles)
+            if load is not None:
+                out = load()
+                host_syncs += int(stream.query())  # the kernel queued just now is done
+                out[:1].clone()  # the compute stream consumes the load, after its event
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end), host_syncs
+
+
+def _compute_stream(backend: Any, mapping: RegionMapping) -> dict[str, Any]:
+    extents = dict(CASES)[IDLE_CASE]
+    nbytes = sum(length for _, length in extents)
+    cycles = _sleep_cycles(backend.device, KERNEL_MS)
+
+    def load() -> Any:
+        return backend.load(mapping, extents, backend.empty((nbytes,), "uint8"))
+
+    alone, _ = _chain_ms(backend.device, cycles, None)
+    with_loads, host_syncs = _chain_ms(backend.device, cycles, load)
+    return {"case": IDLE_CASE, "loads": IDLE_LOADS, "kernel_ms": alone / IDLE_LOADS,
+            "host_syncs": host_syncs, "host_syncs_per_load": host_syncs / IDLE_LOADS,
+            "idle_ms_per_load": max(0.0, with_loads - alone) / IDLE_LOADS}
+
+
+def _measure_backend(name: str, path: str) -> dict[str, Any]:
+    """One backend on its own mapping of the region, detached before returning."""
+    result: dict[str, Any] = {"backend": name}
+    try:
+        backend: Any = get_backend(name)
+    except Exception as exc:  # no cupy, no CUDA for it: the other backend still runs
+        return {**result, "error": f"{type(exc).__name__}: {exc}"}
+    mapping = RegionMapping(path, REGION_BYTES, generation=1)
+    try:
+        started = time.perf_counter()
+        backend.attach(mapping)
+        while not backend.pinned(mapping) and time.perf_counter() - started < PIN_WAIT_S:
+            time.sleep(0.005)
+        result["register_s"] = time.perf_counter() - started
+        result["pinned"] = bool(backend.pinned(mapping))
+        result["rows"] = _rows(name, backend, mapping)
+        result["compute_stream"] = _compute_stream(backend, mapping)
+        result["stats"] = dict(backend.stats)
+    except Exception as exc:  # recorded: the other backend still runs
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        try:
             backend.detach(mapping)
+        except Exception as exc:
+            result.setdefault("error", f"detach: {type(exc).__name__}: {exc}")
         mapping.close()
+    return result
+
+
+def run() -> dict[str, Any]:
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
+                               "region_bytes": REGION_BYTES, "backends": []}
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-gpu-") as f:
+        os.posix_fallocate(f.fileno(), 0, REGION_BYTES)
+        for name in ("torch", "cupy"):
+            results["backends"].append(_measure_backend(name, f.name))
     return results
 
 
+def print_results(results: dict[str, Any]) -> None:
+    print(f"device: {results['device']}")
+    for part in results["backends"]:
+        if "error" in part:
+            print(f"{part['backend']}: ERROR {part['error']}")
+        if "register_s" in part:
+            print(f"{part['backend']}: registered in {part['register_s']:.2f}s "
+                  f"(pinned: {part['pinned']}), stats {part.get('stats')}")
+        for row in part.get("rows", []):
+            print(f"  {row['case']:>32}  save {row['save_gbps']:6.1f} GB/s "
+                  f"({row['save_ratio']:.2f}x memcpy)  load {row['load_gbps']:6.1f} GB/s "
+                  f"({row['load_ratio']:.2f}x memcpy)  bit-exact {row['bit_exact']}")
+        if "compute_stream" in part:
+            c = part["compute_stream"]
+            print(f"  compute stream: {c['host_syncs_per_load']:.2f} host syncs per load, "
+                  f"{c['idle_ms_per_load']:.3f} ms idle per load ({c['case']} loads)")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--region-gib", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("gpu-bench needs CUDA")
-    results = run(args.region_gib << 30)
-    for key, value in results.items():
-        if key != "rows":
-            print(f"{key}: {value}")
-    columns = list(results["rows"][0])
-    print("  ".join(f"{c:>16}" for c in columns))
-    for row in results["rows"]:
-        print("  ".join(f"{row[c]:>16.3f}" if isinstance(row[c], float) else f"{row[c]:>16}"
-                        for c in columns))
-    print(json.dumps(results))
+        raise SystemExit("gpu-bench needs CUDA (a CUDA build of torch and a GPU)")
+    results = run()
+    print_results(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if any("error" in part for part in results["backends"]):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from ec_client.copy import get_backend
-from ec_client.mapping import RegionMapping
-from ec_daemon.allocator import ExtentAllocator
-from ec_daemon.region import Region
+from ec_client.copy.mapping import RegionMapping
+from ec_daemon.core.allocator import ExtentAllocator
+from ec_daemon.durable.region import Region
 from ec_protocol.stamps import StampTable, table_bytes
 
 MiB = 1 << 20
@@ -171,8 +171,8 @@ def startup(size: int = 2 << 30, repeat: int = 3) -> dict[str, Any]:
 
 _MEMORY_SCRIPT = """
 import os, sys
-from ec_daemon.cache import Cache
-from ec_daemon.sessions import SessionTable
+from ec_daemon.core.cache import Cache
+from ec_daemon.core.sessions import SessionTable
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -216,8 +216,8 @@ def watcher_fanout(entries: int = 16384, watchers: tuple[int, ...] = (1, 200),
     1 (the baseline) and many watchers of every namespace that read nothing
     meanwhile: the loop's stall (best of `repeat`), and after the round, the
     time for every watcher to take its events (their stream writers' share)."""
-    from ec_daemon.records import Entry, State
-    from ec_daemon.watch import ALL, Watchers
+    from ec_daemon.core.records import Entry, State
+    from ec_daemon.plane.watch import ALL, Watchers
 
     evicted = []
     for i in range(entries):

@@ -187,7 +187,7 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
     """Promotion through the tier vs a raw get_into, and through the Redis tier."""
     import redis
 
-    from ec_daemon.region import Region
+    from ec_daemon.durable.region import Region
     from ec_daemon.remote.mooncake import MooncakeStore, parse_url, value_key
     from ec_daemon.remote.store import open_store
     from ec_daemon.remote.store import value_key as redis_key
@@ -258,7 +258,7 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
                 key the resolver found, whose head it remembered."""
                 found = mooncake.store.head(STORE_NAMESPACE, mm_hash)
                 started = time.perf_counter()
-                assert StoredValue(mooncake, NAMESPACE, mm_hash, found).write_into(
+                assert StoredValue(mooncake, store, NAMESPACE, mm_hash, found).write_into(
                     region, extents)
                 return time.perf_counter() - started
 
@@ -394,7 +394,7 @@ TITLES = {
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
-    from benchmarks.run import table
+    from benchmarks.tables import table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import concurrency, micro, mooncake_tier, remote, saves, tier, warm_restart
+from benchmarks.tables import table
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -64,21 +65,6 @@ class Sizes:
         self.memory_entries = 50_000 if quick else 1_000_000
         self.watcher_repeat = 1 if quick else 5
         self.saves_each = 100 if quick else 500
-
-
-def table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-        return str(value)
-
-    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
-    lines = [title, "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True))
-              for r in rows]
-    return "\n".join(lines)
 
 
 def upstream_comparison(vllm_python: str, torchvision: str, scale: float) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from ec_client.worker import WorkerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 
@@ -45,7 +45,7 @@ WORKERS = 2
 CACHE = "256MiB"
 RETRY_SECONDS = 0.0005
 # The daemon's modules in the profile, less those only start-up runs.
-STEADY = r"ec_daemon/(?!cli|__main__|server|region|metrics|config|startup)"
+STEADY = r"ec_daemon/(?!__main__|durable/region|serving/(?:cli|server|metrics|config|startup))"
 
 
 def _saver(socket: str, index: int, saves: int, stream: bool, conn: Any) -> None:
@@ -139,7 +139,7 @@ def profile_stream(saves: int, top: int = 25) -> str:
 
 
 def main() -> None:
-    from benchmarks.run import table
+    from benchmarks.tables import table
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")

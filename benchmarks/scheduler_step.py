@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 

@@ -98,9 +98,10 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from benchmarks.scheduler_step import count_sends
-from ec_client.contract import LoadSpec, RegionInfo
+from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.engine_token import derived_engine_token
 from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
-from ec_client.worker import WorkerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon
 from tests.vllm.tiny_model import build_tiny_paligemma
@@ -221,9 +222,9 @@ def _workers_main(conn: Connection) -> None:
 
 
 def _attach(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id: str,
-            layout: Layout) -> bool:
+            layout: Layout, engine_token: str = "") -> bool:
     worker = WorkerDelegate(socket, engine_id=engine_id, layout=layout,
-                            allocate_out=ReusedBuffers())
+                            allocate_out=ReusedBuffers(), engine_token=engine_token)
     if worker.link.wait_attached(20) is None:
         raise RuntimeError(f"worker not attached: {worker.link.last_error}")
     workers[socket, engine_id] = worker
@@ -291,8 +292,11 @@ class DaemonEngine:
         assert config.ec_transfer_config is not None
         config.ec_transfer_config.ec_connector_extra_config["ec_daemon_socket"] = daemon.socket
         engine_id, layout = engine_identity(config), layout_of(config)
-        for worker_engine in (engine_id, OTHER_ENGINE):
-            workers.call("attach", daemon.socket, worker_engine, layout)
+        # This engine's worker presents the token its scheduler derives (as a
+        # vLLM worker of the same instance does); the other engine has none.
+        token = derived_engine_token(engine_id, config.instance_id)
+        for worker_engine, engine_token in ((engine_id, token), (OTHER_ENGINE, "")):
+            workers.call("attach", daemon.socket, worker_engine, layout, engine_token)
         scheduler = connector(config, ECConnectorRole.SCHEDULER)
         if scheduler.scheduler_delegate.link.wait_attached(20) is None:
             raise RuntimeError(f"not attached: {scheduler.scheduler_delegate.link.last_error}")

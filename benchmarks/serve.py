@@ -30,6 +30,12 @@ pair of engines that runs all its workloads, in this order:
     published what it saved (write-behind, milliseconds);
 (b) engine 0 stopped with SIGTERM after half of its requests and started
     again; then the second half runs. Last, as it leaves a fresh engine.
+(f) the reuse sweep (20%, 50%, 80% reuse; then images that arrive at both
+    engines at once), on the same pair of engines, after (b);
+(e) E/PD: an encoder instance and a prefill/decode instance behind the E/PD
+    proxy, through ec-daemon or ECExampleConnector, against one engine
+    without a connector; engines of their own, after every mode's pair.
+    (e) and (f) are described in benchmarks/serve_epd.py.
 
 (b), (c) and (d) run in two phases: the first half of the stream, the event
 (restart, move), the second half. Each request's send time is reported
@@ -76,6 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serve_epd import REUSE_LEVELS, EPDRun, e_stream, figure, sweep_row, sweep_streams
 from benchmarks.serve_hosts import EngineSetup
 from benchmarks.serve_modes import ModeRun, Workload
 from benchmarks.serve_report import figures, print_table, recovery, summarise, with_ratios
@@ -98,7 +105,7 @@ MODES = ("none", "example", "ec-daemon")
 GPU_MODES = (*MODES, "cpu")
 TIER = "ec-daemon-tier"  # ec-daemon with a second tier, workload (d) only
 D_MODES = ("none", "ec-daemon")  # the modes of (d) besides TIER
-WORKLOADS = "a,b,c,d"
+WORKLOADS = "a,b,c,d,e,f"
 RATES = "1,2"
 GPU_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 CPU_ONLY_REFUSAL = (
@@ -133,6 +140,14 @@ class Plan:
     def event_images(self) -> int:
         return 2 if self.quick else 6
 
+    @property
+    def sweep_requests(self) -> int:  # (f), phase 0 of each level
+        return 6 if self.quick else 24
+
+    @property
+    def at_once_images(self) -> int:  # (f), phase 1 of each level
+        return 1 if self.quick else 4
+
 
 def workloads(plan: Plan, folder: Path, image_size: int, with_tier: bool) -> list[Workload]:
     """Every workload of the run, in the order each mode runs them. Each
@@ -162,6 +177,19 @@ def workloads(plan: Plan, folder: Path, image_size: int, with_tier: bool) -> lis
                    for name in ([key, "d-tier"] if key == "d" and with_tier else [key])]
         out.append(Workload(key, key, title, event, seed, plan.event_rate, streams[0], affected,
                             streams[1] if len(streams) > 1 else None))
+    for level in REUSE_LEVELS:
+        seed = plan.seed + 20 + round(level * 100)
+        images = max(1, round(plan.sweep_requests * (1 - level)))
+        out.append(Workload(
+            f"f@{round(level * 100)}", "f", f"(f) {level:.0%} reuse, then images at both "
+            "engines at once", "", seed, plan.event_rate,
+            sweep_streams(folder, level, plan.sweep_requests, images, plan.at_once_images,
+                          plan.event_rate, seed, image_size), (0, 1), reuse=level))
+    seed = plan.seed + 30
+    out.append(Workload("e", "e", "(e) E/PD through a proxy; none: one engine", "", seed,
+                        plan.rates[0], e_stream(folder, plan.a_requests, plan.a_images,
+                                                plan.rates[0], plan.reuse, seed, image_size),
+                        (0,)))
     return out
 
 
@@ -170,6 +198,12 @@ def run_mode(mode: str, run: ModeRun, todo: list[Workload]) -> dict[str, list[di
     (a mode of its own, TIER, for the second tier in (d))."""
     rows: dict[str, list[dict[str, Any]]] = {}
     for workload in todo:
+        if workload.workload == "e":  # engines of its own (run_epd)
+            continue
+        if workload.workload == "f":
+            print(f">> {mode}: {workload.title}, {len(workload.stream)} requests", flush=True)
+            rows.setdefault(workload.key, []).append(sweep_row(mode, run, workload.stream))
+            continue
         if workload.key == "d" and mode not in D_MODES:
             print(f"   (d) skipped for {mode}: it has no cross-host story", flush=True)
             continue
@@ -210,13 +244,18 @@ def main() -> None:
         print(">> loading vLLM's benchmark client", flush=True)
         client = Client(setup.model, prompt, folder)
         by_key: dict[str, list[dict[str, Any]]] = {}
-        for mode in modes:
+        for mode in modes if any(w.workload != "e" for w in todo) else ():
             print(f">> mode {mode}: starting two engines", flush=True)
             mode_started = time.monotonic()
             with ModeRun(mode, setup, client, folder / mode, image_size) as run:
                 print(f"   serving after {time.monotonic() - mode_started:.0f}s", flush=True)
                 for key, rows in run_mode(mode, run, todo).items():
                     by_key.setdefault(key, []).extend(rows)
+        for workload in (w for w in todo if w.workload == "e"):
+            for mode in (m for m in modes if m in MODES):
+                print(f">> {mode}: {workload.title}, {len(workload.stream)} requests", flush=True)
+                with EPDRun(mode, setup, client, folder / f"epd-{mode}", image_size) as epd:
+                    by_key.setdefault("e", []).append(epd.run(workload.stream))
         done = True
     finally:
         if done and not args.keep:
@@ -253,7 +292,8 @@ def report(plan: Plan, todo: list[Workload], by_key: dict[str, list[dict[str, An
         rows = with_ratios(by_key.get(workload.key, []))
         print_table(f"{workload.title} (ms; ratios to the same run's other modes)", rows)
         workloads_out.append({**workload.describe(), "modes": rows})
-    return {"quick": args.quick, "seed": plan.seed, "device": args.device,
+    return {"command": " ".join(sys.argv[1:]) or "(every workload and mode)",
+            "quick": args.quick, "seed": plan.seed, "device": args.device,
             "reuse": plan.reuse, "workloads": workloads_out, "seconds": seconds}
 
 
@@ -274,6 +314,8 @@ def write(results: dict[str, Any], out_dir: Path, args: argparse.Namespace) -> N
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     paths = figures(results, out_dir)
+    epd = figure(results, out_dir)
+    paths += [epd] if epd else []
     if reference_run(args):
         for path in paths:
             shutil.copy(path, ROOT / "docs" / path.name)
@@ -290,7 +332,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="", help=f"cuda only (default {GPU_MODEL})")
     parser.add_argument("--modes", default="", help="comma-separated (default: "
                         f"{','.join(MODES)} on cpu, {','.join(GPU_MODES)} on cuda)")
-    parser.add_argument("--workloads", default=WORKLOADS, help="a subset of a,b,c,d")
+    parser.add_argument("--workloads", default=WORKLOADS, help=f"a subset of {WORKLOADS}")
     parser.add_argument("--rates", default=RATES, help="workload (a)'s rates, req/s")
     parser.add_argument("--image-size", type=int, default=0, help="pixels (default: the "
                         "model's: 224 for the tiny PaliGemma, 448 on cuda)")

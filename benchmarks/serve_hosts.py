@@ -93,8 +93,17 @@ class EngineSetup:
             argv += ["--gpu-memory-utilization", "0.4"]
         return [*CLI, *argv]
 
+    @property
+    def shares_a_gpu(self) -> bool:
+        """Both engines on one GPU: each sizes its KV cache from the memory
+        it finds free while profiling, so they start one after the other."""
+        return self.device == "cuda" and self.gpus < 2
+
     def env(self, index: int, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ, **extra)
+        # This tree's ec_client in every process of the engine, whatever else
+        # the environment has installed (an editable install of another tree).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if self.device == "cpu":
             core = self.cores[index % len(self.cores)]
             env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=str(core),
@@ -102,6 +111,21 @@ class EngineSetup:
         elif self.gpus >= 2:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
         return env
+
+
+def start_engines(engines: list[Engine], setup: EngineSetup) -> None:
+    """Start `engines` and wait until each serves: at once, or one after the
+    other where they share a GPU (two engines at 0.4 of its memory each,
+    profiling at the same time, each count the other's memory as theirs)."""
+    if setup.shares_a_gpu:
+        for engine in engines:
+            engine.start()
+            engine.wait_ready()
+        return
+    for engine in engines:
+        engine.start()
+    for engine in engines:
+        engine.wait_ready()
 
 
 @dataclass

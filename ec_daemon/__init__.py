@@ -1,9 +1,11 @@
 """ec-daemon: the host-local server that owns the shared encoder cache.
 
-Needs grpcio and protobuf only (no torch, no CUDA). The core modules
-(`allocator`, `eviction`, `cache`, `sessions`, `region`) hold no gRPC types and
-are tested directly; `dataplane` serves them on plain values, `service` adapts
-that to gRPC and `cli` to the shell.
+Needs grpcio and protobuf only (no torch, no CUDA). The folders are layers,
+each importing only those below it: `durable` (region, index, journal),
+`core` (the cache and its state, no gRPC types, tested directly), `plane`
+(the data plane serving the core on plain values) beside `remote` (the
+second tier), and `serving` (gRPC, the command line) on top. `errors` and
+`sizes`, the vocabulary every layer speaks, import nothing of the daemon.
 """
 
 __version__ = "0.1.0"

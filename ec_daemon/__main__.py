@@ -1,5 +1,5 @@
 import sys
 
-from ec_daemon.cli import main
+from ec_daemon.serving.cli import main
 
 sys.exit(main())

@@ -17,6 +17,7 @@ cut both off from each other at Attach for a change that breaks neither.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Final, Literal
 
@@ -39,6 +40,11 @@ SOCKET_ENV = "EC_DAEMON_SOCKET"
 # with vLLM's own connector, whose keys are "<store_namespace>@id:<mm_hash>".
 MAX_STORE_NAMESPACE_CHARS = 1024
 STORE_KEY_MARKER = "@id:"
+
+# SchedulerComponent.engine_token: a secret of one engine instance (16
+# random bytes, hex), shared by its scheduler and its workers only.
+ENGINE_TOKEN_BYTES = 16
+ENGINE_TOKEN_RE = re.compile(rf"^[0-9a-f]{{{2 * ENGINE_TOKEN_BYTES}}}$")
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -63,6 +69,8 @@ WORKER: Final = "worker"
 __all__ = [
     "BOTH",
     "CONSUMER",
+    "ENGINE_TOKEN_BYTES",
+    "ENGINE_TOKEN_RE",
     "LOADING_ROLES",
     "MAX_BATCH",
     "MAX_STORE_NAMESPACE_CHARS",
@@ -80,11 +88,20 @@ __all__ = [
     "Layout",
     "Role",
     "default_socket_uri",
+    "engine_token_problem",
     "grpc_target",
     "pb",
     "rpc",
     "store_namespace_problem",
 ]
+
+
+def engine_token_problem(token: str) -> str | None:
+    """Why the daemon would refuse `token` as an engine token (None: fine; an
+    empty one is no token)."""
+    if token and not ENGINE_TOKEN_RE.match(token):
+        return f"engine_token must be {2 * ENGINE_TOKEN_BYTES} lowercase hex digits"
+    return None
 
 
 def default_socket_uri() -> str:

@@ -1,5 +1,6 @@
 """Suite-wide guard: whatever the tests start, they stop, and /dev/shm is
-left as found (no region file of ours survives the suite)."""
+left as found (no region file of ours survives the suite). The run ends with
+one line naming each test group that did not run here (tests/groups.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ec_daemon.region import PREFIX, SUFFIX
+from ec_daemon.durable.region import PREFIX, SUFFIX
+from tests import groups
 
 SHM = Path("/dev/shm")
 
@@ -74,3 +76,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "property test budgets")
         for line in sorted(lines):
             terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last line of the run: the groups that did not run here, why, and
+    the command that runs each (after pytest's own totals, so it is seen)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    skips = []
+    for report in reporter.stats.get("skipped", []):
+        if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: reason")
+            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+            skips.append((report.nodeid, reason, isinstance(report, pytest.CollectReport)))
+    line = groups.not_run(skips)
+    if line:
+        reporter.write_line(line, yellow=True, bold=True)

@@ -1,37 +1,56 @@
 """Copy backends: move payload bytes between a process's memory and the region.
 
-A backend copies one call per extent and returns only once the bytes have
-landed. Backends are loaded by name on first use, so importing this package
-costs nothing: `cpu` (memcpy; CI and CPU-only vLLM), and the CUDA backends
-(`torch`, `cupy`) behind the same interface. `auto` picks torch when CUDA is
-available, cpu otherwise.
+A backend copies one call per extent (split at pinned-memory chunks on
+CUDA) and returns only once the bytes have landed. Backends are loaded by
+name on first use, so importing this package costs nothing: `cpu` (memcpy;
+CI and CPU-only vLLM), and the CUDA backends (`torch`, `cupy`), which share
+one copy path over a narrow seam to the CUDA runtime (`ec_client.copy.cuda`).
+`auto` picks torch when CUDA is available, cpu otherwise.
 
 A name of the form `package.module:ClassName` loads a custom backend: the
 module is imported and the class (anything implementing `CopyBackend`) is
 built without arguments, in every process that copies. For instance
 `ec_daemon_copy_backend: "mycompany.ec_copy:PinnedBackend"`.
+
+This package is the worker's data path, below `ec_client.worker_side`: the
+region mapping (`mapping`) and the backends that copy through it. It never
+imports the worker or scheduler side or the vLLM shell, and it keeps its
+path, `ec_client.copy`, because custom backends name their interface here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
-from ec_client.mapping import RegionMapping
+from ec_client.copy.mapping import RegionMapping
 
 Extents = Sequence[tuple[int, int]]
 BACKENDS = ("auto", "cpu", "torch", "cupy")
+# What every backend has: `CopyBackend`'s members, checked on custom ones.
+INTERFACE = ("name", "device", "stats", "attach", "detach", "pinned", "empty", "prepare_save",
+             "save", "load")
 
 
 class CopyBackend(Protocol):
     name: str
+    device: str  # where loaded outputs live, as torch names it: "cpu", "cuda:1"
+    stats: Counter[str]  # the backend's own counters (pinning), reported with the worker's
 
     def attach(self, mapping: RegionMapping) -> None:
-        """A new mapping (new daemon generation): register it if needed."""
+        """A new mapping (new daemon generation): register it if needed
+        (CUDA backends register in the background)."""
 
     def detach(self, mapping: RegionMapping) -> None:
-        """The mapping is going away: unregister it."""
+        """The mapping is going away (no copy of it runs): unregister it."""
+
+    def pinned(self, mapping: RegionMapping) -> bool:
+        """Whether all of `mapping` is registered as pinned host memory."""
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """An uninitialised output for a load, on `device`."""
 
     def prepare_save(self, source: Any) -> Any:
         """Called on the thread that produced `source`, before it is queued:
@@ -45,8 +64,9 @@ class CopyBackend(Protocol):
         contiguous after `ready`, never copied in storage order."""
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
-        """Copy `extents` into `out` (contiguous, whose byte size is their
-        total); return `out`. Raises TypeError for a non-contiguous `out`."""
+        """Copy `extents` into `out` (contiguous, on `device`, whose byte size
+        is their total; best made by `empty`); return `out` once the bytes
+        landed. Raises TypeError for a non-contiguous `out` or one elsewhere."""
 
 
 def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:
@@ -94,6 +114,13 @@ def _custom_backend(name: str) -> CopyBackend:
     if cls is None:
         raise ImportError(f"copy backend {name!r}: module {module_name} has no {class_name}")
     backend: CopyBackend = cls()
+    # Checked once, here: a backend missing a part of the interface would
+    # otherwise fail at an engine's first step, save or load.
+    missing = [part for part in INTERFACE if not hasattr(backend, part)]
+    if missing:
+        raise TypeError(f"copy backend {name!r} lacks {', '.join(missing)} of the CopyBackend "
+                        "interface (ec_client.copy.CopyBackend; a cpu_backend.Backend or "
+                        "cuda.CudaBackend subclass has them all)")
     return backend
 
 
@@ -103,6 +130,23 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def storage_of(obj: Any) -> tuple[Hashable, int]:
+    """What keeping `obj` alive holds: a key naming its memory (a torch
+    storage, numpy's base buffer) and that memory's bytes. A slice of a larger
+    tensor keeps all of it; several slices of one output (vLLM splits a
+    batch's encoder output per item) hold it once."""
+    nbytes = describe(obj)[0]
+    storage = getattr(obj, "untyped_storage", None)
+    if storage is not None:  # torch
+        whole = storage()
+        return ("torch", str(obj.device), whole.data_ptr()), max(int(whole.nbytes()), nbytes)
+    base = obj
+    while getattr(base, "base", None) is not None:  # numpy views
+        base = base.base
+    held = getattr(base, "nbytes", None)
+    return ("buffer", id(base)), max(int(held) if held is not None else 0, nbytes)
 
 
 def describe(obj: Any) -> tuple[int, tuple[int, ...], str]:

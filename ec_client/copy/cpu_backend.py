@@ -10,10 +10,11 @@ output must be contiguous.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
-from ec_client.copy import Extents, check_extents, spans
-from ec_client.mapping import RegionMapping
+from ec_client.copy import Extents, check_extents, empty_host, spans
+from ec_client.copy.mapping import RegionMapping
 
 
 def as_bytes(obj: Any, *, writable: bool = False) -> memoryview:
@@ -62,12 +63,22 @@ def _torch_bytes(tensor: Any) -> Any:
 
 class Backend:
     name = "cpu"
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.stats: Counter[str] = Counter()
 
     def attach(self, mapping: RegionMapping) -> None:
         return None
 
     def detach(self, mapping: RegionMapping) -> None:
         return None
+
+    def pinned(self, mapping: RegionMapping) -> bool:
+        return False
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return empty_host(shape, dtype)
 
     def prepare_save(self, source: Any) -> None:
         return None

@@ -1,146 +1,173 @@
-"""The `cupy` backend: the same data path as `torch`, through CuPy.
+"""The `cupy` backend: the CUDA copy path (`ec_client.copy.cuda`) through CuPy.
 
-The mapping is registered with cupy.cuda.runtime.hostRegister (in chunks);
-copies are cudaMemcpyAsync per extent on a non-blocking CuPy stream, ordered
-after the producing stream by an event and awaited before returning.
-Sources and outputs may be CuPy arrays or CUDA torch tensors (anything with
-a `data_ptr()` or `__cuda_array_interface__`). A non-contiguous source is
-made contiguous on the copy stream after the producer's event (so the region
-holds its bytes in row-major order, never its storage order); an output must
-be contiguous.
+Copies are `cupy.cuda.runtime.memcpyAsync` between the mapping's address and
+a device pointer, on a non-blocking CuPy stream of the worker's device. CuPy
+clears the CUDA error of a call it raises for (so a refused registration
+leaves none pending).
+
+Arrays may be CUDA torch tensors (what vLLM hands over) or CuPy arrays;
+nothing else, and never host memory: `cupy.asarray` of host memory would
+copy it to a temporary device array and the copy would land there. With
+torch present, load outputs are torch tensors allocated for the copy stream
+and recorded on the compute stream (torch's current stream), as the torch
+backend does. Without torch they are CuPy arrays; CuPy's pool has no
+record_stream, so a CuPy output is allocated on the compute stream and its
+load waits for that stream's queued work (on the device; the host then
+waits for the copy).
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Any
 
 import cupy
 
-from ec_client.copy import Extents, check_extents, spans
-from ec_client.mapping import RegionMapping
+from ec_client.copy.cuda import CudaBackend
+from ec_client.copy.mapping import RegionMapping
+from ec_client.copy.pinning import PinRefused
 
-REGISTER_CHUNK_BYTES = 1 << 30
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
 
 
-def _nbytes(obj: Any) -> int:
-    if _is_torch(obj):
-        return int(obj.numel()) * int(obj.element_size())
-    return int(cupy.asarray(obj).nbytes)
+def _torch() -> Any:
+    """torch, if it is installed with CUDA (vLLM's workers have it)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
-def _device_pointer(obj: Any) -> int:
-    """The device pointer of a contiguous tensor or CUDA array. Raises
-    TypeError for a non-contiguous one: from its pointer lie its bytes in
-    storage order, or past its end for a broadcast view."""
-    if not _is_contiguous(obj):
-        raise TypeError(f"array is not contiguous (shape {tuple(obj.shape)})")
-    if _is_torch(obj):
-        return int(obj.data_ptr())
-    return int(cupy.asarray(obj).data.ptr)
+def _is_torch(array: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(array, torch.Tensor)
 
 
-def _is_torch(obj: Any) -> bool:
-    return hasattr(obj, "data_ptr")
+class CupyRuntime:
+    """`CudaRuntime` through CuPy, for the current device at construction."""
 
-
-def _is_contiguous(obj: Any) -> bool:
-    if _is_torch(obj):
-        return bool(obj.is_contiguous())
-    # cupy.asarray views any __cuda_array_interface__ object without a copy.
-    return bool(cupy.asarray(obj).flags.c_contiguous)
-
-
-class Backend:
     name = "cupy"
 
-    def __init__(self) -> None:
+    def __init__(self, device: int | None = None) -> None:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("the cupy copy backend needs a CUDA device")
-        self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._bases: dict[int, int] = {}
-        self._registered: dict[int, list[int]] = {}
+        self.index = cupy.cuda.runtime.getDevice() if device is None else device
+        self.device = f"cuda:{self.index}"
+        self._torch = _torch()
+        # torch's allocator orders an output for the copy stream; CuPy's pool cannot.
+        self.orders_allocations = self._torch is not None
 
-    def attach(self, mapping: RegionMapping) -> None:
-        import ctypes
+    def use_device(self) -> None:
+        cupy.cuda.runtime.setDevice(self.index)
 
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping.view))
-        chunks: list[int] = []
+    def host_bytes(self, mapping: RegionMapping) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mapping.view))
+
+    def register(self, host: int, offset: int, length: int) -> None:
         try:
-            for start in range(0, mapping.size, REGISTER_CHUNK_BYTES):
-                length = min(REGISTER_CHUNK_BYTES, mapping.size - start)
-                cupy.cuda.runtime.hostRegister(base + start, length, 0)
-                chunks.append(base + start)
-        except Exception:
-            for pointer in chunks:
-                cupy.cuda.runtime.hostUnregister(pointer)
-            raise
-        self._bases[id(mapping)] = base
-        self._registered[id(mapping)] = chunks
+            cupy.cuda.runtime.hostRegister(host + offset, length, 0)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:  # CuPy cleared the error
+            raise PinRefused(f"cudaHostRegister: {exc}") from None
 
-    def detach(self, mapping: RegionMapping) -> None:
-        cupy.cuda.runtime.deviceSynchronize()
-        for pointer in self._registered.pop(id(mapping), []):
-            cupy.cuda.runtime.hostUnregister(pointer)
-        self._bases.pop(id(mapping), None)
+    def unregister(self, host: int, offset: int) -> None:
+        cupy.cuda.runtime.hostUnregister(host + offset)
 
-    def prepare_save(self, source: Any) -> Any:
-        if hasattr(source, "data_ptr"):  # torch: its current stream produced it
-            import torch
+    def check_device(self, array: Any) -> None:
+        if _is_torch(array):
+            where = array.device
+            if array.is_cuda and array.device.index == self.index:
+                return
+        elif isinstance(array, cupy.ndarray):
+            where = f"cuda:{array.device.id}"
+            if array.device.id == self.index:
+                return
+        else:
+            raise TypeError(f"the cupy backend copies CUDA torch tensors and CuPy arrays, not "
+                            f"{type(array).__name__} (host memory is never copied through "
+                            "cupy.asarray)")
+        raise TypeError(f"the cupy backend copies arrays on {self.device}, not {where}")
 
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(source.device))
-            return event
-        event = cupy.cuda.Event()
-        event.record(cupy.cuda.get_current_stream())
+    def device_bytes(self, array: Any) -> tuple[int, int]:
+        """(device pointer, bytes) of a contiguous array on this device."""
+        self.check_device(array)
+        if _is_torch(array):
+            if not array.is_contiguous():
+                raise TypeError(f"tensor is not contiguous (shape {tuple(array.shape)}, "
+                                f"strides {array.stride()})")
+            return int(array.data_ptr()), self.nbytes(array)
+        if not array.flags.c_contiguous:
+            raise TypeError(f"array is not contiguous (shape {tuple(array.shape)})")
+        return int(array.data.ptr), int(array.nbytes)
+
+    def nbytes(self, array: Any) -> int:
+        if _is_torch(array):
+            return int(array.numel()) * int(array.element_size())
+        return int(array.nbytes)
+
+    def contiguous(self, array: Any, stream: cupy.cuda.Stream) -> Any:
+        if _is_torch(array):
+            if array.is_contiguous():
+                return array
+            torch = self._torch
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=array.device)):
+                return array.contiguous()
+        if array.flags.c_contiguous:
+            return array
+        with stream:
+            return cupy.ascontiguousarray(array)
+
+    def new_stream(self) -> cupy.cuda.Stream:
+        return cupy.cuda.Stream(non_blocking=True)
+
+    def current_stream(self) -> Any:
+        if self._torch is not None:
+            return cupy.cuda.ExternalStream(
+                self._torch.cuda.current_stream(self.index).cuda_stream, self.index)
+        return cupy.cuda.get_current_stream()
+
+    def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, length: int,
+             stream: cupy.cuda.Stream) -> None:
+        if isinstance(dst, int):  # the host mapping: device to host
+            cupy.cuda.runtime.memcpyAsync(dst + dst_offset, src[0] + src_offset, length, _D2H,
+                                          stream.ptr)
+        else:
+            cupy.cuda.runtime.memcpyAsync(dst[0] + dst_offset, src + src_offset, length, _H2D,
+                                          stream.ptr)
+
+    def record(self, stream: Any) -> cupy.cuda.Event:
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(stream)
         return event
 
-    def save(self, source: Any, mapping: RegionMapping, extents: Extents,
-             ready: Any = None) -> None:
-        check_extents(mapping, extents, _nbytes(source))
-        base = self._bases[id(mapping)]
-        if ready is not None:
-            ready.synchronize()
-        try:
-            data = self._contiguous(source)  # only now: the producer has written it
-            pointer = _device_pointer(data)
-            for offset, length, done in spans(extents):
-                cupy.cuda.runtime.memcpyAsync(base + offset, pointer + done, length, _D2H,
-                                              self._stream.ptr)
-        finally:  # what was queued lands before a caller may abort the save
-            self._stream.synchronize()
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
 
-    def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
-        pointer = _device_pointer(out)
-        check_extents(mapping, extents, _nbytes(out))
-        base = self._bases[id(mapping)]
-        _consumer_synchronize(out)  # `out` may reuse memory still read there
-        for offset, length, done in spans(extents):
-            cupy.cuda.runtime.memcpyAsync(pointer + done, base + offset, length, _H2D,
-                                          self._stream.ptr)
-        self._stream.synchronize()
-        return out
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
 
-    def _contiguous(self, source: Any) -> Any:
-        """`source`, or a row-major copy of it made on the copy stream (so the
-        memcpys that read the copy are ordered after it)."""
-        if _is_contiguous(source):
-            return source
-        if _is_torch(source):
-            import torch
+    def synchronize_stream(self, stream: Any) -> None:
+        stream.synchronize()
 
-            stream = torch.cuda.ExternalStream(self._stream.ptr, device=source.device)
-            with torch.cuda.stream(stream):
-                return source.contiguous()
-        with self._stream:
-            return cupy.ascontiguousarray(cupy.asarray(source))
+    def empty(self, shape: tuple[int, ...], dtype: str, stream: cupy.cuda.Stream) -> Any:
+        torch = self._torch
+        if torch is not None:
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=self.device)):
+                dtype_obj = getattr(torch, dtype, None)
+                if not isinstance(dtype_obj, torch.dtype):
+                    raise ValueError(f"unknown dtype {dtype!r}")
+                return torch.empty(shape, dtype=dtype_obj, device=self.device)
+        with self.current_stream():  # see the module docstring
+            return cupy.empty(shape, dtype=dtype)
+
+    def used_on(self, array: Any, stream: Any) -> None:
+        if _is_torch(array):
+            torch = self._torch
+            array.record_stream(torch.cuda.ExternalStream(stream.ptr, device=array.device))
 
 
-def _consumer_synchronize(out: Any) -> None:
-    if hasattr(out, "data_ptr"):
-        import torch
-
-        torch.cuda.current_stream(out.device).synchronize()
-    else:
-        cupy.cuda.get_current_stream().synchronize()
+class Backend(CudaBackend):
+    def __init__(self, device: int | None = None) -> None:
+        super().__init__(CupyRuntime(device))

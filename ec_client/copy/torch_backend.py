@@ -1,122 +1,160 @@
-"""The `torch` backend: CUDA copies through torch between GPU tensors and
-the region, registered as pinned host memory.
+"""The `torch` backend: the CUDA copy path (`ec_client.copy.cuda`) through torch.
 
-The mapping is registered with cudaHostRegister once per mapping, in chunks
-(a region can be tens of GiB), so copies are true async DMA. Every copy runs
-on a side stream, one cudaMemcpyAsync per extent:
-
-- a save first waits for the event recorded when the output was produced
-  (`prepare_save`, on the producing stream), and `record_stream` tells the
-  caching allocator the side stream still reads the tensor. A non-contiguous
-  output is made contiguous on the side stream after that wait (before it,
-  the copy would read bytes not yet written), so the region holds its bytes
-  in row-major order;
-- a load records its destination on the consumer's current stream and makes
-  that stream wait for the copy's event. The destination must be contiguous.
-
-Both return only after their event completed, so a save or load is reported
-to the daemon only once its bytes have landed.
+Copies are `Tensor.copy_(non_blocking=True)` between slices of a uint8 view
+of the mapping and of the device tensor, on a stream of the worker's device
+(torch runs a tensor's copy on the current stream of the tensor's own
+device, so tensors of another device are refused, never copied there). The
+mapping is registered with `torch.cuda.cudart().cudaHostRegister`, whose
+binding returns the error instead of clearing it: a refusal is cleared with
+cudaGetLastError from the CUDA runtime torch loaded, or it would surface at
+the next unrelated kernel launch on that thread.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from typing import Any
 
 import torch
 
-from ec_client.copy import Extents, check_extents, spans
-from ec_client.mapping import RegionMapping
+from ec_client.copy.cuda import CudaBackend
+from ec_client.copy.mapping import RegionMapping
+from ec_client.copy.pinning import PinRefused
 
-REGISTER_CHUNK_BYTES = 1 << 30
+log = logging.getLogger(__name__)
+
 _HOST_REGISTER_DEFAULT = 0
 
 
-class Backend:
-    name = "torch"
+class TorchRuntime:
+    """`CudaRuntime` through torch, for the current device at construction."""
 
-    def __init__(self) -> None:
+    name = "torch"
+    orders_allocations = True
+
+    def __init__(self, device: int | None = None) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("the torch copy backend needs CUDA; use the cpu backend")
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self._stream = torch.cuda.Stream(self.device)
-        self._host: dict[int, torch.Tensor] = {}  # id(mapping) -> uint8 view of it
-        self._registered: dict[int, list[tuple[int, int]]] = {}
+        self.index = torch.cuda.current_device() if device is None else device
+        self.device = f"cuda:{self.index}"
+        self._device = torch.device("cuda", self.index)
 
-    def attach(self, mapping: RegionMapping) -> None:
-        host = torch.frombuffer(mapping.view, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        chunks: list[tuple[int, int]] = []
-        base = host.data_ptr()
-        for start in range(0, mapping.size, REGISTER_CHUNK_BYTES):
-            length = min(REGISTER_CHUNK_BYTES, mapping.size - start)
-            err = cudart.cudaHostRegister(base + start, length, _HOST_REGISTER_DEFAULT)
-            if int(err) != 0:
-                self._unregister(chunks)
-                raise RuntimeError(f"cudaHostRegister failed ({err}) at offset {start}")
-            chunks.append((base + start, length))
-        self._host[id(mapping)] = host
-        self._registered[id(mapping)] = chunks
+    def use_device(self) -> None:
+        torch.cuda.set_device(self.index)
 
-    def detach(self, mapping: RegionMapping) -> None:
-        torch.cuda.synchronize(self.device)
-        self._unregister(self._registered.pop(id(mapping), []))
-        self._host.pop(id(mapping), None)
+    def host_bytes(self, mapping: RegionMapping) -> torch.Tensor:
+        return torch.frombuffer(mapping.view, dtype=torch.uint8)
 
-    def prepare_save(self, source: Any) -> Any:
+    def register(self, host: torch.Tensor, offset: int, length: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr() + offset, length,
+                                                       _HOST_REGISTER_DEFAULT))
+        if err != 0:
+            _clear_error()
+            raise PinRefused(f"cudaHostRegister: CUDA error {err}")
+
+    def unregister(self, host: torch.Tensor, offset: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr() + offset))
+        if err != 0:
+            _clear_error()
+            log.warning("ec-daemon: cudaHostUnregister failed (CUDA error %d)", err)
+
+    def check_device(self, array: Any) -> None:
+        if not isinstance(array, torch.Tensor) or array.device != self._device:
+            where = array.device if isinstance(array, torch.Tensor) else type(array).__name__
+            raise TypeError(f"the torch backend copies tensors on {self.device}, not {where}")
+
+    def device_bytes(self, array: Any) -> torch.Tensor:
+        self.check_device(array)
+        if not array.is_contiguous():
+            raise TypeError(f"tensor is not contiguous (shape {tuple(array.shape)}, "
+                            f"strides {array.stride()})")
+        return array.reshape(-1).view(torch.uint8)
+
+    def nbytes(self, array: Any) -> int:
+        return int(array.numel()) * int(array.element_size())
+
+    def contiguous(self, array: Any, stream: torch.cuda.Stream) -> Any:
+        with torch.cuda.stream(stream):
+            return array.contiguous()
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self._device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self._device)
+
+    def copy(self, dst: torch.Tensor, dst_offset: int, src: torch.Tensor, src_offset: int,
+             length: int, stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):
+            dst[dst_offset:dst_offset + length].copy_(src[src_offset:src_offset + length],
+                                                      non_blocking=True)
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(source.device))
+        event.record(stream)
         return event
 
-    def save(self, source: Any, mapping: RegionMapping, extents: Extents,
-             ready: Any = None) -> None:
-        host = self._host[id(mapping)]
-        check_extents(mapping, extents, source.numel() * source.element_size())
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def synchronize_stream(self, stream: torch.cuda.Stream) -> None:
+        stream.synchronize()
+
+    def empty(self, shape: tuple[int, ...], dtype: str, stream: torch.cuda.Stream) -> Any:
+        with torch.cuda.stream(stream):
+            return torch.empty(shape, dtype=_torch_dtype(dtype), device=self._device)
+
+    def used_on(self, array: Any, stream: torch.cuda.Stream) -> None:
+        array.record_stream(stream)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _clear_error() -> None:
+    """cudaGetLastError on this thread, in the CUDA runtime torch uses (torch's
+    cudart binding has no such call)."""
+    runtime = _loaded_cudart()
+    if runtime is None:
+        log.warning("ec-daemon: no CUDA runtime library found to clear a CUDA error with")
+        return
+    runtime.cudaGetLastError()
+
+
+_cudart: ctypes.CDLL | None = None
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The libcudart this process has loaded (torch's), found in /proc/self/maps:
+    another copy would have its own error state."""
+    global _cudart
+    if _cudart is None:
         try:
-            with torch.cuda.stream(self._stream):
-                if ready is not None:
-                    self._stream.wait_event(ready)
-                source.record_stream(self._stream)
-                # Only now, on this stream: its copy kernel reads what the
-                # producer wrote (a temporary allocated here needs no record).
-                data = _flat_bytes(source.contiguous())
-                for offset, length, done in spans(extents):
-                    host[offset:offset + length].copy_(data[done:done + length],
-                                                       non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(self._stream)
-        except BaseException:
-            # Copies already queued must land before the caller aborts the save
-            # (its pages are then reused at once).
-            self._stream.synchronize()
-            raise
-        landed.synchronize()
-
-    def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
-        host = self._host[id(mapping)]
-        flat = _flat_bytes(out)
-        check_extents(mapping, extents, flat.numel())
-        consumer = torch.cuda.current_stream(out.device)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(consumer)  # `out` was allocated there
-            for offset, length, done in spans(extents):
-                flat[done:done + length].copy_(host[offset:offset + length], non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(self._stream)
-        out.record_stream(self._stream)
-        consumer.wait_event(landed)
-        landed.synchronize()
-        return out
-
-    def _unregister(self, chunks: list[tuple[int, int]]) -> None:
-        cudart = torch.cuda.cudart()
-        for pointer, _ in chunks:
-            cudart.cudaHostUnregister(pointer)
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        except OSError:
+            paths = set()
+        # torch's own (its wheel's nvidia runtime, or beside libtorch) first.
+        for path in sorted(paths, key=lambda p: ("torch" not in p and "nvidia" not in p, p)):
+            try:
+                _cudart = ctypes.CDLL(path)
+                break
+            except OSError:
+                continue
+        if len(paths) > 1:
+            log.warning("ec-daemon: %d CUDA runtimes are loaded (%s); errors are cleared in %s",
+                        len(paths), ", ".join(sorted(paths)), _cudart and _cudart._name)
+    return _cudart
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view; raises TypeError for
-    a non-contiguous one (its storage order is not its row-major order)."""
-    if not tensor.is_contiguous():
-        raise TypeError(f"tensor is not contiguous (shape {tuple(tensor.shape)}, "
-                        f"strides {tensor.stride()})")
-    return tensor.view(-1).view(torch.uint8)
+class Backend(CudaBackend):
+    def __init__(self, device: int | None = None) -> None:
+        super().__init__(TorchRuntime(device))

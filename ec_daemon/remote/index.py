@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ec_daemon.remote.store import Announcement
+from ec_daemon.remote.backend import Announcement
 
 # The most an entry takes beside its mm_hash's characters: the table's slot
 # and link, the key string's header, the packed int (CPython 3.11, with the
@@ -33,6 +33,9 @@ from ec_daemon.remote.store import Announcement
 ENTRY_BYTES = 185
 _SIZE_BITS = 41  # the payload size's bits in an entry (store.MAX_VALUE_BYTES is 2**40)
 _SIZE_MASK = (1 << _SIZE_BITS) - 1
+# Entries forgotten (not promotable) remembered against a re-read of their
+# announcement (a rescan reads the index from its start), at most this many.
+MAX_FORGOTTEN = 4096
 
 
 class ServerClock:
@@ -72,6 +75,9 @@ class RemoteIndex:
         # order announced (the namespace string is the table's key, held once).
         self._tables: dict[str, OrderedDict[str, int]] = {}
         self.bytes = 0
+        # (namespace, mm_hash) -> the forgotten entry's expiry (ms): an
+        # announcement that expires no later is the one forgotten, read again.
+        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @property
     def entries(self) -> int:
@@ -103,9 +109,18 @@ class RemoteIndex:
         return packed & _SIZE_MASK
 
     def forget(self, namespace: str, mm_hash: str) -> None:
+        """Drop an entry (its value could not be promoted). Reading its
+        announcement again (a rescan) does not bring it back; a later
+        announcement (published again) does."""
         table = self._tables.get(namespace)
-        if table is not None and table.pop(mm_hash, None) is not None:
-            self.bytes -= entry_bytes(mm_hash)
+        packed = table.pop(mm_hash, None) if table is not None else None
+        if packed is None:
+            return
+        self.bytes -= entry_bytes(mm_hash)
+        self._forgotten[(namespace, mm_hash)] = packed >> _SIZE_BITS
+        self._forgotten.move_to_end((namespace, mm_hash))
+        while len(self._forgotten) > MAX_FORGOTTEN:
+            self._forgotten.popitem(last=False)
 
     def absorb(self, found: Sequence[Announcement]) -> int:
         """Take announcements read from the index (those of namespaces not
@@ -123,6 +138,11 @@ class RemoteIndex:
             expires = a.stamp_ms + ttl_ms
             if expires <= now:
                 continue
+            forgotten = self._forgotten.get((a.namespace, a.mm_hash))
+            if forgotten is not None:
+                if expires <= forgotten:
+                    continue  # (the forgotten announcement, read again)
+                del self._forgotten[(a.namespace, a.mm_hash)]
             old = table.pop(a.mm_hash, None)  # announced again: to the end
             if old is None:
                 self.bytes += entry_bytes(a.mm_hash)
@@ -138,6 +158,8 @@ class RemoteIndex:
         """Drop expired entries from the front of each table (entries arrive
         roughly in expiry order; any left behind `get` refuses)."""
         now = self.clock.now_ms()
+        for key in [k for k, expires in self._forgotten.items() if expires <= now]:
+            del self._forgotten[key]
         for table in self._tables.values():
             while table:
                 mm_hash, packed = next(iter(table.items()))

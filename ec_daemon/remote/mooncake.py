@@ -41,8 +41,14 @@ without writing. A claim is therefore taken by a put and confirmed by reading
 the claim back (the master orders the puts: one token wins); it carries its
 expiry by the claimant's clock, so a claim whose host died is taken over
 once it expired (clocks off by more than the slack cost an extra encode or a
-bounded wait, never a wrong hit). Objects have no TTL in Mooncake (they stay
-until evicted), so --remote-ttl does not apply.
+bounded wait, never a wrong hit). A claim is put on the claimant's own
+segment: the master would place it on any, a dead host's among them until
+it forgets that host, and the put then fails after about 1 s. Objects have
+no TTL in Mooncake (they stay until evicted), so --remote-ttl does not apply.
+
+Every transfer buffer, in use or pooled, counts against the promotion
+budget (`use_budget`): sized to the next power of two and pooled up to
+POOL_BYTES, they held about twice --remote-promotion-bytes plus the pool.
 
 `setup` blocks for up to 90 s when the master is unreachable, and holds the
 interpreter's lock while it does (every thread of the daemon stops), so the
@@ -66,14 +72,22 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ec_daemon.remote import values
-from ec_daemon.remote.store import LocalWriteError, RemoteError, RemotePeerError
+from ec_daemon.remote.backend import (
+    Head,
+    LocalWriteError,
+    ProbedStore,
+    Published,
+    RemoteError,
+    RemotePeerError,
+)
+from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.sizes import parse_size
 
 log = logging.getLogger("ec_daemon.remote")
@@ -91,11 +105,13 @@ SIDECAR = "@ecd1"
 CLAIM = "@ecd1-claim"
 CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is taken over
 CLAIM_READ_S = 1.0  # a claim put but read as nothing this long: its host is gone, or the put failed
+UNREACHABLE_READ_S = 0.5  # a read of a listed object that fails after this long: its host is gone
 DEFAULT_SEGMENT = "1GiB"  # the daemon's share of the store's memory
 DEFAULT_BUFFER = "64MiB"  # the client's buffer for small values (claims, checksums)
 SETUP_RETRY_S = 2.0
 SMALL_BUFFER_BYTES = 64 << 10  # the smallest transfer buffer
 POOL_BYTES = 128 << 20  # transfer buffers kept for the next call, at most this in all
+# (each counted against --remote-promotion-bytes: `MooncakeStore.use_budget`)
 MAX_BOUNCE_BYTES = 1 << 30  # a value larger than this (header and payload) is not moved
 COPY_CHUNK = 1 << 20  # a promotion's bytes are verified and written this much at a time
 # Mooncake's error codes (types.h), as the binding returns them.
@@ -248,17 +264,38 @@ def _error(code: Any) -> str:
     return f"{code} ({ERROR_NAMES.get(code, 'unknown')})" if isinstance(code, int) else repr(code)
 
 
-@dataclass(frozen=True)
-class Head:
-    """What a stored value says of itself before its payload is read."""
+def buffer_bytes(size: int) -> int:
+    """The capacity of the transfer buffer a call of `size` bytes gets: a
+    multiple of SMALL_BUFFER_BYTES, rounded up to an eighth of its power of
+    two (a pooled buffer then serves calls of nearby sizes, and wastes less
+    than 1/8 or 64 KiB; a power of two wasted up to half, uncounted)."""
+    if size <= SMALL_BUFFER_BYTES:
+        return SMALL_BUFFER_BYTES
+    step = max(SMALL_BUFFER_BYTES, 1 << max(0, (size - 1).bit_length() - 4))
+    return -(-size // step) * step
 
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    sidecar: bytes | None  # ec-daemon's header (its checksum), absent for vLLM's values
+
+class BuffersSpent(RemotePeerError):
+    """No transfer buffer fits --remote-promotion-bytes now: nothing was
+    asked of the store, so this does not count against its breaker."""
 
 
-class MooncakeStore:
+@dataclass
+class _Transfer:
+    """A registered transfer buffer and the budget it holds (None: covered
+    by the reservation of the promotion using it)."""
+
+    buffer: ctypes.Array[ctypes.c_char]
+    held: Reservation | None
+
+
+class _Scratch(threading.local):
+    """Each thread's private chunk (`_write_region`): none until it needs one."""
+
+    chunk = memoryview(b"")
+
+
+class MooncakeStore(ProbedStore):
     """One MooncakeDistributedStore client. Thread-safe (the binding is; our
     own state sits behind `_lock`)."""
 
@@ -276,11 +313,15 @@ class MooncakeStore:
         self._region_file: Any = None  # promotions write into it (pwrite)
         self._region_size = 0
         self._region_view: memoryview | None = None
-        self._scratch = threading.local()  # a private chunk per thread (promotions)
+        self._scratch = _Scratch()  # a private chunk per thread (promotions)
         # Registered transfer buffers free for the next call (never freed while
         # registered: the next registration at that address would fail).
-        self._pool: list[ctypes.Array[ctypes.c_char]] = []
+        self._pool: list[_Transfer] = []
         self._pool_generation = -1
+        self._budget: PromotionBudget | None = None  # (`use_budget`)
+        self._buffers_bytes = 0  # capacity of the buffers that exist, pooled or in use
+        self._buffers_peak = 0
+        self._placement: tuple[int, Any] | None = None  # (generation, claims' ReplicateConfig)
         self._thread = threading.Thread(target=self._connect_loop, name="ec-mooncake-setup",
                                         daemon=True)
         self._thread.start()
@@ -405,40 +446,124 @@ class MooncakeStore:
     def mapped(self) -> bool:
         return self._region is not None
 
+    def use_budget(self, budget: PromotionBudget) -> None:
+        """Count every transfer buffer against `budget` (the tier's
+        --remote-promotion-bytes): a buffer pooled or in use holds a
+        reservation of its capacity, except one made for a promotion, whose
+        own reservation (`promotion_bytes`) covers it until it is pooled.
+        Call it once, before the first call that moves bytes."""
+        self._budget = budget
+
+    @staticmethod
+    def promotion_bytes(nbytes: int) -> int:
+        """What a promotion of a payload of `nbytes` reserves: the capacity
+        of the transfer buffer its value is read into."""
+        return buffer_bytes(HEADER.size + nbytes)
+
+    @property
+    def buffers_bytes(self) -> int:
+        """Capacity of the transfer buffers that exist now (pooled or in use)."""
+        return self._buffers_bytes
+
+    @property
+    def buffers_bytes_peak(self) -> int:
+        return self._buffers_peak
+
+    def trim(self) -> int:
+        """Free the pooled buffers (unregistered; their reservations
+        returned); the bytes freed."""
+        with self._lock:
+            pooled, self._pool = self._pool, []
+            generation = self._pool_generation
+        client = self._client
+        for transfer in pooled:
+            self._free(transfer, client if self._generation == generation else None)
+        return sum(len(t.buffer) for t in pooled)
+
+    def _free(self, transfer: _Transfer, client: Any) -> None:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.unregister_buffer(ctypes.addressof(transfer.buffer))
+        if transfer.held is not None:
+            transfer.held.release()
+        with self._lock:
+            self._buffers_bytes -= len(transfer.buffer)
+
+    def _reserve(self, capacity: int) -> Reservation | None:
+        """A reservation of `capacity` bytes for a buffer (None without a
+        budget); the pool is trimmed when it does not fit. Raises
+        BuffersSpent when it still does not."""
+        budget = self._budget
+        if budget is None:
+            return None
+        held = budget.reserve(capacity, capacity)
+        if held is None and self.trim():
+            held = budget.reserve(capacity, capacity)
+        if held is None:
+            raise BuffersSpent(f"no room for a {capacity}-byte transfer buffer in "
+                               f"--remote-promotion-bytes ({budget.held} of {budget.limit} "
+                               f"bytes held)")
+        return held
+
     @contextmanager
-    def _buffer(self, client: Any, generation: int,
-                size: int) -> Iterator[tuple[memoryview, int]]:
+    def _buffer(self, client: Any, generation: int, size: int,
+                covered: bool = False) -> Iterator[tuple[memoryview, int]]:
         """A registered transfer buffer of at least `size` bytes for one call
         (a view of it and its address): the smallest pooled one that fits,
-        else a new one, given back to the pool after the call while the pool
-        holds less than POOL_BYTES (else unregistered and dropped)."""
+        else a new one of `buffer_bytes(size)`, given back to the pool after
+        the call while the pool holds less than POOL_BYTES and the budget
+        has room for it (else unregistered and freed). `covered`: the caller
+        holds a reservation of `buffer_bytes(size)` (a promotion's); else a
+        new buffer reserves its capacity (BuffersSpent when it cannot)."""
         if size > MAX_BOUNCE_BYTES:
             raise ValueError(f"a value of {size} bytes is larger than the largest transfer "
                              f"buffer ({MAX_BOUNCE_BYTES} bytes)")
-        buffer = None
+        transfer = None
         with self._lock:
             if self._pool_generation != generation:
-                self._pool, self._pool_generation = [], generation
-            fits = [b for b in self._pool if len(b) >= size]
+                stale, self._pool, self._pool_generation = self._pool, [], generation
+            else:
+                stale = []
+            fits = [t for t in self._pool if len(t.buffer) >= size]
             if fits:
-                buffer = min(fits, key=len)
-                self._pool.remove(buffer)
-        if buffer is None:
-            capacity = max(SMALL_BUFFER_BYTES, 1 << (size - 1).bit_length())
+                transfer = min(fits, key=lambda t: len(t.buffer))
+                self._pool.remove(transfer)
+        for old in stale:  # (registered with a client that is gone)
+            self._free(old, None)
+        if transfer is None:
+            capacity = buffer_bytes(size)
+            held = None if covered else self._reserve(capacity)
             buffer = ctypes.create_string_buffer(capacity)
             code = client.register_buffer(ctypes.addressof(buffer), capacity)
             if code != 0:
+                if held is not None:
+                    held.release()
                 raise RemoteError(f"registering a transfer buffer failed: {_error(code)}")
-        try:
-            yield memoryview(buffer).cast("B"), ctypes.addressof(buffer)
-        finally:
+            transfer = _Transfer(buffer, held)
             with self._lock:
-                keep = self._pool_generation == generation and \
-                    sum(len(b) for b in self._pool) + len(buffer) <= POOL_BYTES
-                if keep:
-                    self._pool.append(buffer)
-            if not keep and self._pool_generation == generation:
-                client.unregister_buffer(ctypes.addressof(buffer))
+                self._buffers_bytes += capacity
+                self._buffers_peak = max(self._buffers_peak, self._buffers_bytes)
+        try:
+            yield memoryview(transfer.buffer).cast("B"), ctypes.addressof(transfer.buffer)
+        finally:
+            self._give_back(transfer, client, generation)
+
+    def _give_back(self, transfer: _Transfer, client: Any, generation: int) -> None:
+        """Pool `transfer` after a call, or free it."""
+        capacity = len(transfer.buffer)
+        with self._lock:
+            keep = self._pool_generation == generation and \
+                sum(len(t.buffer) for t in self._pool) + capacity <= POOL_BYTES
+        if keep and transfer.held is None and self._budget is not None:
+            # (made under a promotion's reservation, released after the call)
+            transfer.held = self._budget.reserve(capacity, capacity)
+            keep = transfer.held is not None
+        if keep:
+            with self._lock:
+                if self._pool_generation == generation:
+                    self._pool.append(transfer)
+                    return
+        self._free(transfer, client if self._pool_generation == generation else None)
 
     def _drop(self, extents: Sequence[tuple[int, int]]) -> None:
         """Drop the pages under `extents` from the store's mapping once used
@@ -485,7 +610,7 @@ class MooncakeStore:
         if sum(length for _, length in extents) != len(source):
             raise ValueError(f"{len(source)} bytes do not fill the extents")
         chunk = COPY_CHUNK
-        scratch: memoryview = getattr(self._scratch, "chunk", None) or memoryview(b"")
+        scratch = self._scratch.chunk
         if check is not None and len(scratch) < chunk:
             scratch = self._scratch.chunk = memoryview(bytearray(chunk))
         fd = region.fileno()
@@ -523,7 +648,7 @@ class MooncakeStore:
 
     def put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
                   dtype: str, extents: Sequence[tuple[int, int]],
-                  current: Any = None) -> str:
+                  current: Callable[[], bool] | None = None) -> Published:
         """`_put_entry`, then the pages dropped from the store's mapping."""
         try:
             return self._put_entry(store_namespace, mm_hash, shape, dtype, extents, current)
@@ -532,7 +657,7 @@ class MooncakeStore:
 
     def _put_entry(self, store_namespace: str, mm_hash: str, shape: tuple[int, ...],
                    dtype: str, extents: Sequence[tuple[int, int]],
-                   current: Any = None) -> str:
+                   current: Callable[[], bool] | None = None) -> Published:
         """Publish an entry from its pages: checksummed in place, copied with
         vLLM's header into this thread's transfer buffer, the pages' stamp
         checked (`current()`: they still hold the entry, so the copy is the
@@ -646,7 +771,7 @@ class MooncakeStore:
         check = None if head.sidecar is None else \
             values.Check(head.sidecar, namespace=store_namespace, mm_hash=mm_hash)
         size = HEADER.size + head.nbytes
-        with self._buffer(client, generation, size) as (buffer, address):
+        with self._buffer(client, generation, size, covered=True) as (buffer, address):
             code = client.get_into(key, address, size)
             if code == size:
                 header = bytes(buffer[:HEADER.size])
@@ -670,19 +795,26 @@ class MooncakeStore:
 
     # -- claims
 
-    def claim(self, store_namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
+    def claim(self, store_namespace: str, mm_hash: str, token: str, ttl_s: float,
+              deadline: float | None = None) -> bool:
         """Take the key's claim for ttl_s unless another live token holds it
-        (a put, then the claim read back: the master keeps the first put)."""
+        (a put, then the claim read back: the master keeps the first put).
+        `deadline` (monotonic): no store read starts after it (one already
+        running may end up to about 1 s later, a host that is gone), and the
+        claim counts as taken, unconfirmed. Default: CLAIM_READ_S from now."""
         key = value_key(store_namespace, mm_hash) + CLAIM
-        client, _ = self._ready()
+        client, generation = self._ready()
+        if deadline is None:
+            deadline = time.monotonic() + CLAIM_READ_S
         for _attempt in range(2):
             expires = int(time.time() * 1000 + ttl_s * 1000)
-            code = client.put(key, f"{token} {expires}".encode())
+            code = client.put(key, f"{token} {expires}".encode(),
+                              self._claim_placement(client, generation))
             if code == TRANSFER_FAIL:
                 break  # (placed on a host that is gone: not confirmed)
             if code not in (0, OBJECT_ALREADY_EXISTS):
                 raise RemoteError(f"put {key}: {_error(code)}")
-            raw = self._read_claim(client, key)
+            raw = self._read_claim(client, key, deadline)
             if not raw:
                 if client.is_exist(key) == 1:
                     # There but unreadable for a while (a claim being written
@@ -690,6 +822,8 @@ class MooncakeStore:
                     # host that is gone (the master forgets its segment only
                     # later). Taken over.
                     client.remove(key, True)
+                if time.monotonic() >= deadline:
+                    break
                 continue  # (or released meanwhile: once more)
             holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ")
             if holder == token:
@@ -700,64 +834,93 @@ class MooncakeStore:
                 held_until = 0  # (not a claim we wrote: taken over)
             if time.time() * 1000 < held_until + CLAIM_SLACK_MS:
                 return False
+            if time.monotonic() >= deadline:
+                break
             if bytes(client.get(key) or b"") == bytes(raw):  # (not taken over meanwhile)
                 client.remove(key, True)  # its host died or gave up: take it over
         # Not confirmed either way (a claim that cannot be written or read back,
-        # a holder that keeps vanishing): encoding here costs at most a
-        # duplicate encode, waiting could cost the engine its bound.
+        # a holder that keeps vanishing, the deadline): encoding here costs at
+        # most a duplicate encode, waiting could cost the engine its bound.
         return True
 
+    def _claim_placement(self, client: Any, generation: int) -> Any:
+        """Where this host's claims are put: its own segment. Placed by the
+        master, a claim lands on any mounted segment, a dead host's among
+        them until the master forgets it (client_ttl), and its put then fails
+        after about 1 s; on our own segment it lives exactly as long as its
+        claimant. (Default placement for a host that mounts no segment.)"""
+        with self._lock:
+            if self._placement is not None and self._placement[0] == generation:
+                return self._placement[1]
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        if self.spec.segment_bytes > 0:
+            with contextlib.suppress(Exception):  # (a client without it: the default)
+                config.preferred_segment = str(client.get_hostname())
+        with self._lock:
+            self._placement = (generation, config)
+        return config
+
     @staticmethod
-    def _read_claim(client: Any, key: str) -> bytes:
+    def _read_claim(client: Any, key: str, deadline: float) -> bytes:
         """The claim's bytes, read right after a put of it; b"" when it is
-        listed but unreadable (its host is gone), or reads as nothing for
-        CLAIM_READ_S. A claim another host is writing at the same moment reads
+        listed but unreadable (its host is gone), or reads as nothing, until
+        `deadline`. A claim another host is writing at the same moment reads
         as nothing, and is not even listed, until its put completes (our own
         put of it then returned 0 without writing)."""
-        deadline = time.monotonic() + CLAIM_READ_S
-        unreadable = 0
         while True:
+            started = time.monotonic()
             raw = client.get(key)
-            if raw or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if raw or now >= deadline:
                 return bytes(raw) if raw else b""
             if client.is_exist(key) == 1:
                 # Listed but unreadable: a put completing right now (readable
-                # within milliseconds), or a host that is gone (each read of
-                # it then takes about 1 s): twice more, then given up on.
-                unreadable += 1
-                if unreadable > 2:
+                # within milliseconds), or a host that is gone (a read of it
+                # then fails after about 1 s: given up on at once).
+                if now - started >= UNREACHABLE_READ_S:
                     return b""
                 time.sleep(0.02)
                 continue
             time.sleep(0.005)
 
     def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
-                   ttl_s: float) -> list[bool]:
-        """`claim` for many keys: one batched put and one batched read back;
-        a key whose claim is unreadable or expired goes through `claim`."""
+                   ttl_s: float) -> list[bool | None]:
+        """`claim` for many keys at once: True (taken), False (another live
+        token holds it), None (not settled here: claim it alone, `claim`).
+        Keys whose claim is already there are not read in the batch (a dead
+        host's claim would hold the whole batch's read for about 1 s): None.
+        The others: one batched put on this host's segment and one batched
+        read back; a claim unreadable or expired there is None too."""
         if not keys:
             return []
-        client, _ = self._ready()
+        client, generation = self._ready()
         names = [value_key(ns, h) + CLAIM for ns, h in keys]
+        there = client.batch_is_exist(names)
+        if not isinstance(there, list) or len(there) != len(names):
+            raise RemoteError(f"batch_is_exist of {len(names)} claims failed: {there!r}"[:200])
+        out: list[bool | None] = [None] * len(keys)
+        fresh = [i for i, state in enumerate(there) if state == 0]
+        if not fresh:
+            return out
         expires = int(time.time() * 1000 + ttl_s * 1000)
         mine = f"{token} {expires}".encode()
-        code = client.put_batch(names, [mine] * len(names))
+        code = client.put_batch([names[i] for i in fresh], [mine] * len(fresh),
+                                self._claim_placement(client, generation))
         if code not in (0, OBJECT_ALREADY_EXISTS):
-            return [self.claim(ns, h, token, ttl_s) for ns, h in keys]
-        raws = client.get_batch(names)
-        if not isinstance(raws, list) or len(raws) != len(names):
-            raise RemoteError(f"get_batch of {len(names)} claims failed: {raws!r}"[:200])
-        out = []
+            return out
+        raws = client.get_batch([names[i] for i in fresh])
+        if not isinstance(raws, list) or len(raws) != len(fresh):
+            raise RemoteError(f"get_batch of {len(fresh)} claims failed: {raws!r}"[:200])
         now_ms = time.time() * 1000
-        for (ns, h), raw in zip(keys, raws, strict=True):
+        for i, raw in zip(fresh, raws, strict=True):
             holder, _, stamp = bytes(raw).decode(errors="replace").partition(" ") if raw \
                 else ("", "", "")
             if holder == token:
-                out.append(True)
+                out[i] = True
             elif holder and stamp.isdigit() and now_ms < int(stamp) + CLAIM_SLACK_MS:
-                out.append(False)
-            else:  # unreadable, expired or not a claim: one at a time
-                out.append(self.claim(ns, h, token, ttl_s))
+                out[i] = False
         return out
 
     def forget(self, store_namespace: str, mm_hash: str) -> None:

@@ -1,13 +1,13 @@
-"""One remote store behind a small interface (`RemoteStore`): Redis (one node or
-a cluster) now, Mooncake Store next.
+"""The Redis backend of the second tier (`backend.IndexedStore`): one node or
+a cluster.
 
-The interface is what the tier needs and nothing more: put a value with a
+It does what an indexed store does and nothing more: put a value with a
 TTL, get it back (in parts: large values are read in chunks, which is twice
 as fast as one GET of 8+ MiB through redis-py), announce it on an index,
-read that index, and say which failure domain (node) a key lives on, so a
-dead node costs only its keys. Every call is bounded by socket timeouts and
-raises `RemoteError` (never a client library's exception); nothing here
-retries or backs off, the tier's breakers do.
+read that index, claim keys, and say which failure domain (node) a key lives
+on, so a dead node costs only its keys. Every call is bounded by socket
+timeouts and raises `RemoteError` (never a client library's exception);
+nothing here retries or backs off, the tier's breakers do.
 
 Keys (`ecd1:` is the key scheme's version)::
 
@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 import redis
@@ -71,6 +71,14 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from ec_daemon.core import limits
+from ec_daemon.remote.backend import (
+    Announcement,
+    IndexedStore,
+    RemoteAuthError,
+    RemoteError,
+    UnexpectedSize,
+)
 from ec_daemon.remote.breaker import CLOSED, Breakers
 
 log = logging.getLogger("ec_daemon.remote")
@@ -88,111 +96,11 @@ ACCEPTED_URLS = ("redis://HOST:PORT, rediss://HOST:PORT (TLS), "
                  "?ca_certs=FILE&certfile=FILE&keyfile=FILE&check_hostname=false")
 # Bounds on index entries: larger ones are ignored (the index is writable by
 # anyone who can write to the store; a daemon must not hold what they say).
-MAX_NAMESPACE_BYTES = 8192
-MAX_HASH_BYTES = 256
+MAX_NAMESPACE_BYTES = limits.MAX_NAMESPACE_BYTES
+MAX_HASH_BYTES = limits.MAX_KEY_BYTES
 MAX_VALUE_BYTES = 1 << 40
 MAX_TOKEN_CHARS = 128  # a claim's token: 1 to this many ASCII characters
 _TLS_OPTIONS = ("ca_certs", "certfile", "keyfile", "check_hostname")
-
-
-class RemoteError(Exception):
-    """A store call failed (unreachable, timed out, refused); str() says which
-    call and why."""
-
-
-class RemotePeerError(RemoteError):
-    """A transfer from or to another host of the store failed (a host that
-    died, whose segment the store still lists): the store itself answered,
-    so this does not count against its circuit breaker."""
-
-
-class LocalWriteError(Exception):
-    """Writing what the store returned into this host's region failed (the
-    region's file refused the write, or the store was closed meanwhile): the
-    store answered, so this does not count against its circuit breaker."""
-
-
-class RemoteAuthError(RemoteError):
-    """The store refused our credentials (a wrong or missing token): an
-    operator's mistake, worth failing start-up for."""
-
-
-class UnexpectedSize(Exception):
-    """The stored value's size is outside what the caller allows (not the
-    announced value: rewritten or forged); nothing past the allowed size was
-    read. The store answered: this is not a store failure."""
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """Another daemon (or this one) published (namespace, mm_hash) of nbytes
-    payload bytes at stamp_ms (the server's clock: its index entry's ID), for
-    ttl_ms (None: a daemon that predates `t`; the reader assumes its own)."""
-
-    namespace: str
-    mm_hash: str
-    nbytes: int
-    stamp_ms: int
-    ttl_ms: int | None
-
-
-class RemoteStore(Protocol):
-    """What the tier needs from a store. Every method may raise RemoteError;
-    each is safe to call from several threads at once."""
-
-    def put(self, namespace: str, mm_hash: str, parts: Sequence[bytes | memoryview],
-            ttl_s: float) -> None:
-        """Store the concatenation of `parts` under the key, atomically, for ttl_s."""
-
-    def get(self, namespace: str, mm_hash: str,
-            size: tuple[int, int] | None = None) -> list[bytes | memoryview] | None:
-        """The value's bytes, in one or more consecutive parts; None when
-        absent or expired. With `size` (least, most): raises UnexpectedSize
-        when the stored value is not within it, having read no more than
-        one byte past `most` (never the rest). (Parts of one read may come from two writers
-        when a key is rewritten meanwhile: values.decode refuses such a mix.)"""
-
-    def announce(self, namespace: str, mm_hash: str, nbytes: int, ttl_s: float) -> None:
-        """Tell every follower of the index that the key is in the store."""
-
-    def read_index(self, cursor: str | None, block_s: float, count: int,
-                   breakers: Breakers | None = None) -> tuple[list[Announcement], str]:
-        """Announcements after `cursor` (None: the oldest kept), waiting up
-        to block_s for one, at most `count` per shard; and the next cursor.
-        With `breakers`, shards whose domain's breaker refuses are skipped and
-        failures are reported to the breakers instead of raised."""
-
-    def clock_ms(self, breakers: Breakers | None = None) -> int | None:
-        """The store's time in ms (TIME on a node holding index shards; with
-        `breakers`, on the first whose breaker lets a call through, failures
-        reported to it); None when no node answers or none is known yet."""
-
-    def present(self, keys: Sequence[tuple[str, str]]) -> list[bool]:
-        """Whether each (namespace, mm_hash) value is in the store now, in the
-        order of `keys` (one round trip per node); RemoteError when a node
-        holding any of them does not answer (the caller knows nothing then)."""
-
-    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
-        """Take the claim on the key (one encode of a value across hosts) for
-        ttl_s, unless another token holds it. True when `token` holds it after
-        the call: newly taken, or held already (its TTL then starts again from
-        ttl_s: claiming again extends a claim); False when another token holds
-        it. Atomic. `token`: 1 to MAX_TOKEN_CHARS ASCII characters, unique to
-        the claimant (ValueError otherwise)."""
-
-    def release(self, namespace: str, mm_hash: str, token: str) -> None:
-        """Drop the claim on the key if `token` holds it (atomic compare and
-        delete): another token's claim stays. No claim, or an expired one, is
-        not an error. `token` as for claim."""
-
-    def domain(self, namespace: str, mm_hash: str) -> str:
-        """The failure domain (node address) of a key; never touches the network."""
-
-    def ping(self) -> None:
-        """Raise RemoteError (RemoteAuthError for credentials) unless the store answers."""
-
-    def close(self) -> None:
-        """Release connections; calls after close raise RemoteError."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -307,7 +215,7 @@ def read_credentials(token_file: str) -> tuple[str | None, str | None]:
                      f"user name and a password (two lines), found {len(lines)} lines")
 
 
-def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> RemoteStore:
+def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> RedisStore:
     """A store for `url`. Connects lazily: a store that is down at start is
     not an error here (ping() tells). Raises ValueError for a bad URL or an
     unreadable token file."""
@@ -359,7 +267,7 @@ def _check_token(token: str) -> None:
                          f"got {token!r:.60}")
 
 
-class RedisStore:
+class RedisStore(IndexedStore):
     """A Redis node or cluster through redis-py (RESP2, no client retries,
     socket timeouts on every call). Thread-safe: redis-py clients share a
     connection pool; pipelines are per call."""
@@ -544,7 +452,10 @@ class RedisStore:
 
     # -- claims
 
-    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float) -> bool:
+    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float,
+              deadline: float | None = None) -> bool:
+        """One atomic script on the key's node (`deadline` does not apply:
+        the call is bounded by the socket timeout). ValueError for a bad token."""
         _check_token(token)
         key = claim_key(namespace, mm_hash)
         ttl_ms = max(1, int(ttl_s * 1000))

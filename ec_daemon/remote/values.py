@@ -30,20 +30,22 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
+
+from ec_daemon.core import limits
 
 FORMAT_VERSION = 1
 MAGIC = b"ECDV"
 ALGORITHM_XXH3_64 = 1
 MAX_DIMS = 16
 MAX_DTYPE_BYTES = 64
-MAX_NAMESPACE_BYTES = 4096
-MAX_HASH_BYTES = 1024
+MAX_NAMESPACE_BYTES = limits.MAX_NAMESPACE_BYTES  # what the daemon accepts: any host reads it
+MAX_HASH_BYTES = limits.MAX_KEY_BYTES
 
 _FIXED = struct.Struct("<4sBBBBHHIQ")
 _CHECKSUM = struct.Struct("<Q")
@@ -52,6 +54,13 @@ MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_HASH_
                     + MAX_DTYPE_BYTES + _CHECKSUM.size)
 
 Buffer = bytes | bytearray | memoryview
+
+
+class RegionFile(Protocol):
+    """Where a promotion writes a value: the daemon's region (`region.Region`)."""
+
+    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
+        """Write the concatenation of `parts` across `extents`, in order."""
 
 
 class BadValue(Exception):
@@ -95,6 +104,14 @@ class Value:
                 view[done:done + step] = part[:step]
                 part = part[step:]
                 done += step
+
+    def write_into(self, region_file: RegionFile, extents: Sequence[tuple[int, int]]) -> bool:
+        """Write the payload across `extents` of the region (pwritev, no
+        joining copy); True. Raises what the write raises (the pages then
+        hold nothing to serve). (`tier.StoredValue.write_into`: the same
+        call for a value the store reads into the pages itself.)"""
+        region_file.write(extents, self.parts)
+        return True
 
 
 def _bytes_of(payload: Any) -> memoryview:

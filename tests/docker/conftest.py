@@ -9,6 +9,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+from tests import groups
 from tests.docker import harness
 
 
@@ -40,7 +41,7 @@ def docker_engine() -> None:
     if harness.REQUIRED:
         pytest.fail(f"Docker tests required (EC_DOCKER_REQUIRED) but cannot run: {problem}",
                     pytrace=False)
-    pytest.skip(f"Docker tests: {problem}")
+    pytest.skip(groups.DOCKER.reason(problem))
 
 
 @pytest.fixture

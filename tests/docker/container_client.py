@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, Role, default_socket_uri
 
 LAYOUT = Layout("docker-test-model", "mixed", {"image": 2048})

@@ -137,7 +137,7 @@ def test_daemon_container_is_healthy_non_root_and_owner_only(res: Resources) -> 
                                   "! python3 -c 'import torch' 2>/dev/null && "
                                   "! python3 -c 'import ec_client' 2>/dev/null && echo slim")
     assert probe.strip() == "slim"
-    # README, Security: the socket and the region are owner-only, the
+    # docs/security.md: the socket and the region are owner-only, the
     # socket's folder too.
     (region,) = harness.regions(daemon)
     assert harness.stat(daemon, f"/dev/shm/{region}") == (

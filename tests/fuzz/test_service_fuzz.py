@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb, rpc, unix_path
 from tests.integration.daemon import Daemon
 from tests.property_budget import Budget, run_given
@@ -44,7 +44,11 @@ class World:
     """A daemon with real sessions, so random calls hit real state."""
 
     def __init__(self) -> None:
-        self.daemon = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.05"))
+        # Thousands of cases attach and leave their sessions to the lease: the
+        # session caps are not what is fuzzed here.
+        self.daemon = Daemon(cpu_bytes="4MiB", extra=(
+            "--alloc-wait-seconds", "0.05", "--max-sessions", "1000000",
+            "--max-sessions-per-engine", "1000000"))
         self.daemon.start()
         self.channel = grpc.insecure_channel(self.daemon.socket)
         self.stub = rpc.ECDaemonStub(self.channel)

@@ -1,8 +1,15 @@
-"""Start the real daemon as a subprocess on a real Unix socket."""
+"""Start the real daemon as a subprocess on a real Unix socket.
+
+Cleaning up removes only what this daemon made: its folder (socket, log) and
+the regions whose index names its socket (each test's socket is in a folder
+of its own). Never every stopped daemon's region: on a host where a real
+daemon keeps its region for a warm restart, the tests must not throw it away.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -10,14 +17,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ec_daemon.cli import stats_dict
-from ec_daemon.region import PREFIX, SUFFIX, clean_stale
+from ec_daemon.durable.index import index_path, open_own_file, read_header
+from ec_daemon.durable.journal import IndexUnreadable
+from ec_daemon.durable.region import PREFIX, SUFFIX
+from ec_daemon.serving.cli import stats_dict
+from ec_daemon.serving.server import socket_identity
 from ec_protocol.protocol import Layout, pb, rpc
 
 START_TIMEOUT = 30.0
@@ -110,7 +122,12 @@ class Daemon:
             time.sleep(0.02)
 
     def region_files(self) -> list[Path]:
+        """Every region file in shm_dir (tests give the daemon a folder of their own)."""
         return sorted(Path(self.shm_dir).glob(f"{PREFIX}*{SUFFIX}"))
+
+    def own_regions(self) -> list[Path]:
+        """The region files in shm_dir whose index names this daemon's socket."""
+        return regions_of(self.shm_dir, self.socket)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -134,11 +151,11 @@ class Daemon:
         self.stop(signal.SIGKILL)
 
     def cleanup(self) -> None:
-        """Stop the daemon; if it was killed, remove what it left, as the
-        next daemon's start would (its region and socket)."""
+        """Stop the daemon; remove what it left (its region kept for the
+        next start or left by a kill, its socket and folder), by its socket."""
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
-        clean_stale(self.shm_dir)
+        remove_regions_of(self.shm_dir, self.socket)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> Daemon:
@@ -146,6 +163,78 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def regions_of(shm_dir: str | Path, socket: str) -> list[Path]:
+    """This user's region files in `shm_dir` whose index names `socket` (as
+    the daemon records it). A region without a readable index is nobody's
+    that we can tell: it is left alone."""
+    identity = socket_identity(socket)
+    found = []
+    for path in sorted(Path(shm_dir).glob(f"{PREFIX}*{SUFFIX}")):
+        try:
+            header = read_header(index_path(path))
+        except (OSError, IndexUnreadable):
+            continue
+        if header.socket == identity:
+            found.append(path)
+    return found
+
+
+def remove_regions_of(shm_dir: str | Path, socket: str) -> list[Path]:
+    """Remove the stopped regions of `socket` (region and index), those no
+    live daemon holds locked; returns them."""
+    removed = []
+    for path in regions_of(shm_dir, socket):
+        try:
+            fd = open_own_file(path)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live daemon holds it
+        else:
+            for name in (index_path(path), path):
+                with contextlib.suppress(FileNotFoundError):
+                    name.unlink()
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@dataclass(frozen=True)
+class KeptRegion:
+    """The files of a region that a stopped daemon kept for its next start."""
+
+    region: Path
+    index: Path
+    inode: int
+
+    def intact(self) -> bool:
+        """Both files still there: the same region, not a new one by its name."""
+        try:
+            return self.index.is_file() and os.stat(self.region).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def __str__(self) -> str:
+        return str(self.region)
+
+
+@contextlib.contextmanager
+def kept_region(shm_dir: str = "/dev/shm") -> Iterator[KeptRegion]:
+    """A daemon started and stopped (SIGTERM: it keeps its region for the
+    next start on its socket), as one outside the tests leaves it; its
+    region is removed at the end, by its socket."""
+    other = Daemon(cpu_bytes="4MiB", shm_dir=shm_dir).start()
+    try:
+        assert other.stop() == 0, other.log()
+        (region,) = other.own_regions()
+        yield KeptRegion(region, index_path(region), os.stat(region).st_ino)
+    finally:
+        other.cleanup()
 
 
 @contextlib.contextmanager

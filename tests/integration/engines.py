@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("test-model", "mixed", {"image": 2048})
@@ -202,7 +202,7 @@ def unmappable_scheduler_main(socket: str, engine_id: str, conn: Any) -> None:
     with a restarted container's old /dev/shm): its attach check fails every
     time, and its link tries again every couple of seconds. Runs until told
     to stop (or killed); then sends its link's last error."""
-    import ec_client.scheduler as scheduler_module
+    import ec_client.scheduler_side.scheduler as scheduler_module
 
     def missing(path: str, owner: Any) -> int:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)

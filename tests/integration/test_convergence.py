@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import pb
 from tests.integration import engines
 from tests.integration.daemon import Daemon
@@ -222,7 +222,7 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
                                                                  aborted=[mm_hash]))
             elif mm_hash == "skipped":  # the queue holds one save: the second is skipped
                 assert writer.save("filler", DATA)
-                assert not writer.save(mm_hash, DATA)
+                assert not writer.save(mm_hash, DATA.copy())  # (DATA itself is held already)
                 assert writer.flush(WAIT)
             else:  # larger than the whole queue, with nothing queued: reported at once
                 assert not writer.save(mm_hash, np.concatenate([DATA, DATA]))

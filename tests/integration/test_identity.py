@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration.daemon import Daemon
 

@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 import pytest
 
-from ec_daemon import config
-from ec_daemon.cache import Cache
-from ec_daemon.server import serve
+from ec_daemon.core.cache import Cache
+from ec_daemon.serving import config
+from ec_daemon.serving.server import serve
 from ec_protocol.protocol import Layout, pb, rpc
 from tests.integration.daemon import short_tmpdir
 from tests.integration.raw import RawStream, attach

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import Proc

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.contract import LoadSpec
-from ec_client.worker import WorkerDelegate
+from ec_client.common.contract import LoadSpec
+from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc
@@ -154,7 +154,9 @@ def test_an_engine_that_cannot_map_the_region_never_holds_back_evictions(world):
         deadline = time.monotonic() + 3 * LEASE
         rounds = 0
         while time.monotonic() < deadline:
-            attach(daemon.stub, LAYOUT, engine="abandoned", rank=None)  # never streams
+            # never streams; an engine id a round (one engine holds at most
+            # --max-sessions-per-engine sessions, and each lives 60 s)
+            attach(daemon.stub, LAYOUT, engine=f"abandoned-{rounds}", rank=None)
             world.save(f"k{rounds}", DATA)
             assert world.filler.evict_all(daemon.stats()), f"round {rounds}: eviction held back"
             assert daemon.stats()["ghost_sessions"] == 0

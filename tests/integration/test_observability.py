@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon, free_port
 

@@ -13,9 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
-from ec_daemon.records import OUTBOX_MIN_EVENTS
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.core.limits import MAX_NAMESPACE_BYTES
+from ec_daemon.core.records import OUTBOX_MIN_EVENTS
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb, rpc
 from tests.integration import raw
 from tests.integration.daemon import Daemon
@@ -92,6 +93,34 @@ def test_a_store_namespace_as_vllm_builds_it_is_taken(daemon):
     for store_namespace in ("", STORE_NAMESPACE, longest):
         attach(daemon.stub, store_namespace=store_namespace)
     assert daemon.stats()["sessions"] == 3
+
+
+def namespace_bytes(layout: Layout) -> int:
+    """The length of the namespace the daemon makes of `layout`."""
+    return len("|".join((layout.model, layout.dtype, ",".join(
+        f"{k}={v}" for k, v in sorted(layout.row_bytes.items())), layout.variant)).encode())
+
+
+def test_a_layout_whose_namespace_another_host_could_not_read_is_refused(daemon):
+    """A namespace is carried in the second tier's values and index: one
+    longer than they carry (MAX_NAMESPACE_BYTES, in UTF-8 bytes) is refused at
+    attach, with the bound, rather than published where no host would read
+    it. A long layout within it is taken."""
+    wide = "\U0001f600"  # 4 bytes in UTF-8: the bound counts bytes
+    long = Layout(wide * 512, "float16", {"image": 256}, variant=wide * 256)
+    assert 3000 < namespace_bytes(long) <= MAX_NAMESPACE_BYTES
+    raw.attach(daemon.stub, long)
+    assert daemon.stats()["sessions"] == 1
+    modalities = {f"m{i:02d}" + "x" * 60: 1 << 30 for i in range(64)}
+    too_long = Layout("model", "float16", modalities)
+    assert namespace_bytes(too_long) > MAX_NAMESPACE_BYTES
+    with pytest.raises(grpc.RpcError) as info:
+        raw.attach(daemon.stub, too_long)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == (
+        f"the layout makes a namespace longer than {MAX_NAMESPACE_BYTES} bytes (model, "
+        "modalities and variant together)")
+    assert daemon.stats()["sessions"] == 1
 
 
 def test_bad_saves_get_precise_codes_and_change_nothing(daemon):
@@ -438,7 +467,8 @@ def keep_beating(stream: RawStream, stop: threading.Event) -> None:
 def test_a_session_that_stops_reading_is_detached_and_others_carry_on():
     # Without invariant checks: each of the ~70,000 messages below would check them.
     with Daemon(cpu_bytes="64MiB", page_bytes="4KiB", check_invariants=False,
-                extra=("--lease-seconds", "2", "--quarantine-seconds", "2")) as daemon:
+                extra=("--lease-seconds", "2", "--quarantine-seconds", "2",
+                       "--session-pending-entries", "300")) as daemon:
         scheduler = SchedulerDelegate(daemon.socket, engine_id="other", layout=LAYOUT)
         worker = WorkerDelegate(daemon.socket, engine_id="other", layout=LAYOUT)
         # A client that reads nothing and announces no more than gRPC's first

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon, short_tmpdir
 

@@ -5,6 +5,8 @@ misses, never a stuck engine; an entry past its TTL is a miss."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,16 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import ANSWER_SECONDS, SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_daemon.remote.store import value_key
-from tests import redis_servers
+from tests import groups, redis_servers
 from tests.integration.daemon import Daemon, free_port
 from tests.integration.engines import LAYOUT, ensure_within, wait_until
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not redis_servers.available(),
-                                 reason="redis-server is not installed")]
+pytestmark = [pytest.mark.integration, groups.needs_redis]
 WAIT = 20.0
 
 
@@ -170,6 +170,31 @@ def test_a_store_that_dies_costs_misses_and_the_tier_recovers(hosts):
         ok, _ = ensure_within(two.scheduler, ["img-2"], WAIT)
         assert ok and two.load("img-2").tobytes() == data(3).tobytes()
         assert one.tier()["reachable"] == 1
+
+
+def test_a_store_slower_than_the_engines_answer_bound_defers_the_engine_not_encodes(hosts):
+    """The store stalls (SIGSTOP) longer than a view waits for an answer
+    (ANSWER_SECONDS) but within its own timeout: the daemon tells the engine
+    to wait meanwhile, so the request stays deferred instead of turning into
+    an encode for want of an answer; once the store answers (the cold key is
+    claimed here) the engine is told to encode."""
+    with redis_servers.single_node() as store:
+        two = hosts(store.url, "host-2")
+        wait_until(two.scheduler.serving, "host 2's ranks never mapped the region")
+        assert store.pid is not None
+        os.kill(store.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            while time.monotonic() - started < ANSWER_SECONDS + 0.5:
+                assert not two.scheduler.ensure(["cold"]), \
+                    f"scheduled {time.monotonic() - started:.2f}s into the store's stall"
+                time.sleep(0.01)
+            convergence = two.daemon.stats()["convergence"]
+            assert convergence["slow_resolutions"] == 1, convergence
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+        ok, _ = ensure_within(two.scheduler, ["cold"], WAIT)
+        assert ok
 
 
 def test_an_entry_past_its_ttl_is_a_miss(hosts):

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ec_client.scheduler import SchedulerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_protocol.protocol import Layout, pb, rpc
 from ec_protocol.transport import Transport
 from tests.integration.daemon import Daemon, free_port, short_tmpdir

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.worker import WorkerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
+from tests import cuda_model
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import Proc
@@ -38,15 +40,20 @@ def worker_on(daemon: Daemon, engine_id: str, **options: object) -> WorkerDelega
     return worker
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda-model"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
-def test_saves_land_and_are_served_by_either_path(daemon, stream):
-    engine = f"engine-{stream}"
+def test_saves_land_and_are_served_by_either_path(daemon, stream, backend):
+    """With the cpu backend, and with the CUDA copy path under the model of
+    CUDA's rules (tests/cuda_model.py: outputs are its device tensors)."""
+    engine = f"engine-{stream}-{backend}"
     scheduler = SchedulerDelegate(daemon.socket, engine_id=engine, layout=engines.LAYOUT)
-    worker = worker_on(daemon, engine, role="both", stream_saves=stream)
-    outputs = {f"{stream}-{i}": np.full(300_000 + i, i, np.uint8) for i in range(40)}
+    copies = cuda_model.Backend() if backend == "cuda-model" else "cpu"
+    worker = worker_on(daemon, engine, role="both", stream_saves=stream, backend=copies)
+    outputs = {f"{stream}-{backend}-{i}": np.full(300_000 + i, i, np.uint8) for i in range(40)}
     try:
         for mm_hash, output in outputs.items():
-            assert worker.save(mm_hash, output)
+            assert worker.save(mm_hash, output if isinstance(copies, str)
+                               else copies.model.to_device(torch.from_numpy(output)))
         assert worker.flush(30)
         assert worker.stats["saves_done"] == len(outputs)
         # The stream path makes no call but the Attach; the unary one two a save.
@@ -65,10 +72,12 @@ def test_saves_land_and_are_served_by_either_path(daemon, stream):
         scheduler.apply_worker_output(result.done, list(result.failed))
         assert result.failed == {}
         for mm_hash, output in outputs.items():
-            assert np.array_equal(result.loaded[mm_hash], output)
+            assert np.array_equal(np.asarray(result.loaded[mm_hash]), output)
     finally:
         worker.close()
         scheduler.close()
+    if not isinstance(copies, str):
+        assert copies.model.violations == []
     stats = daemon.stats()
     assert stats["pending_bytes"] == 0 and stats["saves"] == len(outputs)
 

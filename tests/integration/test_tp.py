@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.worker import WorkerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc

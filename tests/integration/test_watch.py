@@ -112,9 +112,9 @@ def small_buffer_daemon(events: int, **kwargs: Any) -> Daemon:
     test fills a buffer with a few thousand saves instead of some 35,000."""
     daemon = Daemon(**kwargs)
     assert daemon.args[1:3] == ["-m", "ec_daemon"]
-    daemon.args[1:3] = ["-c", "import sys, ec_daemon.watch as w; "
-                        f"w.BUFFER_EVENTS = {events}; from ec_daemon.cli import main; "
-                        "sys.exit(main())"]
+    daemon.args[1:3] = ["-c", "import sys, ec_daemon.plane.watch as w; "
+                        f"w.WATCH_BUFFER_EVENTS = {events}; "
+                        "from ec_daemon.serving.cli import main; sys.exit(main())"]
     return daemon
 
 
@@ -210,7 +210,8 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_a_stalled_watcher_is_dropped_with_a_reason_and_saves_carry_on():
     buffer = 2000
     daemon = small_buffer_daemon(buffer, cpu_bytes="8MiB", page_bytes="4KiB",
-                                 check_invariants=False, extra=LONG_LEASE)
+                                 check_invariants=False,
+                                 extra=(*LONG_LEASE, "--session-pending-entries", "250"))
     # A client that reads nothing and announces no more than gRPC's first
     # 64 KiB flow-control window, so the daemon's writer blocks early on.
     channel = None
@@ -286,7 +287,7 @@ def test_namespace_filter():
 
 @pytest.mark.parametrize(("namespace", "message"), [
     ("watch-model", "namespace 'watch-model' is not a namespace: use one as Attach returns"),
-    ("m|d|w|" + "x" * 9000, "namespace is longer than 8192 characters"),
+    ("m|d|w|" + "x" * 9000, "namespace is longer than 4096 bytes"),
 ])
 def test_a_bad_namespace_gets_invalid_argument(daemon, namespace, message):
     watch = Watch(daemon.stub, namespace, read=False)

@@ -1,7 +1,8 @@
 """Fixtures for the second tier's tests: real redis-server processes on
 127.0.0.1 (tests/redis_servers.py), skipped only when redis-server is absent;
 real mooncake_master processes (tests/mooncake_servers.py), skipped only when
-mooncake_master is absent or mooncake.store does not import."""
+mooncake_master is absent or mooncake.store does not import (the reasons:
+tests/groups.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests import mooncake_servers, redis_servers
+from tests import groups, mooncake_servers, redis_servers
 
-needs_redis = pytest.mark.skipif(not redis_servers.available(),
-                                 reason="redis-server is not installed")
-# Mooncake tests skip when they cannot run here, unless EC_MOONCAKE_REQUIRED=1
-# (.ci/run sets it): then that is a failure.
-MOONCAKE_MISSING = mooncake_servers.skip_reason()
-MOONCAKE_REQUIRED = os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0")
+needs_redis = groups.needs_redis
+MOONCAKE_MISSING = groups.mooncake_missing()
 needs_mooncake = (pytest.mark.usefixtures("mooncake_required")
-                  if MOONCAKE_MISSING and MOONCAKE_REQUIRED
+                  if MOONCAKE_MISSING and groups.MOONCAKE_REQUIRED
                   else pytest.mark.skipif(MOONCAKE_MISSING is not None,
                                           reason=MOONCAKE_MISSING or ""))
 NAMESPACE = "Qwen/Qwen2.5-VL-3B-Instruct|bfloat16|image=2304|" + "v" * 200
@@ -56,13 +53,7 @@ def own_node() -> Iterator[redis_servers.RedisServer]:
         yield server
 
 
-def check_mooncake() -> None:
-    """Skip (or, with EC_MOONCAKE_REQUIRED, fail) when Mooncake cannot run."""
-    if MOONCAKE_MISSING and MOONCAKE_REQUIRED:
-        pytest.fail(f"Mooncake tests required (EC_MOONCAKE_REQUIRED) but cannot run: "
-                    f"{MOONCAKE_MISSING}", pytrace=False)
-    if MOONCAKE_MISSING:
-        pytest.skip(MOONCAKE_MISSING)
+check_mooncake = groups.check_mooncake
 
 
 @pytest.fixture()

@@ -15,8 +15,8 @@ import pytest
 
 from ec_daemon.remote.store import (
     MAX_TOKEN_CHARS,
+    RedisStore,
     RemoteError,
-    RemoteStore,
     claim_key,
     open_store,
     value_key,
@@ -34,7 +34,7 @@ def fresh(prefix: str) -> str:
 
 
 @pytest.fixture(params=["single", "cluster"])
-def store(request: pytest.FixtureRequest) -> Iterator[RemoteStore]:
+def store(request: pytest.FixtureRequest) -> Iterator[RedisStore]:
     """A store on the module's single node, then on its cluster."""
     server = request.getfixturevalue("node" if request.param == "single" else "cluster")
     made = open_store(server.url, timeout_s=1.0)
@@ -67,7 +67,7 @@ def test_tokens_are_checked_before_the_network() -> None:
 
 
 @needs_redis
-def test_one_claimant_wins_and_the_holder_claims_again(store: RemoteStore) -> None:
+def test_one_claimant_wins_and_the_holder_claims_again(store: RedisStore) -> None:
     mm_hash = fresh("win")
     assert store.claim(NAMESPACE, mm_hash, "host-a", 1.0)
     assert not store.claim(NAMESPACE, mm_hash, "host-b", 30.0)
@@ -96,7 +96,7 @@ def test_claiming_again_restarts_the_ttl(node: redis_servers.RedisServer) -> Non
 
 
 @needs_redis
-def test_racing_threads_one_claim_each_key(store: RemoteStore) -> None:
+def test_racing_threads_one_claim_each_key(store: RedisStore) -> None:
     threads = 8
     for _ in range(5):
         mm_hash = fresh("race")
@@ -123,7 +123,7 @@ def test_racing_threads_one_claim_each_key(store: RemoteStore) -> None:
 
 
 @needs_redis
-def test_a_claim_expires_by_itself(store: RemoteStore) -> None:
+def test_a_claim_expires_by_itself(store: RedisStore) -> None:
     mm_hash = fresh("expire")
     started = time.monotonic()
     assert store.claim(NAMESPACE, mm_hash, "host-a", 0.3)
@@ -134,7 +134,7 @@ def test_a_claim_expires_by_itself(store: RemoteStore) -> None:
 
 
 @needs_redis
-def test_release_drops_only_the_holders_claim(store: RemoteStore) -> None:
+def test_release_drops_only_the_holders_claim(store: RedisStore) -> None:
     mm_hash = fresh("release")
     store.release(NAMESPACE, mm_hash, "host-a")  # nothing held: not an error
     assert store.claim(NAMESPACE, mm_hash, "host-a", 30.0)
@@ -218,7 +218,7 @@ def test_claims_and_present_follow_a_key_that_moved(cluster: redis_servers.Clust
 
 
 @needs_redis
-def test_present(store: RemoteStore) -> None:
+def test_present(store: RedisStore) -> None:
     stored = [fresh("there") for _ in range(10)]
     absent = [fresh("absent") for _ in range(10)]
     for mm_hash in stored:
@@ -276,7 +276,7 @@ def test_a_stopped_node_costs_the_timeout_not_a_hang(
     store.close()
 
 
-def _answers(store: RemoteStore) -> bool:
+def _answers(store: RedisStore) -> bool:
     with contextlib.suppress(RemoteError):
         store.ping()
         return True

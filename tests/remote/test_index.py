@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ec_daemon.remote.index import RemoteIndex, ServerClock, entry_bytes
+from ec_daemon.remote.index import MAX_FORGOTTEN, RemoteIndex, ServerClock, entry_bytes
 from ec_daemon.remote.store import INDEX_SHARDS, Announcement, index_key, open_store
 from ec_daemon.remote.tier import RemoteTier
 from tests import redis_servers
@@ -61,6 +61,34 @@ def test_the_index_is_bounded_in_bytes_oldest_first() -> None:
     assert index.entries == 1 and index.bytes == entry_bytes("h-0")
     assert index.absorb([announcement("x", 2000, namespace="not followed")]) == 0
     assert index.entries == 1
+
+
+def test_a_forgotten_entry_stays_forgotten_when_its_announcement_is_read_again() -> None:
+    """An entry forgotten because its value cannot be promoted here is not
+    brought back by a rescan of the index (which reads every announcement
+    again: a namespace newly followed asks for one), or every later want of
+    it would fetch the value again; published anew (a later announcement),
+    it is back. Forgotten keys are remembered until their entry would have
+    expired, and at most MAX_FORGOTTEN of them."""
+    monotonic = FakeMonotonic()
+    index = RemoteIndex(max_bytes=1 << 20, ttl_ms=60_000, clock=ServerClock(monotonic))
+    index.follow(NAMESPACE)
+    stamp = 1_700_000_000_000
+    index.absorb([announcement("bad", stamp), announcement("good", stamp)])
+    index.forget(NAMESPACE, "bad")
+    index.absorb([announcement("bad", stamp), announcement("good", stamp)])  # a rescan
+    assert index.get(NAMESPACE, "bad") is None and index.get(NAMESPACE, "good") == 10
+    index.absorb([announcement("bad", stamp + 5_000)])  # published again
+    assert index.get(NAMESPACE, "bad") == 10
+    index.forget(NAMESPACE, "bad")
+    monotonic.now += 70  # past the forgotten entry's expiry: nothing left to remember
+    index.clock.observe(stamp + 70_000)
+    index.sweep()
+    assert index._forgotten == {}
+    for i in range(MAX_FORGOTTEN + 10):
+        index.absorb([announcement(f"h-{i}", stamp + 70_000)])
+        index.forget(NAMESPACE, f"h-{i}")
+    assert len(index._forgotten) == MAX_FORGOTTEN
 
 
 def test_an_entry_costs_what_it_is_counted_and_namespaces_are_held_once() -> None:

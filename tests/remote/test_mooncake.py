@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from ec_daemon import cli, config
 from ec_daemon.remote import mooncake, values
 from ec_daemon.remote.mooncake import (
     CLAIM,
@@ -39,6 +38,7 @@ from ec_daemon.remote.mooncake import (
 )
 from ec_daemon.remote.store import RemoteError
 from ec_daemon.remote.tier import Outcome, RemoteTier, StoredValue
+from ec_daemon.serving import cli, config
 from tests import mooncake_servers
 from tests.remote.conftest import NAMESPACE, needs_mooncake, payload, wait_for
 
@@ -275,9 +275,15 @@ def _settings(argv: list[str]) -> config.DaemonConfig:
     return config.from_namespace(parser.parse_args(argv))
 
 
-def test_the_remote_flag_checks_mooncake_urls(capsys: pytest.CaptureFixture[str]) -> None:
+@needs_mooncake
+def test_the_remote_flag_accepts_a_mooncake_url() -> None:
     url = f"mooncake://127.0.0.1:50051?{META}&protocol=tcp&segment=4GiB"
     assert _settings(["--remote", url]).remote == url  # checked, not connected
+
+
+def test_the_remote_flag_checks_mooncake_urls(capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed URL is refused for what it is before the backend loads:
+    the same answer with or without libibverbs1."""
     with pytest.raises(ValueError, match=r"^--remote: invalid remote store URL .*protocol "
                                          r"must be tcp or rdma"):
         _settings(["--remote", f"mooncake://127.0.0.1:50051?{META}&protocol=ib"])

@@ -121,8 +121,8 @@ def test_bytes_a_peer_rewrites_after_they_were_checked_never_reach_the_pages(
     buffers: list[memoryview] = []
     taken = store._buffer
 
-    def capture(*args: Any) -> Any:
-        context = taken(*args)
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        context = taken(*args, **kwargs)
         buffer, address = context.__enter__()
         buffers.append(buffer)
 

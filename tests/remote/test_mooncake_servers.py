@@ -56,7 +56,9 @@ def test_kill_fails_fast_and_restart_serves_on_the_same_ports(
         started = time.monotonic()
         assert client.is_exist("before") == RPC_FAIL
         assert client.get("before") == b""  # get reports a failure as no value
-        assert time.monotonic() - started < 2
+        # Fast (milliseconds here), not Mooncake's 30 s RPC timeout: the bound
+        # is loose so that a busy machine cannot fail it.
+        assert time.monotonic() - started < 10
         started = time.monotonic()
         assert client.put("after", b"y") == RPC_FAIL  # put retries for about 4 s
         assert time.monotonic() - started < 15

@@ -13,9 +13,9 @@ from ec_daemon.remote.store import (
     CHUNK_BYTES,
     FIRST_READ_BYTES,
     INDEX_SHARDS,
+    RedisStore,
     RemoteAuthError,
     RemoteError,
-    RemoteStore,
     index_key,
     open_store,
     parse_url,
@@ -98,7 +98,7 @@ def test_a_store_that_is_down_is_not_an_error_until_used() -> None:
 
 # ------------------------------------------------------------------ one node
 
-def put_value(store: RemoteStore, mm_hash: str, data: bytes, ttl_s: float = 60.0,
+def put_value(store: RedisStore, mm_hash: str, data: bytes, ttl_s: float = 60.0,
               namespace: str = NAMESPACE) -> None:
     store.put(namespace, mm_hash, encode(namespace, mm_hash, (len(data),), "uint8", data),
               ttl_s)

@@ -1,6 +1,6 @@
 """Small builders for driving the cache core directly in tests.
 
-`make_cache` returns a cache that checks its invariants (`ec_daemon.invariants`)
+`make_cache` returns a cache that checks its invariants (`ec_daemon.core.invariants`)
 after every public call, whether the call returned or raised, so every test
 step is also a bookkeeping check.
 """
@@ -11,9 +11,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ec_daemon import invariants
-from ec_daemon.cache import AllocResult, Cache
-from ec_daemon.sessions import Session, SessionTable
+from ec_daemon.core import invariants
+from ec_daemon.core.cache import AllocResult, Cache
+from ec_daemon.core.quotas import PendingCaps
+from ec_daemon.core.sessions import Session, SessionTable
 from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
@@ -58,13 +59,15 @@ def stamp_table(pages: int) -> StampTable:
 
 
 def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = None, *,
-               stamps: StampTable | None = None, quarantine: float = 300.0) -> Cache:
+               stamps: StampTable | None = None, quarantine: float = 300.0,
+               pending_caps: PendingCaps | None = None) -> Cache:
     """A checked cache of `pages` pages; with `stamps`, payload starts at its
     data_offset and allocations are stamped into it."""
     table = SessionTable(lease, clock=clock or FakeClock())
     return CheckedCache(capacity_bytes=pages * PAGE, page_bytes=PAGE, sessions=table,
                         data_offset=stamps.data_offset if stamps is not None else 0,
-                        stamps=stamps, quarantine_seconds=quarantine)
+                        stamps=stamps, quarantine_seconds=quarantine,
+                        pending_caps=pending_caps)
 
 
 def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns", *,

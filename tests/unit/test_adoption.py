@@ -1,4 +1,4 @@
-"""Warm restart on the core (`ec_daemon.adoption`): a real region file and its
+"""Warm restart on the core (`ec_daemon.serving.adoption`): a real region file and its
 index, written by a real Cache, then adopted by the next "daemon" after a
 crash at any write. What is adopted is exactly what was ready, with its
 bytes; nothing pending or freed is; no page is owned twice; ids go on."""
@@ -14,17 +14,17 @@ from typing import Any
 
 import pytest
 
-from ec_daemon import index as index_module
-from ec_daemon import invariants
-from ec_daemon.adoption import Layout, find
-from ec_daemon.cache import Cache
+from ec_daemon.core import invariants
+from ec_daemon.core.cache import Cache
+from ec_daemon.core.events import AllocOutcome, EvictedEvent
+from ec_daemon.core.records import State
+from ec_daemon.core.sessions import SessionTable
+from ec_daemon.durable import index as index_module
+from ec_daemon.durable.index import index_path
+from ec_daemon.durable.journal import encode_ready
+from ec_daemon.durable.region import Region, dead_regions
 from ec_daemon.errors import ResourceExhausted
-from ec_daemon.events import AllocOutcome, EvictedEvent
-from ec_daemon.index import index_path
-from ec_daemon.journal import encode_ready
-from ec_daemon.records import State
-from ec_daemon.region import Region, dead_regions
-from ec_daemon.sessions import SessionTable
+from ec_daemon.serving.adoption import Layout, find
 from ec_protocol.stamps import StampTable, table_bytes
 from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
 
@@ -44,7 +44,7 @@ class Host:
                  clock: FakeClock | None = None) -> None:
         self.layout = shape
         self.clock = clock or FakeClock()
-        adoption, self.why_not = find(str(folder), shape) if adopt else (None, "")
+        adoption, self.why_not, _ = find(str(folder), shape) if adopt else (None, "", ())
         self.adoption = adoption
         self.region = adoption.region if adoption is not None else Region.create(
             folder, shape.region_size, index_header=shape.header)
@@ -185,7 +185,7 @@ def test_an_engine_back_after_its_ghost_expired_stays_journaled(tmp_path):
 def test_an_entry_hidden_when_no_view_was_attached_is_freed_at_restore():
     """No engine's view was attached (none journaled): nobody can be loading
     a hidden entry, so its pages come back at once, with no ghost."""
-    from ec_daemon.journal import Record
+    from ec_daemon.durable.journal import Record
     from tests.unit.cache_helpers import make_cache
 
     cache = make_cache(pages=8)
@@ -247,7 +247,7 @@ def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path
     other.crash()
     mine = Host(tmp_path, layout())
     mine.crash()
-    adoption, why = find(str(tmp_path), layout(), fresh_start=True)
+    adoption, why, _ = find(str(tmp_path), layout(), fresh_start=True)
     assert adoption is None and "--fresh-start" in why
     assert not mine.region.path.exists() and other.region.path.exists()
     for dead in dead_regions(tmp_path):
@@ -258,7 +258,7 @@ def test_a_region_without_a_readable_index_is_removed(tmp_path):
     first = Host(tmp_path, layout())
     first.crash()
     index_path(first.region.path).write_bytes(b"garbage")
-    adoption, why = find(str(tmp_path), layout())
+    adoption, why, _ = find(str(tmp_path), layout())
     assert adoption is None and "unreadable" in why and not first.region.path.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -308,7 +308,7 @@ class CrashPoints:
         snap = self.folder / f"crash{len(self.taken)}"
         snap.mkdir()
         region = self.host.region
-        shutil.copyfile(region.path, snap / region.path.name)
+        shutil.copy(region.path, snap / region.path.name)  # with its mode
         shutil.copyfile(index_path(region.path), snap / index_path(region.path).name)
         self.taken.append((snap, self.host.cache._next_entry_id))
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ec_daemon.allocator import ExtentAllocator
+from ec_daemon.core.allocator import ExtentAllocator
 
 
 def test_best_fit_takes_one_extent_when_a_run_fits():

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ec_daemon.auth import (
+from ec_daemon.serving.auth import (
     READ_ONLY_METHODS,
     AuthError,
     TokenInterceptor,

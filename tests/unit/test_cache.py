@@ -1,6 +1,6 @@
-"""The entry life cycle of `ec_daemon.cache`, driven directly on the core.
+"""The entry life cycle of `ec_daemon.core.cache`, driven directly on the core.
 
-Every cache here checks `ec_daemon.invariants` after each call
+Every cache here checks `ec_daemon.core.invariants` after each call
 (`cache_helpers.make_cache`), so each step is also a bookkeeping check.
 """
 
@@ -8,9 +8,8 @@ from collections import deque
 
 import pytest
 
-from ec_daemon import cache as cache_module
-from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from ec_daemon.events import (
+from ec_daemon.core import cache as cache_module
+from ec_daemon.core.events import (
     AllocOutcome,
     EvictedEvent,
     RanksEvent,
@@ -18,7 +17,8 @@ from ec_daemon.events import (
     ReportStatus,
     SnapshotDoneEvent,
 )
-from ec_daemon.records import State
+from ec_daemon.core.records import State
+from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tests.unit.cache_helpers import (
     PAGE,
     FakeClock,

@@ -43,10 +43,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_daemon import invariants
+from ec_daemon.core import invariants
+from ec_daemon.core.events import AllocOutcome, EvictedEvent, ReadyEvent, ReportStatus
+from ec_daemon.core.records import Session, State
 from ec_daemon.errors import ResourceExhausted
-from ec_daemon.events import AllocOutcome, EvictedEvent, ReadyEvent, ReportStatus
-from ec_daemon.records import Session, State
 from ec_protocol.stamps import FREE
 from tests.property_budget import Budget, run_machine
 from tests.unit.cache_helpers import (
@@ -93,7 +93,7 @@ class Load:
 
 @dataclass
 class View:
-    """A scheduler's local view, as `ec_client.view` keeps it."""
+    """A scheduler's local view, as `ec_client.scheduler_side.view` keeps it."""
 
     session: Session
     renewed_at: float

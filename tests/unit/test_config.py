@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from ec_daemon import config
+from ec_daemon.serving import config
 
 
 def _parse(argv, env=None, monkeypatch=None):

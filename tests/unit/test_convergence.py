@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ec_daemon.convergence import Convergence
-from ec_daemon.events import AnswerEvent, Verdict
+from ec_client.scheduler_side.scheduler import ANSWER_SECONDS as scheduler_answer_seconds
+from ec_daemon.core.events import AnswerEvent, Verdict
+from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
 
 
@@ -355,3 +356,53 @@ def test_an_engine_that_released_an_item_being_resolved_is_not_answered(outcome,
     conv.resolved(("ns", "img"), outcome, 4096)
     assert answers(a) == {}
     assert answers(b) == b_told
+
+
+def resolving_slowly():
+    """`resolving_setup` whose timers (`call_later`) are kept, to be run as
+    the loop would run them: (delay, fn) pairs."""
+    _, cache, conv, started, _ = resolving_setup()
+    timers: list = []
+    conv.call_later = lambda seconds, fn: timers.append((seconds, fn))
+    a = scheduler(cache, "A")
+    drain(a)
+    conv.want(a, ["img"])
+    assert answers(a) == {} and [s for s, _ in timers] == [ANSWER_SECONDS]
+    return conv, started, a, timers
+
+
+@pytest.mark.parametrize(("outcome", "then"), [
+    ("found", {}),  # promoted: its ready event follows; told PROMOTING once
+    ("elsewhere", {}),
+    ("claimed", {"img": Verdict.ENCODE}),
+    ("failed", {"img": Verdict.ENCODE}),
+])
+def test_a_slow_resolution_tells_the_engine_to_wait_and_the_outcome_still_decides(
+        outcome, then):
+    """A store slower than the view's bound on an answer (a busy host): the
+    want is answered PROMOTING meanwhile, so the engine defers (within its
+    own bound) rather than encode for want of an answer; the outcome then
+    decides, and is told only when it changes what the engine does."""
+    conv, started, a, timers = resolving_slowly()
+    assert scheduler_answer_seconds / 2 > ANSWER_SECONDS
+    timers[0][1]()  # the resolution still runs
+    assert answers(a) == {"img": Verdict.PROMOTING}
+    assert conv.counters["slow_resolutions"] == 1
+    conv.resolved(("ns", "img"), outcome, 4096)
+    assert answers(a) == then
+    assert started == ([(("ns", "img"), 4096)] if outcome == "found" else [])
+
+
+def test_a_resolution_that_ends_in_time_is_answered_once_and_its_timer_does_nothing():
+    conv, _, a, timers = resolving_slowly()
+    conv.resolved(("ns", "img"), "found", 4096)
+    assert answers(a) == {"img": Verdict.PROMOTING}
+    timers[0][1]()
+    assert answers(a) == {} and conv.counters["slow_resolutions"] == 0
+
+
+def test_a_slow_resolution_of_an_engine_that_released_the_item_tells_it_nothing():
+    conv, _, a, timers = resolving_slowly()
+    conv.release(a, ["img"])
+    timers[0][1]()
+    assert answers(a) == {} and conv.counters["slow_resolutions"] == 0

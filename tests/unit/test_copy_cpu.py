@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from ec_client.copy import describe, empty_host, get_backend
-from ec_client.mapping import RegionMapping
+from ec_client.copy.mapping import RegionMapping
 from tests.copy_views import VIEWS, non_contiguous
 
 
@@ -121,3 +121,21 @@ def test_a_custom_backend_that_does_not_exist_raises_import_error():
         get_backend("ec_client.copy.cpu_backend:NoSuchBackend")
     with pytest.raises(ImportError):
         get_backend("no_such_package_here.copy:Backend")
+
+
+class OldInterface:
+    """A custom backend written before `device`, `stats`, `empty` and `pinned`."""
+
+    name = "old"
+
+    def attach(self, mapping: object) -> None: ...
+    def detach(self, mapping: object) -> None: ...
+    def prepare_save(self, source: object) -> None: ...
+    def save(self, *args: object) -> None: ...
+    def load(self, *args: object) -> None: ...
+
+
+def test_a_custom_backend_missing_part_of_the_interface_is_refused_when_loaded():
+    """Refused at the engine's start, with what it lacks, not at its first step."""
+    with pytest.raises(TypeError, match="lacks device, stats, pinned, empty"):
+        get_backend("tests.unit.test_copy_cpu:OldInterface")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ec_daemon import config
+from ec_daemon.serving import config
 
 ROOT = Path(__file__).resolve().parents[2]
 

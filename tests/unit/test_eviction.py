@@ -1,4 +1,4 @@
-from ec_daemon.eviction import LRUPolicy
+from ec_daemon.core.eviction import LRUPolicy
 
 
 def test_chooses_least_recently_used_first():

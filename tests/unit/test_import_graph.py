@@ -1,6 +1,12 @@
-"""The packages' import graph, read from the source: no module imports one
-that imports it back (imports under TYPE_CHECKING and inside functions
-count too), and the daemon never imports the client."""
+"""The packages' import graph, read from the source (imports under
+TYPE_CHECKING and inside functions count too): no module imports one that
+imports it back, benchmarks included; the daemon never imports the client;
+and each layer folder never imports the folders above it.
+
+The daemon's layers, bottom up: the vocabulary (`errors`, `sizes`), durable
+state, the cache core, then the data plane and the second tier side by side
+(neither imports the other: the server hands the tier to the plane), and
+serving on top. Each folder's `__init__` says why it sits where it does."""
 
 from __future__ import annotations
 
@@ -8,7 +14,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ec_daemon", "ec_protocol", "ec_client")
+PACKAGES = ("ec_daemon", "ec_protocol", "ec_client", "benchmarks")
+
+DURABLE, CORE, PLANE = "ec_daemon.durable", "ec_daemon.core", "ec_daemon.plane"
+REMOTE, SERVING = "ec_daemon.remote", "ec_daemon.serving"
+# The daemon's modules outside its layer folders: each imports nothing of the
+# daemon (`__main__` only starts `serving.cli`).
+DAEMON_ROOT = {"ec_daemon", "ec_daemon.errors", "ec_daemon.sizes", "ec_daemon.__main__"}
+# The client's layers: what both processes share, the two sides, the worker's
+# copy backends; the vLLM shell is every module at ec_client's root.
+COMMON, SCHEDULER_SIDE = "ec_client.common", "ec_client.scheduler_side"
+WORKER_SIDE, COPY = "ec_client.worker_side", "ec_client.copy"
+CLIENT_FOLDERS = (COMMON, SCHEDULER_SIDE, WORKER_SIDE, COPY)
 
 
 def modules() -> dict[str, Path]:
@@ -81,13 +98,127 @@ def test_the_daemon_never_imports_the_client():
             if m.startswith("ec_daemon") and any(t.startswith("ec_client") for t in targets)} == {}
 
 
-def test_worker_processes_never_import_the_schedulers_side():
-    """The scheduler-to-worker contract lives in ec_client.contract."""
-    graph = import_graph()
-    seen, todo = set(), ["ec_client.worker"]
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
             todo.extend(graph[module])
-    assert "ec_client.scheduler" not in seen
+    return seen
+
+
+def test_worker_processes_never_import_the_schedulers_side():
+    """The scheduler-to-worker contract lives in ec_client.common.contract."""
+    graph = import_graph()
+    assert sorted(m for m in reachable(graph, f"{WORKER_SIDE}.worker")
+                  if within(m, SCHEDULER_SIDE)) == []
+
+
+def test_scheduler_processes_never_import_the_workers_side_or_the_copy_backends():
+    graph = import_graph()
+    assert sorted(m for m in reachable(graph, f"{SCHEDULER_SIDE}.scheduler")
+                  if within(m, WORKER_SIDE) or within(m, COPY)) == []
+
+
+def within(module: str, folder: str) -> bool:
+    return module == folder or module.startswith(folder + ".")
+
+
+def imports_of(graph: dict[str, set[str]], folder: str,
+               never: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules of `folder` that import any of `never`, with what they import."""
+    return {module: sorted(t for t in targets if any(within(t, other) for other in never))
+            for module, targets in graph.items()
+            if within(module, folder) and any(within(t, other) for t in targets for other in never)}
+
+
+def test_the_rule_check_sees_an_import_running_up():
+    graph = {"p.low.a": {"p.low.b", "p.high"}, "p.low.b": set(), "p.high": {"p.low.a"}}
+    assert imports_of(graph, "p.low", ("p.high",)) == {"p.low.a": ["p.high"]}
+    assert imports_of(graph, "p.high", ("p.low.b",)) == {}
+
+
+def test_every_daemon_module_sits_in_a_layer_folder():
+    folders = (DURABLE, CORE, PLANE, REMOTE, SERVING)
+    assert sorted(m for m in import_graph() if m.startswith("ec_daemon")
+                  and m not in DAEMON_ROOT and not any(within(m, f) for f in folders)) == []
+
+
+def test_the_daemons_root_modules_import_nothing_of_the_daemon():
+    graph = import_graph()
+    assert {m: sorted(t for t in graph[m] if within(t, "ec_daemon"))
+            for m in DAEMON_ROOT - {"ec_daemon.__main__"}} == {
+        m: [] for m in DAEMON_ROOT - {"ec_daemon.__main__"}}
+    assert graph["ec_daemon.__main__"] == {f"{SERVING}.cli"}
+
+
+def test_durable_state_never_imports_the_core_plane_second_tier_or_serving():
+    assert imports_of(import_graph(), DURABLE, (CORE, PLANE, REMOTE, SERVING)) == {}
+
+
+def test_the_core_never_imports_the_plane_second_tier_or_serving():
+    assert imports_of(import_graph(), CORE, (PLANE, REMOTE, SERVING)) == {}
+
+
+def test_the_data_plane_never_imports_serving_or_the_second_tier():
+    assert imports_of(import_graph(), PLANE, (SERVING, REMOTE)) == {}
+
+
+def test_the_second_tier_never_imports_the_data_plane_or_serving():
+    assert imports_of(import_graph(), REMOTE, (PLANE, SERVING)) == {}
+
+
+def test_the_second_tiers_parts_hold_the_core_never_the_tier_or_one_another():
+    # The tier composes them; a part that reached for the tier (or another
+    # part) would tie the threads' life cycles back together.
+    graph = import_graph()
+    parts = [f"{REMOTE}.{name}" for name in ("core", "publisher", "follower", "resolver")]
+    assert {part: sorted(graph[part] & {f"{REMOTE}.tier", *parts}) for part in parts} == {
+        f"{REMOTE}.core": [], f"{REMOTE}.publisher": [f"{REMOTE}.core"],
+        f"{REMOTE}.follower": [f"{REMOTE}.core"], f"{REMOTE}.resolver": [f"{REMOTE}.core"]}
+
+
+def test_the_protocol_never_imports_the_daemon_or_the_client():
+    assert imports_of(import_graph(), "ec_protocol", ("ec_daemon", "ec_client")) == {}
+
+
+def test_no_package_imports_the_benchmarks():
+    graph = import_graph()
+    for package in ("ec_daemon", "ec_protocol", "ec_client"):
+        assert imports_of(graph, package, ("benchmarks",)) == {}
+
+
+def test_every_client_module_below_the_shell_sits_in_a_layer_folder():
+    """The root holds the vLLM shell only: its modules name vLLM or serve only it."""
+    shell = {"ec_client", "ec_client.vllm_connector", "ec_client.vllm_items",
+             "ec_client.vllm_metrics", "ec_client.vllm_plugin", "ec_client.identity",
+             "ec_client.engine_token", "ec_client.ranks"}
+    assert sorted(m for m in import_graph() if m.startswith("ec_client") and m not in shell
+                  and not any(within(m, f) for f in CLIENT_FOLDERS)) == []
+
+
+def test_what_both_client_processes_share_never_imports_either_side():
+    assert imports_of(import_graph(), COMMON, (SCHEDULER_SIDE, WORKER_SIDE, COPY)) == {}
+
+
+def test_the_scheduler_side_never_imports_the_worker_side_or_the_copy_backends():
+    assert imports_of(import_graph(), SCHEDULER_SIDE, (WORKER_SIDE, COPY)) == {}
+
+
+def test_the_worker_side_never_imports_the_scheduler_side():
+    assert imports_of(import_graph(), WORKER_SIDE, (SCHEDULER_SIDE,)) == {}
+
+
+def test_the_copy_backends_never_import_either_side():
+    assert imports_of(import_graph(), COPY, (SCHEDULER_SIDE, WORKER_SIDE)) == {}
+
+
+def test_nothing_below_the_vllm_shell_imports_it():
+    """The shell is ec_client's root modules: no layer folder imports one."""
+    graph = import_graph()
+    shell = {m for m in graph if m.startswith("ec_client.")
+             and not any(within(m, f) for f in CLIENT_FOLDERS)}
+    offending = {m: sorted(graph[m] & shell) for m in graph
+                 if any(within(m, f) for f in CLIENT_FOLDERS) and graph[m] & shell}
+    assert offending == {}

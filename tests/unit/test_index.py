@@ -1,4 +1,4 @@
-"""The durable index (`ec_daemon.index`, in the format of `ec_daemon.journal`):
+"""The durable index (`ec_daemon.durable.index`, in the format of `ec_daemon.durable.journal`):
 what a journal says after a crash at any byte, compaction, the id
 reservation, and files it must not trust."""
 
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from ec_daemon import index as index_module
-from ec_daemon.index import Index, open_own_file, read_header, read_index
-from ec_daemon.journal import (
+from ec_daemon.durable import index as index_module
+from ec_daemon.durable.index import Index, open_own_file, read_header, read_index
+from ec_daemon.durable.journal import (
     GONE,
     HEADER_BYTES,
     Header,

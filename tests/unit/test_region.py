@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ec_daemon.region import PREFIX, Region, RegionError, clean_stale
+from ec_daemon.durable.region import PREFIX, Region, RegionError, clean_stale
 
 
 def test_create_locks_prefaults_and_close_removes(tmp_path):
@@ -125,7 +125,7 @@ def test_published_pages_leave_the_daemons_rss_once_sent():
 def test_a_name_another_user_took_costs_a_generation_not_the_start(tmp_path, monkeypatch):
     """Someone who saw a generation created the region's final name first:
     link(2) never replaces it; the region takes another generation."""
-    import ec_daemon.region as region_module
+    import ec_daemon.durable.region as region_module
 
     taken = tmp_path / f"{PREFIX}{0xAB:016x}.region"
     taken.write_bytes(b"not ours")
@@ -179,8 +179,8 @@ def test_a_symlink_loop_or_a_folder_under_our_names_never_fails_the_scan(tmp_pat
 def test_regions_of_other_sockets_are_not_even_locked(tmp_path, monkeypatch):
     """Their own daemon may be starting at this moment: locking them, even
     briefly, would make it miss its region and start cold."""
-    import ec_daemon.region as region_module
-    from ec_daemon.journal import Header
+    import ec_daemon.durable.region as region_module
+    from ec_daemon.durable.journal import Header
 
     header = lambda gen, socket: Header(gen, 1 << 16, 4096, 4096, socket)  # noqa: E731
     mine = Region.create(tmp_path, 1 << 16, index_header=lambda g: header(g, "unix:///a.sock"))

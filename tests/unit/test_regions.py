@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import ec_client.regions as regions_module
-from ec_client.contract import RegionInfo
-from ec_client.mapping import RegionMapping
-from ec_client.regions import RETIRE_SECONDS, Regions
+import ec_client.worker_side.regions as regions_module
+from ec_client.common.contract import RegionInfo
+from ec_client.copy.mapping import RegionMapping
+from ec_client.worker_side.regions import RETIRE_SECONDS, Regions
 
 PAGE = 4096
 SIZE = 4 * PAGE

@@ -1,4 +1,4 @@
-"""The daemon's saves on the session stream (`ec_daemon.saves`), driven
+"""The daemon's saves on the session stream (`ec_daemon.plane.saves`), driven
 through the data plane as the stream handler drives it: each allocation
 and report answered by its request id (a refusal too), an allocation that
 waits for pages answered later while the stream goes on, and the same
@@ -11,11 +11,7 @@ import time
 
 import pytest
 
-from ec_daemon import saves as saves_module
-from ec_daemon import wire
-from ec_daemon.dataplane import SPACE, DataPlane
-from ec_daemon.errors import FailedPrecondition, InvalidArgument
-from ec_daemon.events import (
+from ec_daemon.core.events import (
     AllocationAnswer,
     AllocOutcome,
     ClientMessage,
@@ -26,7 +22,11 @@ from ec_daemon.events import (
     SaveAllocate,
     SaveReport,
 )
-from ec_daemon.records import State
+from ec_daemon.core.records import State
+from ec_daemon.errors import FailedPrecondition, InvalidArgument
+from ec_daemon.plane import saves as saves_module
+from ec_daemon.plane.dataplane import SPACE, DataPlane
+from ec_daemon.serving import wire
 from ec_protocol.protocol import pb
 from tests.unit.cache_helpers import PAGE, allocate, drain, make_cache, save, scheduler, worker
 

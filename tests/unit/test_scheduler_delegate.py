@@ -10,13 +10,14 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-import ec_client.scheduler as scheduler
-from ec_client.contract import RegionInfo
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.session import Attachment
+import ec_client.scheduler_side.scheduler as scheduler
+from ec_client.common.contract import RegionInfo
+from ec_client.common.session import Attachment
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
@@ -55,7 +56,7 @@ def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
     return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs])
 
 
-def make(role: str = "both", ranks: int = 1, **options: float) -> SchedulerDelegate:
+def make(role: str = "both", ranks: int = 1, **options: Any) -> SchedulerDelegate:
     d = SchedulerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
                           role=role, ranks=ranks, start=False, **options)
     d.acks = []
@@ -501,7 +502,7 @@ def test_a_finished_request_releases_what_no_other_request_needs(delegate):
 
 def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, monkeypatch,
                                                                    caplog):
-    caplog.set_level(logging.INFO, logger="ec_client.scheduler")
+    caplog.set_level(logging.INFO, logger="ec_client.scheduler_side.scheduler")
     d = two_ranks
     d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     d.heartbeat_message()
@@ -518,14 +519,30 @@ def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, mo
     assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2
 
 
-def test_prefill_context_parallel_ranks_repeat_the_tensor_parallel_ones():
-    """tp=2 x pcp=2: four ranks report each load, but they attach as TP
-    ranks 0 and 1 of a world of 2 (twice each): two distinct ranks mapped
-    is all of them."""
-    d = make(ranks=4)
+@pytest.mark.parametrize("ranks, world_size", [(4, 0), (1, 4)])
+def test_every_loading_rank_of_tp_x_pcp_must_map_before_a_hit(ranks, world_size):
+    """tp=2 x pcp=2: four loading ranks (each reports each load, or, under an
+    executor that returns one rank's output, one report of a world of 4).
+    Two ranks that attached as "rank r of 2" (tensor-parallel ranks only:
+    the pcp ranks elsewhere) are not all of them: the engine misses."""
+    d = make(ranks=ranks, world_size=world_size)
     try:
         d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
+        assert not d.has_item("a")
+        d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=3, world_size=4)))
+        assert not d.has_item("a")
+        d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=4, world_size=4)))
         assert d.has_item("a")
+    finally:
+        d.transport.close()
+
+
+def test_the_engine_token_rides_every_steps_metadata():
+    """The workers learn it there (and only there) to count as this engine's ranks."""
+    d = make(engine_token="ab" * 16)
+    try:
+        assert d.build_step_metadata().engine_token == "ab" * 16
+        assert d.link._request.scheduler.engine_token == "ab" * 16
     finally:
         d.transport.close()
 

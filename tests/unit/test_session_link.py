@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-import ec_client.session as session
-from ec_client.session import (
+import ec_client.common.session as session
+from ec_client.common.session import (
     FRESH_FRACTION,
     MAX_BEATS_IN_FLIGHT,
     Attachment,

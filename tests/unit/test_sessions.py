@@ -2,9 +2,11 @@
 
 import pytest
 
-from ec_daemon.errors import NotFound
-from ec_daemon.sessions import OPEN_GRACE_SECONDS, SessionTable
+from ec_daemon.core.sessions import OPEN_GRACE_SECONDS, SessionTable, engine_key
+from ec_daemon.errors import NotFound, ResourceExhausted
 from tests.unit.cache_helpers import FakeClock
+
+TOKENLESS_E = engine_key("E", "")
 
 LEASE = 10.0
 
@@ -28,10 +30,10 @@ def view(table, ns="ns", engine="E", *, stream=True):
     return session
 
 
-def rank(table, ns="ns", engine="E", r=0, *, stream=True):
+def rank(table, ns="ns", engine="E", r=0, *, stream=True, token=""):
     """A worker session; with `stream` its stream opened (it mapped the region)."""
     session = table.create(engine_id=engine, role="both", rank=r, world_size=2, namespace=ns,
-                           client_name="test")
+                           client_name="test", engine_token=token)
     if stream:
         table.open(session)
     return session
@@ -101,24 +103,41 @@ def test_a_view_whose_stream_never_opened_leaves_no_ghost(table):
 
 
 def test_mapped_ranks_count_distinct_streaming_ranks_of_one_engine(table):
-    assert table.mapped_ranks("E") == (0, 0)
+    assert table.mapped_ranks(TOKENLESS_E) == (0, 0)
     r0 = rank(table, r=0)
     stale = table.create(engine_id="E", role="both", rank=3, world_size=4, namespace="ns",
                          client_name="test")  # attached, never mapped: it counts for nothing
     rank(table, engine="F", r=1)  # another engine's
-    assert table.mapped_ranks("E") == (1, 2)  # of a world of 2
+    assert table.mapped_ranks(TOKENLESS_E) == (1, 2)  # of a world of 2
     other_ns = rank(table, ns="other", r=1)  # its namespace differs (its weights were
-    assert table.mapped_ranks("E") == (2, 2)  # identified apart): it still maps the region
+    assert table.mapped_ranks(TOKENLESS_E) == (2, 2)  # identified apart): it still maps the region
     table.remove(other_ns)
     r1 = rank(table, r=1)
     again = rank(table, r=1)  # a second session of rank 1 (a re-attach) counts once
-    assert table.mapped_ranks("E") == (2, 2)
+    assert table.mapped_ranks(TOKENLESS_E) == (2, 2)
     table.remove(r1)
-    assert table.mapped_ranks("E") == (2, 2)
+    assert table.mapped_ranks(TOKENLESS_E) == (2, 2)
     table.remove(again)
     table.remove(r0)
     table.remove(stale)
-    assert table.mapped_ranks("E") == (0, 0)
+    assert table.mapped_ranks(TOKENLESS_E) == (0, 0)
+
+
+def test_ranks_count_per_engine_instance_whatever_engine_id_they_share(table):
+    """Two engines configured with one engine id, each with its own token, and
+    a stranger attaching under that id: each counts only its own ranks."""
+    a, b = engine_key("E", "a" * 32), engine_key("E", "b" * 32)
+    assert len({a, b, TOKENLESS_E}) == 3 and "a" * 32 not in a  # a digest, not the token
+    rank(table, r=0, token="a" * 32)
+    rank(table, r=1, token="b" * 32)
+    stranger = rank(table, r=1)  # no token: the tokenless instance of E
+    assert table.mapped_ranks(a) == (1, 2)
+    assert table.mapped_ranks(b) == (1, 2)
+    assert table.mapped_ranks(TOKENLESS_E) == (1, 2)
+    assert table.join(stranger, a) == TOKENLESS_E  # it presented a's token (it knew it)
+    assert table.mapped_ranks(a) == (2, 2) and table.mapped_ranks(TOKENLESS_E) == (0, 0)
+    table.remove(stranger)
+    assert table.mapped_ranks(a) == (1, 2)
 
 
 def test_a_session_has_a_grace_to_open_its_stream_then_the_lease(table, clock):
@@ -164,3 +183,27 @@ def test_in_use_counts_live_sessions_and_ghosts(table, clock):
     clock.now += LEASE
     table.expired_ghosts()
     assert not table.in_use("ns")
+
+
+def test_sessions_are_capped_in_total_and_per_engine_and_freed_as_they_end(clock):
+    table = SessionTable(LEASE, clock=clock, max_sessions=4, max_per_engine=2)
+    a1, _ = rank(table, engine="A", r=0), rank(table, engine="A", r=1)
+    with pytest.raises(ResourceExhausted, match="engine 'A' has 2 sessions.*"
+                                                r"--max-sessions-per-engine 2"):
+        rank(table, engine="A", r=2)
+    view(table, engine="B")
+    view(table, engine="C")
+    with pytest.raises(ResourceExhausted, match=r"4 sessions attached \(--max-sessions 4\)"):
+        view(table, engine="D")
+    assert len(table) == 4
+    table.remove(a1)
+    table.remove(a1)  # twice: counted once
+    rank(table, engine="A", r=2)
+    with pytest.raises(ResourceExhausted):
+        view(table, engine="D")
+    clock.now += OPEN_GRACE_SECONDS + 1  # every session expires
+    for session in table.expired():
+        table.remove(session)
+    view(table, engine="D")
+    rank(table, engine="A", r=0)
+    rank(table, engine="A", r=1)

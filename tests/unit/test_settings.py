@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from ec_client.settings import KEYS, ConnectorSettings, markdown_table
+from ec_client.common.settings import KEYS, ConnectorSettings, markdown_table
 from ec_protocol.protocol import SOCKET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_documents_every_key_with_its_default():
-    assert markdown_table() in (ROOT / "README.md").read_text(), \
-        "README's extra-config table differs: python -m ec_client.settings prints it"
+def test_the_vllm_guide_documents_every_key_with_its_default():
+    assert markdown_table() in (ROOT / "docs" / "vllm.md").read_text(), \
+        "docs/vllm.md's extra-config table differs: python -m ec_client.common.settings prints it"
 
 
 def test_defaults_when_nothing_is_set(monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ec_daemon.startup import StartupError, prepare_socket
+from ec_daemon.serving.startup import StartupError, prepare_socket
 
 STRANGER = 65534  # nobody
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder away needs root")

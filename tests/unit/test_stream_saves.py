@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from ec_client.saves import Report, StreamSaves
-from ec_client.session import Attachment
-from ec_client.worker import WorkerDelegate
+from ec_client.common.session import Attachment
+from ec_client.worker_side.stream_saves import Report, StreamSaves
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import pb
+from tests import cuda_model
 from tests.unit.test_worker_load import LAYOUT, PAGE, Region, page
 
 
@@ -207,15 +209,31 @@ class StandInDaemon:
         self._thread.join(5)
 
 
-@pytest.fixture
-def stream_worker(tmp_path) -> Iterator[tuple[WorkerDelegate, Region]]:
-    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
-                       start=False, deadline_seconds=1.0)
+class CudaModelWorker(WorkerDelegate):
+    """A worker on the CUDA copy path under the model of CUDA's rules
+    (tests/cuda_model.py): its outputs are the model's device tensors."""
+
+    def save(self, mm_hash: str, output: Any) -> bool:
+        model = self.backend.model  # type: ignore[attr-defined]
+        return super().save(mm_hash, model.to_device(torch.from_numpy(output)))
+
+
+@pytest.fixture(params=["cpu", "cuda-model"])
+def stream_worker(tmp_path, request) -> Iterator[tuple[WorkerDelegate, Region]]:
+    """A worker with the cpu backend, and one on the CUDA copy path."""
+    if request.param == "cpu":
+        w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                           start=False, deadline_seconds=1.0)
+    else:
+        w = CudaModelWorker("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                            start=False, deadline_seconds=1.0, backend=cuda_model.Backend())
     region = Region(tmp_path, 0xA)
     w.on_attached(attachment_of(region))
     yield w, region
     w.link._attachment = None
     w.close()
+    if request.param != "cpu":
+        assert w.backend.model.violations == []  # type: ignore[attr-defined]
 
 
 def attach(worker: WorkerDelegate, daemon: StandInDaemon, region: Region) -> Attachment:

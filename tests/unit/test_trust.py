@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ec_client.mapping import RegionMapping
-from ec_client.trust import UntrustedError, socket_owner
+from ec_client.common.trust import UntrustedError, socket_owner
+from ec_client.copy.mapping import RegionMapping
 
 STRANGER = 65534  # nobody
 SIZE = 1 << 16

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ec_daemon.dataplane import SPACE, DataPlane
-from ec_daemon.service import ECDaemonService
-from ec_daemon.wakeups import Wakeups
+from ec_daemon.plane.dataplane import SPACE, DataPlane
+from ec_daemon.plane.wakeups import Wakeups
+from ec_daemon.serving.service import ECDaemonService
 from ec_protocol.protocol import pb
 from tests.unit.cache_helpers import (
     PAGE,

@@ -1,4 +1,4 @@
-"""Watchers (`ec_daemon.watch`): the snapshot, its marker and live events in
+"""Watchers (`ec_daemon.plane.watch`): the snapshot, its marker and live events in
 order; the per-watcher buffer bound, past which a watcher is dropped with its
 reason and nothing else is held up; namespace filters; the cache's hook."""
 
@@ -8,12 +8,11 @@ import asyncio
 
 import pytest
 
-from ec_daemon import wire
+from ec_daemon.core.limits import WATCH_BUFFER_EVENTS
+from ec_daemon.core.records import Entry, State
 from ec_daemon.errors import InvalidArgument, ResourceExhausted, Unavailable
-from ec_daemon.records import Entry, State
-from ec_daemon.watch import (
+from ec_daemon.plane.watch import (
     ALL,
-    BUFFER_EVENTS,
     Event,
     Feed,
     Kind,
@@ -22,6 +21,7 @@ from ec_daemon.watch import (
     peer_of,
     validate_namespace,
 )
+from ec_daemon.serving import wire
 from ec_protocol.protocol import pb
 from tests.unit.cache_helpers import allocate, make_cache, save, worker
 
@@ -75,11 +75,11 @@ def test_snapshot_then_marker_then_live_events_in_order():
 
 
 def test_an_empty_snapshot_still_sends_its_marker_and_messages_are_capped():
-    watcher = Watcher(1, ALL, [], 7, Feed(BUFFER_EVENTS))
+    watcher = Watcher(1, ALL, [], 7, Feed(WATCH_BUFFER_EVENTS))
     assert watcher.take() == ([], True)
     assert watcher.take() == ([], False)
     big = Watcher(2, ALL, [entry(f"k{i}", entry_id=i + 1) for i in range(5)], 7,
-                  Feed(BUFFER_EVENTS))
+                  Feed(WATCH_BUFFER_EVENTS))
     first, done = big.take(max_events=2)
     assert len(first) == 2 and not done
     assert all(e.kind is Kind.STORED and e.time_ns == 7 for e in first)
@@ -87,7 +87,7 @@ def test_an_empty_snapshot_still_sends_its_marker_and_messages_are_capped():
     last, done = big.take(max_events=2)
     assert len(last) == 1 and done  # the marker rides on the snapshot's last message
     capped = Watcher(3, ALL, [entry("x" * 400, entry_id=i + 1) for i in range(10)], 7,
-                     Feed(BUFFER_EVENTS))
+                     Feed(WATCH_BUFFER_EVENTS))
     events, _ = capped.take(max_bytes=5000)
     assert 1 < len(events) < 10
 
@@ -194,9 +194,9 @@ def test_the_default_bound_is_65536_events():
     watchers = Watchers()
     watcher = watchers.open(ALL, [])
     e = entry("k")
-    for _ in range(BUFFER_EVENTS):
+    for _ in range(WATCH_BUFFER_EVENTS):
         watchers.publish(e)
-    assert BUFFER_EVENTS == 65536 and watcher.error is None
+    assert WATCH_BUFFER_EVENTS == 65536 and watcher.error is None
     watchers.publish(e)
     assert isinstance(watcher.error, ResourceExhausted) and watchers.dropped == 1
 
@@ -215,7 +215,7 @@ def test_namespace_filters():
 
 @pytest.mark.parametrize(("namespace", "message"), [
     ("no-separators", "is not a namespace"),
-    ("x" * 9000, "longer than 8192"),
+    ("x" * 9000, "longer than 4096 bytes"),
 ])
 def test_bad_namespace_filters_are_refused(namespace, message):
     with pytest.raises(InvalidArgument, match=message):

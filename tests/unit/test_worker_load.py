@@ -6,20 +6,23 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from ec_client.contract import LoadSpec, RegionInfo
-from ec_client.copy import get_backend
-from ec_client.mapping import RegionMapping
-from ec_client.session import Attachment
-from ec_client.worker import WorkerDelegate
+from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.common.session import Attachment
+from ec_client.copy import empty_host, get_backend
+from ec_client.copy.mapping import RegionMapping
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from ec_protocol.stamps import StampTable, table_bytes
+from tests import cuda_model
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
 PAGE = 4096
@@ -90,12 +93,22 @@ def payload(seed: int, nbytes: int = 3 * PAGE - 100) -> np.ndarray:
 EXTENTS = ((page(5), PAGE), (page(2), PAGE), (page(9), PAGE - 100))
 
 
-@pytest.fixture
-def worker() -> Iterator[WorkerDelegate]:
+@pytest.fixture(params=["cpu", "cuda-model"])
+def worker(request) -> Iterator[WorkerDelegate]:
+    """A worker copying with the cpu backend, and with the CUDA copy path
+    under the model of CUDA's rules (tests/cuda_model.py)."""
+    backend = get_backend("cpu") if request.param == "cpu" else cuda_model.Backend()
     w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
-                       start=False)
+                       backend=backend, start=False)
     yield w
     w.close()
+    if request.param != "cpu":
+        assert backend.model.violations == []
+
+
+def raw(out: Any) -> bytes:
+    """A loaded output's bytes (a numpy array, or a tensor of the model's device)."""
+    return out.tobytes() if isinstance(out, np.ndarray) else cuda_model.as_host(out).tobytes()
 
 
 def test_a_load_returns_the_saved_bytes_exactly(tmp_path, worker):
@@ -107,8 +120,8 @@ def test_a_load_returns_the_saved_bytes_exactly(tmp_path, worker):
                          {0xA: region.info})
     assert result.failed == {} and result.done == [11]
     out = result.loaded["a"]
-    assert out.dtype == data.dtype and out.shape == data.shape
-    assert out.tobytes() == data.tobytes()
+    assert str(out.dtype).removeprefix("torch.") == str(data.dtype)
+    assert tuple(out.shape) == data.shape and raw(out) == data.tobytes()
     assert worker.take_stats() == {"loads_done": 1}
     assert sum(worker.transport.calls.values()) == 0  # no daemon call on the load path
 
@@ -118,7 +131,7 @@ def test_a_load_maps_the_region_it_names_without_an_attachment(tmp_path, worker)
     data = payload(2)
     region.save(data, EXTENTS, entry_id=3)
     result = worker.load([spec_for(region, data, EXTENTS, 3)], {0xA: region.info})
-    assert result.loaded["a"].tobytes() == data.tobytes()
+    assert raw(result.loaded["a"]) == data.tobytes()
 
 
 @pytest.mark.parametrize("stamp", [4, 0], ids=["reused", "freed"])
@@ -182,7 +195,7 @@ def test_a_failed_load_does_not_fail_the_others_in_the_step(tmp_path, worker):
              spec_for(region, b, ((page(1), PAGE),), 5, transfer_id=2, mm_hash="b")]
     result = worker.load(specs, {0xA: region.info})
     assert result.done == [1] and list(result.failed) == [2]
-    assert list(result.loaded) == ["a"] and result.loaded["a"].tobytes() == a.tobytes()
+    assert list(result.loaded) == ["a"] and raw(result.loaded["a"]) == a.tobytes()
 
 
 def test_an_old_generations_load_reads_the_old_file_after_a_restart(tmp_path, worker):
@@ -196,7 +209,7 @@ def test_an_old_generations_load_reads_the_old_file_after_a_restart(tmp_path, wo
     old.path.unlink()  # the old daemon removed its file on exit
     result = worker.load([spec_for(old, data, EXTENTS, 3)], {0xA: old.info, 0xB: new.info})
     assert result.failed == {}
-    assert result.loaded["a"].tobytes() == data.tobytes()  # the old region's, not the new
+    assert raw(result.loaded["a"]) == data.tobytes()  # the old region's, not the new
 
 
 def test_a_load_of_a_gone_region_no_longer_mapped_fails(tmp_path, worker):
@@ -242,13 +255,15 @@ def saving(tmp_path) -> Iterator[WorkerDelegate]:
 def test_the_save_queue_is_bounded_in_bytes(saving, fail):
     saver = Saver(fail)
     saving.saver._save_one = saver
-    chunk = np.zeros(1000, np.uint8)
+    def chunk() -> np.ndarray:
+        return np.zeros(1000, np.uint8)
+
     try:
-        assert saving.save("a", chunk)
+        assert saving.save("a", chunk())
         assert saver.started.acquire(timeout=10)  # being saved: still counted
-        assert saving.save("b", chunk) and saving.save("c", chunk)
+        assert saving.save("b", chunk()) and saving.save("c", chunk())
         assert saving.queued_bytes == 3000
-        assert not saving.save("d", chunk)  # 4000 bytes would be held
+        assert not saving.save("d", chunk())  # 4000 bytes would be held
         assert not saving.save("e", np.zeros(1, np.uint8))
         assert saving.stats["saves_skipped_busy"] == 2
     finally:
@@ -259,6 +274,40 @@ def test_the_save_queue_is_bounded_in_bytes(saving, fail):
     assert saving.stats["save_errors"] == (3 if fail else 0)
     assert saving.save("f", np.zeros(3000, np.uint8))  # room again
     assert saving.flush(10)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_the_save_queue_counts_the_memory_outputs_keep_alive_once(saving, kind):
+    """A slice of a larger output keeps all of it alive; the items vLLM
+    splits out of one batch's output hold that output once, not once each."""
+    saver = Saver()
+    saving.saver._save_one = saver
+    batch = np.zeros((6, 500), np.uint8) if kind == "numpy" else torch.zeros(6, 500,
+                                                                             dtype=torch.uint8)
+    try:
+        assert saving.save("i0", batch[0])
+        assert saver.started.acquire(timeout=10)
+        assert saving.queued_bytes == 3000  # the whole batch, not the 500 bytes of a row
+        assert all(saving.save(f"i{i}", batch[i]) for i in range(1, 6))
+        assert saving.queued_bytes == 3000  # still once
+        assert not saving.save("other", np.zeros(1, np.uint8))  # a new buffer: full
+    finally:
+        saver.go.set()
+    assert saving.flush(10) and saving.queued_bytes == 0
+    assert sorted(saver.saved) == [f"i{i}" for i in range(6)]
+
+
+def test_a_save_the_backend_refuses_is_not_cached_and_never_raises(saving):
+    class Refusing:
+        name, device, stats = "refusing", "cpu", Counter()
+
+        def prepare_save(self, source: Any) -> Any:
+            raise TypeError("not the worker's device")
+
+    saving.saver.backend = Refusing()
+    assert not saving.save("a", np.zeros(10, np.uint8))
+    assert saving.stats["save_errors"] == 1 and saving.queued_bytes == 0
+    assert saving.flush(1)
 
 
 def test_a_detached_worker_skips_saves(worker):
@@ -275,3 +324,73 @@ def test_only_the_save_rank_saves(tmp_path):
         assert w.queued_bytes == 0
     finally:
         w.close()
+
+
+def test_a_cuda_worker_never_loads_into_host_memory(tmp_path):
+    """A host array as a CUDA load's output (the old default) fails the load
+    instead of returning it unwritten: cupy.asarray would have copied it to a
+    temporary device array, the copy landed there, and the stamps passed."""
+    backend = cuda_model.Backend()
+    worker = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                            backend=backend, allocate_out=empty_host, start=False)
+    region = Region(tmp_path, 0xA)
+    data = payload(9)
+    region.save(data, EXTENTS, entry_id=3)
+    try:
+        result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=5)],
+                             {0xA: region.info})
+    finally:
+        worker.close()
+    assert result.loaded == {} and "host memory" in result.failed[5]
+
+
+# ------------------------------------------------------------- saves held
+
+
+@pytest.fixture
+def held(tmp_path) -> Iterator[WorkerDelegate]:
+    """A worker that holds its saves until it hears its scheduler's namespace
+    (the vLLM connector's), attached with namespace "ns"."""
+    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                       save_queue_bytes=3000, start=False, hold_saves=True)
+    w.link._attachment = attachment(Region(tmp_path, 0xA))  # as if attached
+    yield w
+    w.close()
+
+
+def test_saves_wait_until_the_worker_hears_its_schedulers_namespace(held):
+    saver = Saver()
+    saver.go.set()
+    held.saver._save_one = saver
+    def chunk() -> np.ndarray:  # a buffer of its own each (one buffer is counted once)
+        return np.zeros(1000, np.uint8)
+
+    assert held.save("a", chunk()) and held.save("b", chunk())
+    held.follow_scheduler("")  # a step of a scheduler not attached (yet): still held
+    assert not held.flush(0.3)
+    assert saver.saved == [] and held.queued_bytes == 2000
+    # Held within the save queue's bytes.
+    assert held.save("c", chunk()) and not held.save("d", chunk())
+    assert held.stats["saves_held"] == 3 and held.stats["saves_skipped_busy"] == 1
+    held.follow_scheduler("ns")  # the worker's own: saved, in order
+    assert held.flush(10) and saver.saved == ["a", "b", "c"]
+    assert held.save("e", chunk()) and held.flush(10) and saver.saved[-1] == "e"
+    assert held.stats["saves_held"] == 3  # no longer held
+
+
+def test_saves_held_under_another_namespace_than_the_schedulers_are_dropped(held, caplog):
+    import weakref
+
+    saver = Saver()
+    saver.go.set()
+    held.saver._save_one = saver
+    output = np.zeros(1000, np.uint8)
+    kept = weakref.ref(output)
+    assert held.save("a", output) and held.save("b", np.zeros(1000, np.uint8))
+    del output
+    held.follow_scheduler("other-weights")
+    assert held.flush(1) and held.queued_bytes == 0 and saver.saved == []
+    assert kept() is None  # the output held for saving was let go (no cycle: at once)
+    assert not held.saves_enabled and not held.save("c", np.zeros(10, np.uint8))
+    assert held.stats["saves_off_namespace"] == 3  # the worker's, and its two held saves
+    assert "2 held saves dropped" in caplog.text

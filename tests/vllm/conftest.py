@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (run `make test-vllm`)")
+from tests import groups
+
+pytest.importorskip("vllm", reason=groups.VLLM.reason("vLLM is not installed in this venv"))
 
 from tests.integration.daemon import Daemon
 from tests.vllm.engine_proc import A, B, C, D, F, run_engine

@@ -33,9 +33,8 @@ class Engine:
     """An engine process; a thread drains its output (vLLM logs a lot, and a
     full pipe would stall the engine), so the test can wait on lines."""
 
-    def __init__(self, proc: subprocess.Popen[str], shm_before: set[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
-        self.shm_before = shm_before
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -72,12 +71,14 @@ class Engine:
     def stop(self) -> None:
         """Kill the engine and the processes vLLM started for it (its own
         process group), if it has not ended by itself, and remove the shared
-        memory they left (their resource tracker died with them)."""
+        memory they left (their resource tracker died with them): by the
+        names they mapped, never another process's."""
         if self.proc.poll() is None:
+            theirs = _shm_mapped_by_group(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             _wait_group_gone(self.proc.pid)
-            _remove_orphaned_shm(self.shm_before)
+            _remove_unmapped(theirs)
         self.proc.wait()
 
     def finish(self) -> dict[str, Any]:
@@ -107,11 +108,32 @@ SHM = Path("/dev/shm")
 SHM_PREFIXES = ("psm_", "sem.mp-")
 
 
-def _shm_names() -> set[str]:
+def _shm_mapped(pid: str) -> set[str]:
+    """The names in /dev/shm (vLLM's kinds) that process `pid` maps now."""
     try:
-        return {p.name for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)}
+        maps = (Path("/proc") / pid / "maps").read_text()
     except OSError:
         return set()
+    names = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+            name = fields[5][len(f"{SHM}/"):]
+            if name.startswith(SHM_PREFIXES) and not name.endswith(" (deleted)"):
+                names.add(name)
+    return names
+
+
+def _shm_mapped_by_group(pgid: int) -> set[str]:
+    """What the processes of group `pgid` (an engine's) map in /dev/shm."""
+    names: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(proc.name)) == pgid:
+                names |= _shm_mapped(proc.name)
+        except OSError:
+            continue
+    return names
 
 
 def _wait_group_gone(pgid: int, timeout: float = 15.0) -> None:
@@ -124,20 +146,14 @@ def _wait_group_gone(pgid: int, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def _remove_orphaned_shm(before: set[str]) -> None:
-    """Remove segments that appeared since `before` and no live process maps
-    (another engine still running keeps its own)."""
-    new = _shm_names() - before
-    if not new:
+def _remove_unmapped(names: set[str]) -> None:
+    """Remove those of `names` that no live process maps any more."""
+    if not names:
         return
     mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        mapped.update(name for name in new if f"/dev/shm/{name}" in text)
-    for name in new - mapped:
+    for proc in Path("/proc").glob("[0-9]*"):
+        mapped |= _shm_mapped(proc.name) & names
+    for name in names - mapped:
         with contextlib.suppress(OSError):
             (SHM / name).unlink()
 
@@ -175,10 +191,9 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--connector", connector]
     if extra_config:
         args += ["--extra-config", json.dumps(extra_config)]
-    before = _shm_names()
     return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True), before)
+                                   start_new_session=True))
 
 
 # What an engine's scheduler logs once it answers hits (every worker rank

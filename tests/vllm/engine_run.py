@@ -43,7 +43,8 @@ def main() -> int:
     parser.add_argument("--role", default="ec_both")
     parser.add_argument("--copy-backend", default="cpu")
     parser.add_argument("--connector", default="ec_client.vllm_connector:ECDaemonConnector",
-                        help="module:Class of the EC connector")
+                        help="module:Class of the EC connector, or a name vLLM's factory "
+                             "knows (no module path)")
     parser.add_argument("--pause-after", type=int, default=0)
     parser.add_argument("--wait-start", action="store_true")
     parser.add_argument("--hold-end", action="store_true")
@@ -56,10 +57,10 @@ def main() -> int:
 
     extra: dict[str, Any] = {}
     if args.socket:
-        module, name = args.connector.split(":")
+        module, _, name = args.connector.rpartition(":")
         extra["ec_transfer_config"] = {
             "ec_connector": name,
-            "ec_connector_module_path": module,
+            **({"ec_connector_module_path": module} if module else {}),
             "ec_role": args.role,
             "ec_connector_extra_config": {"ec_daemon_socket": args.socket,
                                           "ec_daemon_copy_backend": args.copy_backend}}
@@ -100,7 +101,8 @@ def main() -> int:
             "image": seed, "tokens": tokens,
             "logprobs": [lp[t].logprob for t, lp in zip(tokens, completion.logprobs or [],
                                                         strict=False)],
-            "finish_reason": completion.finish_reason, "encoder_images": encoded})
+            "finish_reason": completion.finish_reason, "encoder_images": encoded,
+            "ec_transfer_params": out.ec_transfer_params})
     print("RESULT " + json.dumps({"requests": requests}), flush=True)
     if args.hold_end:
         sys.stdin.readline()

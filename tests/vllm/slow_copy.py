@@ -19,7 +19,7 @@ from typing import Any
 
 from ec_client.copy import Extents
 from ec_client.copy.cpu_backend import Backend
-from ec_client.mapping import RegionMapping
+from ec_client.copy.mapping import RegionMapping
 
 MARKER_ENV = "EC_TEST_SLOW_LOAD_MARKER"
 SECONDS_ENV = "EC_TEST_SLOW_LOAD_SECONDS"
@@ -29,6 +29,7 @@ class SlowLoadBackend(Backend):
     name = "slow-cpu"
 
     def __init__(self) -> None:
+        super().__init__()
         self.marker = os.environ.get(MARKER_ENV, "")
         self.seconds = float(os.environ.get(SECONDS_ENV, "0"))
         self.slowed = False
@@ -54,6 +55,7 @@ class SlowSaveBackend(Backend):
     name = "slow-save-cpu"
 
     def __init__(self) -> None:
+        super().__init__()
         self.marker = os.environ.get(MARKER_ENV, "")
         self.seconds = float(os.environ.get(SECONDS_ENV, "0"))
         self.slowed = False

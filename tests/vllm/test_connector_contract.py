@@ -13,6 +13,8 @@ import torch
 from prometheus_client import REGISTRY
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging, ECConnectorProm
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
 from ec_client.vllm_connector import (
@@ -22,9 +24,15 @@ from ec_client.vllm_connector import (
 )
 from ec_client.vllm_metrics import ECDaemonStats
 from ec_protocol.protocol import pb
+from tests import cuda_model
 from tests.integration.daemon import Daemon
 from tests.vllm import vllm_harness as h
 from tests.vllm.slow_copy import SlowLoadBackend
+
+try:  # vLLM 0.32's older Ray executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0); gone in 0.33
+    from vllm.v1.executor.ray_executor import RayDistributedExecutor
+except ImportError:
+    RayDistributedExecutor = None
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -150,6 +158,39 @@ def test_a_copy_backend_is_chosen_by_class_name(tiny_model, tmp_path):
         h.connector(malformed, ECConnectorRole.WORKER)
 
 
+def test_the_worker_half_keeps_cudas_rules_under_the_model(tiny_model, daemon):
+    """The connector's worker half on the CUDA copy path (the torch and cupy
+    backends' one path) under the model of CUDA's rules: saves, then a hit
+    whose tensor comes from the backend's `empty` and lands bit-exact, with
+    no rule broken and the compute stream never waited for by the host."""
+    name = "tests.cuda_model:EngineBackend"
+    scheduler, worker = h.start_engine(str(tiny_model), daemon.socket, "ec_both", "model",
+                                       ec_daemon_copy_backend=name)
+    try:
+        backend = worker.worker_delegate.backend
+        assert isinstance(backend, cuda_model.Backend)
+        cache = hit_cycle(scheduler, worker, "img-m", 11)
+        assert torch.equal(cache["img-m"], h.encoder_output(11))
+        assert backend.model.violations == [] and backend.model.compute_host_waits == 0
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_a_copy_backend_for_another_device_is_refused_at_start():
+    """The cpu backend on a CUDA worker would put CPU tensors into vLLM's
+    encoder cache and fail every save; a CUDA backend on a CPU worker the
+    reverse: refused when the worker starts, with what to choose."""
+    from ec_client.vllm_connector import check_backend_device
+
+    with pytest.raises(ValueError, match="'cpu' copies cpu memory, but this vLLM worker runs "
+                                         "on cuda"):
+        check_backend_device("cpu", "cpu", "cuda")
+    with pytest.raises(ValueError, match="use 'auto'"):
+        check_backend_device("torch", "cuda:1", "cpu")
+    check_backend_device("cupy", "cuda:1", "cuda")
+
+
 # ----------------------------------------------------------------- stats
 
 
@@ -166,7 +207,9 @@ def test_stats_count_this_engines_lookups_hits_and_loads(engine):
                     "saves_done": 1, "loads_done": 1}
     assert len(load_seconds) == 1 and 0 < load_seconds[0] < 10
     assert scheduler.get_ec_connector_stats() is None  # each step's counters once
-    assert worker.get_ec_connector_stats() is None  # workers' arrive through the scheduler
+    # By design the worker role reports None: its counters travel in its
+    # worker metadata and reach vLLM in the scheduler's stats (docs/running.md, metrics).
+    assert worker.get_ec_connector_stats() is None
 
 
 def test_stats_reach_vllm_at_most_once_an_interval_and_nothing_is_lost(engine, monkeypatch):
@@ -233,6 +276,10 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
 # -------------------------------------------------------- tensor parallel
 
 
+class NamedOtherwise(MultiprocExecutor):
+    """A MultiprocExecutor by another name (as vLLM 0.33's "ray", RayExecutorV2)."""
+
+
 def test_expected_reports_count_the_ranks_whose_output_vllm_aggregates(tiny_model):
     config = h.make_config(tiny_model, "unix:///nonexistent.sock", tensor_parallel_size=2)
     parallel = config.parallel_config
@@ -240,7 +287,17 @@ def test_expected_reports_count_the_ranks_whose_output_vllm_aggregates(tiny_mode
     assert expected_reports(config) == 2
     parallel.prefill_context_parallel_size = 2
     assert expected_reports(config) == 4
-    parallel.distributed_executor_backend = "ray"  # delivers one rank's output
+    # By the executor's class, not its name: a MultiprocExecutor subclass
+    # aggregates every rank's output however it is named.
+    parallel.distributed_executor_backend = f"{__name__}.NamedOtherwise"
+    assert expected_reports(config) == 4
+    parallel.distributed_executor_backend = NamedOtherwise
+    assert expected_reports(config) == 4
+    # These deliver one rank's output.
+    if RayDistributedExecutor is not None:
+        parallel.distributed_executor_backend = RayDistributedExecutor
+        assert expected_reports(config) == 1
+    parallel.distributed_executor_backend = UniProcExecutor
     assert expected_reports(config) == 1
     single = h.make_config(tiny_model, "unix:///nonexistent.sock")
     assert expected_reports(single) == 1

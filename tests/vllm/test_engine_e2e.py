@@ -72,7 +72,7 @@ def test_an_engine_keeps_serving_when_its_daemon_dies(tiny_model, reference):
     engine = start_engine(tiny_model, [A, F], socket=daemon.socket, pause_after=1)
     try:
         engine.wait_for_line("PAUSED", ENGINE_TIMEOUT)
-        assert daemon.stats()["saves"] == 1
+        daemon.wait_for(lambda: daemon.stats()["saves"] == 1, what="the first save")  # (async)
         daemon.kill()
         engine.send("go\n")
         result = engine.finish()

@@ -16,7 +16,6 @@ on PyPI; vLLM falls back to the V1 runner and the connector refuses to start:
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -35,13 +34,13 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
     make_embedding_key,
 )
 
+from ec_client.common.settings import ConnectorSettings
 from ec_client.identity import files_identity
-from ec_client.scheduler import SchedulerDelegate
-from ec_client.settings import ConnectorSettings
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.vllm_connector import layout_of
-from ec_client.worker import WorkerDelegate
+from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, store_namespace_problem
-from tests import mooncake_servers
+from tests import groups, mooncake_servers
 from tests.integration.daemon import Daemon
 from tests.integration.engines import ensure_within, wait_until
 from tests.vllm import vllm_harness as h
@@ -51,9 +50,6 @@ pytestmark = pytest.mark.timeout(600)
 WAIT = 30.0
 NOWHERE = "unix:///nonexistent/ec.sock"
 IDENTITY = {"embedding_model_identity": "tiny-paligemma@release-1"}
-# Mooncake tests skip when they cannot run here, unless EC_MOONCAKE_REQUIRED=1
-# (as in tests/remote): then that is a failure.
-MOONCAKE_REQUIRED = os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0")
 
 
 def store_namespace(config: Any) -> str:
@@ -188,12 +184,7 @@ def test_with_a_model_identity_the_operator_vouches_for_the_deployment(tiny_mode
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[mooncake_servers.MooncakeMaster]:
-    reason = mooncake_servers.skip_reason()
-    if reason is not None:
-        if MOONCAKE_REQUIRED:
-            pytest.fail(f"Mooncake tests required (EC_MOONCAKE_REQUIRED) but cannot run: "
-                        f"{reason}", pytrace=False)
-        pytest.skip(reason)
+    groups.check_mooncake()
     with mooncake_servers.master() as server:
         yield server
 

@@ -2,8 +2,9 @@
 every workload in its `--quick` form (too small to measure anything, but
 every event must really happen). The run is ec-daemon's mode, the one that
 takes part in every workload and event: each mode costs two engine starts
-and a restart, minutes on a small machine. How the modes compare (streams,
-kinds, ratios, steady state) is checked on made-up outcomes below."""
+and a restart, minutes on a small machine (and (e) two more, an E/PD
+pair). How the modes compare (streams, kinds, ratios, steady state) is
+checked on made-up outcomes below."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serve_epd import sweep_streams
 from benchmarks.serve_report import recovery, summarise, with_ratios
 from benchmarks.serve_stream import MOVE, ROUND_ROBIN, Outcome, Request, make_stream
-from tests import redis_servers
+from tests import groups
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(not redis_servers.available(),
-                    reason="redis-server is not installed (workload d)")
+@groups.needs_redis  # workload d
 def test_the_serving_benchmark_runs_every_workload_and_every_event_happens(tmp_path):
     docs = {p: p.stat().st_mtime_ns for p in (ROOT / "docs").glob("serve-*.png")}
     out = tmp_path / "serve.json"
@@ -35,7 +36,7 @@ def test_the_serving_benchmark_runs_every_workload_and_every_event_happens(tmp_p
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     workloads = {w["key"]: w for w in result["workloads"]}
-    assert sorted(workloads) == ["a@1", "a@2", "b", "c", "d"]
+    assert sorted(workloads) == ["a@1", "a@2", "b", "c", "d", "e", "f@20", "f@50", "f@80"]
 
     for key, workload in workloads.items():
         rows = {row["mode"]: row for row in workload["modes"]}
@@ -61,6 +62,21 @@ def test_the_serving_benchmark_runs_every_workload_and_every_event_happens(tmp_p
     # warm: the next daemon adopted the region its predecessor left
     assert daemon_restart["adopted_entries"] > 0, daemon_restart["adoption"]
 
+    # (e) E/PD: the encoder instance encoded, the PD engine loaded every image
+    epd = {r["mode"]: r for r in workloads["e"]["modes"]}["ec-daemon"]
+    assert epd["topology"] == "E/PD" and epd["proxy_encoder_failed"] == 0
+    assert epd["encoder_instance_forwards"] >= 1 and epd["pd_encoder_forwards"] == 0
+    assert epd["daemon_loads"] >= 1
+
+    # (f) the sweep: each level's reuse, and its shares measured
+    for level in (20, 50, 80):
+        sweep = workloads[f"f@{level}"]
+        assert sweep["reuse"] == level / 100
+        row = sweep["modes"][0]
+        assert row["at_once_images"] >= 1 and row["at_once_forwards"] >= 1
+        assert row["cross_engine_hit_rate"] is None or 0 <= row["cross_engine_hit_rate"] <= 1
+        assert 0 <= row["at_once_encodes_avoided"] <= 1
+
     move = {r["mode"]: r for r in workloads["d"]["modes"]}
     assert workloads["d"]["kinds"].get("moved", 0) > 0
     assert move["ec-daemon-tier"]["promotions"] > 0  # host 2 fetched what host 1 encoded
@@ -69,6 +85,7 @@ def test_the_serving_benchmark_runs_every_workload_and_every_event_happens(tmp_p
     folder = Path(result["folder"])
     assert (folder / "serve-ttft-cdf.png").stat().st_size > 0
     assert (folder / "serve-ttft-over-time.png").stat().st_size > 0
+    assert (folder / "serve-epd-reuse.png").stat().st_size > 0
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").glob("serve-*.png")} == docs
 
 
@@ -101,6 +118,19 @@ def outcomes(ttfts: list[float], kinds: list[str], half: int | None = None) -> l
                     ok=True, ttft_ms=ttft, latency_ms=ttft + 10, sent=float(i), text=f"t{i % 3}",
                     error="")
             for i, (ttft, kind) in enumerate(zip(ttfts, kinds, strict=True))]
+
+
+def test_the_sweep_sends_each_new_image_of_its_second_phase_to_both_engines_at_once(tmp_path):
+    stream = sweep_streams(tmp_path, 0.5, 10, 5, 3, 1.0, seed=1, image_size=8)
+    first, twins = stream[:10], stream[10:]
+    assert {r.phase for r in first} == {0} and {r.phase for r in twins} == {1}
+    assert [r.engine for r in first] == [i % 2 for i in range(10)]
+    assert len({r.image for r in first}) <= 5
+    assert len(twins) == 6 and not {r.image for r in twins} & {r.image for r in first}
+    for a, b in zip(twins[::2], twins[1::2], strict=True):
+        assert a.image == b.image and a.send_s == b.send_s and {a.engine, b.engine} == {0, 1}
+    assert len({r.image for r in twins}) == 3
+    assert [r.index for r in stream] == list(range(16))
 
 
 def test_steady_state_after_an_event_is_a_window_of_three_within_1_2x():

@@ -7,27 +7,15 @@ killed mid-run: engines keep serving (and encode); back, promotions resume."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests import mooncake_servers, redis_servers
+from tests import groups, mooncake_servers, redis_servers
 from tests.integration.daemon import Daemon
 from tests.vllm.engine_proc import A, B, C, D, run_engine, same_output
 
 pytestmark = [pytest.mark.timeout(1200)]
-needs_redis = pytest.mark.skipif(not redis_servers.available(),
-                                 reason="redis-server is not installed")
-
-
-def check_mooncake() -> None:
-    """Skip when Mooncake cannot run here; with EC_MOONCAKE_REQUIRED=1 (CI), fail."""
-    reason = mooncake_servers.skip_reason()
-    if reason is None:
-        return
-    if os.environ.get("EC_MOONCAKE_REQUIRED", "") not in ("", "0"):
-        pytest.fail(f"Mooncake is required here (EC_MOONCAKE_REQUIRED=1): {reason}")
-    pytest.skip(reason)
+needs_redis = groups.needs_redis
+check_mooncake = groups.check_mooncake
 
 
 @needs_redis
@@ -66,7 +54,8 @@ def test_on_mooncake_a_fresh_engine_on_another_host_runs_the_encoder_zero_times(
                            what="host 1 to publish A and B")
 
             second = run_engine(tiny_model, [A, B], socket=host2.socket)
-            assert second["encoder_images"] == 0, second["output"][-3000:]
+            assert second["encoder_images"] == 0, (host2.stats()["remote_tier"],
+                                                   second["output"][-3000:])
             for image in (A, B):
                 assert same_output(second["results"][image], reference[image])
             tier = host2.stats()["remote_tier"]

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
+from ec_client.common.settings import MAX_WEIGHTS_ID_CHARS, ConnectorSettings
 from ec_client.identity import files_identity
-from ec_client.settings import MAX_WEIGHTS_ID_CHARS, ConnectorSettings
 from ec_client.vllm_connector import layout_of
 from tests.vllm import vllm_harness as h
 from tests.vllm.engine_proc import A, B, run_engine, same_output
@@ -161,6 +161,102 @@ def test_a_worker_that_identified_other_weights_than_its_scheduler_saves_nothing
         assert worker.worker_delegate.flush(20)
         assert daemon.stats()["saves"] == 0 and not worker.worker_delegate.saves_enabled
         assert "saves nothing" in caplog.text
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_the_namespace_names_the_vllm_and_transformers_versions(tiny_model, monkeypatch):
+    """A cache that outlives an upgrade never serves what the new code would
+    not compute: the versions are in the namespace (and its store name)."""
+    import importlib.metadata
+
+    import transformers
+    import vllm
+
+    config = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    layout = layout_of(config)
+    assert f"rt=vllm-{vllm.__version__},transformers-{transformers.__version__}" in \
+        layout.variant.split("|")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "99.0.0" if name == "vllm" else real(name))
+    upgraded = layout_of(config)
+    assert upgraded.variant != layout.variant
+    assert "rt=vllm-99.0.0," + f"transformers-{transformers.__version__}" in \
+        upgraded.variant.split("|")
+
+
+def test_an_fp8_scale_file_counts_by_its_content(tiny_model, tmp_path):
+    """vLLM hashes `mm_encoder_fp8_scale_path` by its path: scales recalibrated
+    in place must not be served the old scales' outputs."""
+    config = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    scales = tmp_path / "scales.json"
+    scales.write_text('{"visual.blocks.0.attn": {"q": 0.5, "k": 0.5, "v": 0.5}}')
+    config.model_config.multimodal_config.mm_encoder_fp8_scale_path = str(scales)
+    first = layout_of(config).variant
+    scales.write_text('{"visual.blocks.0.attn": {"q": 0.7, "k": 0.5, "v": 0.5}}')
+    second = layout_of(config).variant
+    assert second != first
+    scales.write_text('{"visual.blocks.0.attn": {"q": 0.5, "k": 0.5, "v": 0.5}}')
+    assert layout_of(config).variant == first
+
+
+def test_tensorizer_weights_count_by_content(tiny_model, tmp_path):
+    """With the tensorizer loader the weights come from its URI, not the
+    model's folder: other tensors under the same URI get another namespace;
+    a URI this host cannot read is never shared."""
+    import os
+
+    config = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
+    tensors = tmp_path / "model.tensors"
+    tensors.write_bytes(b"\x01" * 65536)
+    os.utime(tensors, ns=(10**18, 10**18))
+    config.load_config.load_format = "tensorizer"
+    config.load_config.model_loader_extra_config = {
+        "tensorizer_config": {"tensorizer_uri": str(tensors)}}
+    first = layout_of(config).variant
+    tensors.write_bytes(b"\x02" * 65536)  # the same path, size and mtime: other weights
+    os.utime(tensors, ns=(10**18, 10**18))
+    assert layout_of(config).variant != first
+    config.load_config.model_loader_extra_config = {
+        "tensorizer_config": {"tensorizer_uri": "s3://bucket/model.tensors"}}
+    assert "w=unknown-" in layout_of(config).variant
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-namespace", "stale-namespace"])
+def test_saves_wait_until_the_worker_hears_its_schedulers_namespace(
+        tiny_model, daemon, caplog, same):
+    """A step whose scheduler is not attached (yet) names no namespace: the
+    worker's saves wait, within its save queue, until a step names one; they
+    are saved when it is the worker's, dropped (and the worker saves nothing
+    more) when it is not. Before, they were saved under the worker's own,
+    possibly stale, namespace."""
+    from ec_client.vllm_connector import ECDaemonConnectorMetadata
+
+    config = h.make_config(tiny_model, daemon.socket, instance_id=f"held-{same}")
+    scheduler = h.connector(config, ECConnectorRole.SCHEDULER)
+    worker_config = config if same else h.make_config(
+        tiny_model, daemon.socket, instance_id=f"held-{same}",
+        ec_daemon_weights_id="the-weights-before-the-download")
+    worker = h.connector(worker_config, ECConnectorRole.WORKER)
+    try:
+        h.wait_attached(worker)
+        # The step of a scheduler not attached: its metadata names no namespace.
+        worker.bind_connector_metadata(ECDaemonConnectorMetadata())
+        worker.save_caches({"img-held": h.encoder_output(5)}, "img-held")
+        worker.clear_connector_metadata()
+        assert not worker.worker_delegate.flush(1.0)  # held
+        assert daemon.stats()["saves"] == 0
+        h.wait_attached(scheduler)
+        h.step(scheduler, worker, [], {})  # names the scheduler's namespace
+        assert worker.worker_delegate.flush(20)
+        if same:
+            h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img-held") is not None)
+            assert daemon.stats()["saves"] == 1
+        else:
+            assert daemon.stats()["saves"] == 0 and not worker.worker_delegate.saves_enabled
+            assert "1 held saves dropped" in caplog.text
     finally:
         scheduler.shutdown()
         worker.shutdown()

@@ -24,8 +24,9 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from ec_client import vllm_connector
-from ec_client.contract import RegionInfo
-from ec_client.mapping import RegionMapping
+from ec_client.common.contract import RegionInfo
+from ec_client.copy.mapping import RegionMapping
+from ec_client.ranks import LoadingRank
 from ec_protocol.stamps import StampTable
 
 IMAGE_TOKENS = 16
@@ -56,7 +57,8 @@ def rank_worker(config: VllmConfig, rank: int) -> Any:
     """The WORKER connector of tensor-parallel rank `rank` (vLLM's process
     group is not set up here: the connector is told its rank instead)."""
     world = int(config.parallel_config.tensor_parallel_size)
-    with mock.patch.object(vllm_connector, "_tp_rank_and_size", lambda _: (rank, world)):
+    with mock.patch.object(vllm_connector, "_loading_rank",
+                           lambda _: LoadingRank(rank, world)):
         return connector(config, ECConnectorRole.WORKER)
 
 
@@ -168,9 +170,10 @@ def wait_until(predicate: Any, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def start_engine(model: str, socket: str, role: str, instance_id: str) -> tuple[Any, Any]:
-    """Both connectors of one engine, attached."""
-    config = make_config(Path(model), socket, role, instance_id=instance_id)
+def start_engine(model: str, socket: str, role: str, instance_id: str,
+                 **extra: Any) -> tuple[Any, Any]:
+    """Both connectors of one engine, attached; `extra` adds extra-config keys."""
+    config = make_config(Path(model), socket, role, instance_id=instance_id, **extra)
     scheduler = connector(config, ECConnectorRole.SCHEDULER)
     worker = connector(config, ECConnectorRole.WORKER)
     wait_attached(scheduler)

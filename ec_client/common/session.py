@@ -1,0 +1,421 @@
+"""One attached session, kept alive in a background thread.
+
+`SessionLink` attaches, opens the session stream, sends heartbeats (the
+request generator yields one whenever nothing else was sent for a heartbeat
+interval), hands each daemon message to a callback, and after any loss
+(daemon restart, stream error, a callback that raised) calls `on_detached`
+and attaches again with backoff. Nothing here blocks the caller: `send` only
+queues.
+
+The client-side lease: each heartbeat carries a sequence number and the
+daemon echoes it after renewing the session's lease, so when the echo of a
+heartbeat sent at time t arrives, the daemon keeps the session (and awaits
+its acknowledgements) until at least t + lease. `fresh()` is true until
+t + lease * FRESH_FRACTION: a view answers hits only while it is, so a view
+the daemon may have dropped (a frozen process, a stalled stream) never
+dispatches. Both clocks are the host's monotonic clock.
+
+Callbacks run on the link's thread, in order: opening (what the stream's
+first message carries besides the session id), on_attached (before the
+stream opens: the daemon counts a worker whose stream is open as having
+mapped the region, and tells a view nothing before), on_message...,
+on_detached. A callback that raises is logged once, and the link detaches
+(telling the daemon) and attaches again (a link thread that died would stop
+acknowledging evictions, and reclamation would stall for every engine on the
+host). An attachment whose on_attached raised never opens its stream, so
+the daemon holds nothing for it, not even a ghost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import grpc
+
+from ec_client.common.contract import RegionInfo
+from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, Role, pb
+
+log = logging.getLogger(__name__)
+
+_NOTHING = object()
+BACKOFF_START_SECONDS = 0.05
+# Attach attempts while the daemon is down: a refused connection costs
+# nothing, and a restarted daemon (warm: its cache adopted) is worth hitting
+# again at once.
+RECONNECT_MAX_SECONDS = 0.25
+# After an attachment this client could not use (a callback failed).
+BACKOFF_MAX_SECONDS = 2.0
+# A view answers hits until this fraction of the lease after the send time
+# of the newest heartbeat the daemon echoed; the rest of the lease is the
+# margin for a dispatched load to land.
+FRESH_FRACTION = 0.5
+# Heartbeats remembered until echoed: at one per EARLY_BEAT_SECONDS, 1,024
+# cover 100 s, past any useful echo of a lease up to 200 s (an echo counts
+# only until its send time + lease * FRESH_FRACTION; one forgotten makes
+# freshness conservative, never longer).
+MAX_BEATS_IN_FLIGHT = 1024
+# A heartbeat goes out this soon (not a whole interval later) when the owner
+# has something for it (`LinkListener.beat_due`: loads to touch), so the
+# daemon's LRU hears of hits within this: with a heartbeat only every
+# lease/10, entries hit every step were evicted from a cache turning over
+# faster than that (docs/performance.md 6).
+EARLY_BEAT_SECONDS = 0.1
+MIN_BEAT_SECONDS = 0.01  # whatever interval a daemon asks for (ours: 50 ms at least)
+
+Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
+
+
+class _Acks(NamedTuple):
+    acks: Refs
+
+    def to_message(self) -> Any:
+        return pb.ClientMessage(acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks])
+
+
+@dataclass(frozen=True)
+class Attachment:
+    session_id: str
+    index: int
+    namespace: str
+    region: RegionInfo
+    lease_ms: int
+    heartbeat_ms: int
+    # the daemon takes saves on the stream (`ec_client.worker_side.stream_saves`)
+    stream_saves: bool = False
+
+
+def default_client_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class LinkListener:
+    """What a link tells its owner, on the link's thread, in this order for
+    each attachment: `opening_message`, `on_attached`, `on_message` for each
+    daemon message, `on_detached`; `heartbeat_message` builds each heartbeat.
+    These do nothing; an owner overrides what it needs."""
+
+    def opening_message(self, attachment: Attachment) -> Any:
+        """A ClientMessage merged into the stream's first message, or None."""
+        return None
+
+    def on_attached(self, attachment: Attachment) -> None:
+        """Before the stream opens; raising gives this attachment up, and the
+        link attaches again later."""
+
+    def on_message(self, message: Any) -> None:
+        """One DaemonMessage."""
+
+    def on_detached(self) -> None:
+        """The attachment is lost (or the link stopped)."""
+
+    def heartbeat_message(self) -> Any:
+        """The ClientMessage of the next heartbeat (counters, batched touches)."""
+        return pb.ClientMessage(heartbeat=pb.Heartbeat())
+
+    def beat_due(self) -> bool:
+        """Whether the next heartbeat should go out early (after
+        EARLY_BEAT_SECONDS): it has something that should not wait a whole
+        interval. Called on gRPC's request thread, beside the engine's; must
+        be cheap and thread-safe (a raise counts as False)."""
+        return False
+
+
+class SessionLink:
+    def __init__(self, transport: Any, *, engine_id: str, role: Role, layout: Layout,
+                 rank: int | None = None, world_size: int = 1, client_name: str = "",
+                 listener: LinkListener | None = None, engine_token: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`engine_token`: the engine instance's token (a scheduler's own, or
+        what a worker learnt from its scheduler; `present_engine_token`)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        self.transport = transport
+        request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id,
+                                   role=ROLES[role], layout=layout.to_pb(),
+                                   client_name=client_name or default_client_name(),
+                                   store_namespace=layout.store_namespace)
+        if rank is None:
+            request.scheduler.engine_token = engine_token
+        else:
+            request.worker.rank = rank
+            request.worker.world_size = world_size
+            request.worker.engine_token = engine_token
+        self._request = request
+        self.listener = listener or LinkListener()
+        self._clock = clock
+        self._attachment: Attachment | None = None
+        self._outbox: queue.SimpleQueue[Any] | None = None
+        self._responses: Any = None
+        self._stopping = threading.Event()
+        self._beat_due_failed = False  # (logged once)
+        self._attached = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"ec-session-{engine_id}",
+                                        daemon=True)
+        self._beats: dict[int, float] = {}  # heartbeat seq -> send time
+        self._seq = 0
+        self._last_echo = 0
+        self._echoed = threading.Condition()
+        self.fresh_until = 0.0
+        self.last_error = ""
+
+    @property
+    def attachment(self) -> Attachment | None:
+        """The current attachment, None while detached."""
+        return self._attachment
+
+    def fresh(self) -> bool:
+        """Is the daemon known to keep this session for a good while yet?"""
+        return self._clock() < self.fresh_until
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_attached(self, timeout: float) -> Attachment | None:
+        with self._attached:
+            self._attached.wait_for(lambda: self._attachment is not None, timeout)
+        return self._attachment
+
+    def present_engine_token(self, token: str) -> None:
+        """A worker's later attaches present `token` (any thread: the request
+        is replaced whole, never changed under the link's thread)."""
+        request = pb.AttachRequest()
+        request.CopyFrom(self._request)
+        request.worker.engine_token = token
+        self._request = request
+
+    def send(self, message: Any) -> bool:
+        """Queue a ClientMessage on the stream; False (dropped) while detached."""
+        outbox = self._outbox
+        if outbox is None:
+            return False
+        outbox.put(message)
+        return True
+
+    def send_on(self, attachment: Attachment, message: Any) -> bool:
+        """`send`, only while `attachment` is the current one (a message
+        that names what it learnt from that session, such as a save's
+        extents, must not reach a later one). False: dropped."""
+        with self._attached:  # the stream's end clears both under this lock
+            if self._attachment is not attachment or self._outbox is None:
+                return False
+            self._outbox.put(message)
+        return True
+
+    def send_acks(self, acks: Refs) -> bool:
+        """Queue acknowledgements (mm_hash, entry_id), at most MAX_BATCH per
+        message, built on the link's thread so the caller pays for a queue
+        put only. False (dropped) while detached. (Touches ride on
+        heartbeats, built by the `heartbeat` callback.)"""
+        ok = True
+        for start in range(0, len(acks), MAX_BATCH):
+            ok = self.send(_Acks(acks[start:start + MAX_BATCH])) and ok
+        return ok
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Detach (the daemon releases everything the session held: this
+        client loads nothing more), then flush the last heartbeat and
+        half-close the stream. Cancels the stream if the daemon does not
+        answer in time. Call it only once no load of this engine runs."""
+        self._stopping.set()
+        attachment, outbox = self._attachment, self._outbox
+        if attachment is not None and outbox is not None:
+            final = self._beat()  # the last counters and touches; its echo says applied
+            outbox.put(final)
+            with self._echoed:
+                self._echoed.wait_for(lambda: self._last_echo >= final.heartbeat.seq, timeout)
+            try:
+                self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
+                                    timeout=timeout)
+            except grpc.RpcError as exc:  # gone already: its stream ending does the rest
+                log.debug("ec-daemon detach: %s", exc.code().name)
+        if outbox is not None:
+            outbox.put(None)
+        if threading.current_thread() is self._thread:
+            return
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._end_stream()
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        backoff = BACKOFF_START_SECONDS
+        while not self._stopping.is_set():
+            asked = self._clock()
+            try:
+                reply = self.transport.call("Attach", self._request)
+            except grpc.RpcError as exc:
+                self._note_error(f"attach failed: {exc.code().name}: {exc.details()}",
+                                 retryable=exc.code() in RETRYABLE)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
+                continue
+            backoff = BACKOFF_START_SECONDS
+            if not self._serve(reply, asked):
+                self._stopping.wait(BACKOFF_MAX_SECONDS)  # a callback failed: not in a loop
+
+    def _serve(self, reply: Any, asked: float) -> bool:
+        """Serve one attachment until it is lost; False if a callback raised."""
+        region = reply.region
+        attachment = Attachment(
+            session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
+            region=RegionInfo(region.path, region.size_bytes, region.generation,
+                              region.page_bytes, region.data_offset),
+            lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms,
+            stream_saves=reply.stream_saves)
+        lease = attachment.lease_ms / 1000
+        outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        first = pb.ClientMessage(open_session_id=attachment.session_id)
+        try:
+            extra = self.listener.opening_message(attachment)
+        except Exception:
+            log.exception("ec-daemon opening callback failed; opening without it")
+            extra = None
+        if extra is not None:
+            first.MergeFrom(extra)
+        outbox.put(first)
+        # Before the stream opens: the daemon counts a worker whose stream is
+        # open as having mapped the region, and tells a view nothing before.
+        try:
+            self.listener.on_attached(attachment)
+        except Exception as exc:  # e.g. the region vanished: attach again
+            self._note_error(f"attach could not complete: {exc}", retryable=True)
+            self._give_up(attachment)
+            return False
+        if self._stopping.is_set():  # stopped meanwhile (mapping a large region takes time)
+            self._give_up(attachment)
+            return True
+        self._beats.clear()
+        responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
+        self._responses = responses
+        self.fresh_until = asked + lease * FRESH_FRACTION  # the lease began after `asked`
+        with self._attached:
+            self._outbox = outbox
+            self._attachment = attachment
+            self._attached.notify_all()
+        healthy = True
+        try:
+            for message in responses:
+                if message.heartbeat_seq:
+                    self._renewed(message.heartbeat_seq, lease)
+                self.listener.on_message(message)
+            if not self._stopping.is_set():
+                self._note_error("the daemon closed the session stream", retryable=True)
+        except grpc.RpcError as exc:
+            if not self._stopping.is_set():
+                self._note_error(f"session stream lost: {exc.code().name}", retryable=True)
+        except Exception:
+            log.exception("ec-daemon session callback failed; attaching again")
+            healthy = False
+            responses.cancel()
+        finally:
+            self.fresh_until = 0.0
+            with self._attached:
+                self._attachment = None
+                self._outbox = None
+            outbox.put(None)
+            healthy = self._detached() and healthy
+        return healthy
+
+    def _give_up(self, attachment: Attachment) -> None:
+        """An attachment this client cannot use: detach it at once, so the
+        daemon holds nothing for it (best effort: else its lease ends it)."""
+        try:
+            self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
+                                timeout=1.0)
+        except grpc.RpcError as exc:
+            log.debug("ec-daemon detach of an unusable attachment: %s", exc.code().name)
+
+    def _detached(self) -> bool:
+        try:
+            self.listener.on_detached()
+        except Exception:
+            log.exception("ec-daemon detach callback failed")
+            return False
+        return True
+
+    def _renewed(self, seq: int, lease: float) -> None:
+        """The daemon renewed the lease after heartbeat `seq` was sent."""
+        with self._echoed:  # beats are made on gRPC's thread, echoes read on ours
+            self._last_echo = max(self._last_echo, seq)
+            self._echoed.notify_all()
+            sent = self._beats.get(seq)
+            if sent is None:
+                return
+            for old in [s for s in self._beats if s <= seq]:
+                del self._beats[old]
+            self.fresh_until = max(self.fresh_until, sent + lease * FRESH_FRACTION)
+
+    def _beat(self) -> Any:
+        with self._echoed:
+            self._seq += 1
+            seq = self._seq
+            if len(self._beats) >= MAX_BEATS_IN_FLIGHT:  # the daemon stopped echoing
+                del self._beats[min(self._beats)]
+            self._beats[seq] = self._clock()  # before it leaves: a conservative send time
+        message = self.listener.heartbeat_message()
+        message.heartbeat.seq = seq
+        return message
+
+    def _beat_due(self) -> bool:
+        """The listener's `beat_due`; a raise is logged once and is False
+        (raised here, on gRPC's request thread, it would end the stream)."""
+        try:
+            return bool(self.listener.beat_due())
+        except Exception:
+            if not self._beat_due_failed:
+                self._beat_due_failed = True
+                log.exception("ec-daemon link: beat_due raised; heartbeats keep their interval")
+            return False
+
+    def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
+        """The stream's messages: what `send` queued, plus a heartbeat every
+        `interval` whether or not anything else went out, and one as soon as
+        EARLY_BEAT_SECONDS after the last when the listener says one is due
+        (asked every EARLY_BEAT_SECONDS, by listeners that can say so)."""
+        yield outbox.get()  # the open message
+        yield self._beat()  # renews the lease at once: fresh from the first step
+        interval = max(interval, MIN_BEAT_SECONDS)
+        early = min(interval, EARLY_BEAT_SECONDS)
+        asks = type(self.listener).beat_due is not LinkListener.beat_due
+        due = self._beat_due
+        last_beat = time.monotonic()
+        while True:
+            wake = last_beat + interval
+            if asks:
+                wake = min(wake, max(last_beat + early, time.monotonic() + early / 2))
+            try:
+                message = outbox.get(timeout=max(0.0, wake - time.monotonic()))
+            except queue.Empty:
+                message = _NOTHING
+            if message is None:
+                return
+            if isinstance(message, _Acks):
+                yield message.to_message()
+            elif message is not _NOTHING:
+                yield message
+            now = time.monotonic()
+            if now >= last_beat + interval or (asks and now >= last_beat + early and due()):
+                yield self._beat()
+                last_beat = time.monotonic()
+
+    def _end_stream(self) -> None:
+        responses = self._responses
+        if responses is not None:
+            responses.cancel()
+
+    def _note_error(self, message: str, *, retryable: bool) -> None:
+        if message != self.last_error:
+            (log.warning if retryable else log.error)("ec-daemon %s: %s", self.transport.uri,
+                                                      message)
+        self.last_error = message

@@ -1,0 +1,256 @@
+"""Worker delegate: one engine rank's data plane, on plain values.
+
+It attaches as "worker rank k of n" (a session for saves only) and copies
+with a backend from `ec_client.copy`. It counts toward its scheduler's view
+as a rank that mapped the region once it presented the engine's token (at
+Attach when it could derive it, else `join` from its step metadata), so no
+other client of the socket, nor another engine configured with the same
+engine id, can count as its ranks.
+
+- `save` is off the critical path: it queues the output (keeping it alive)
+  for the saver's thread (`ec_client.worker_side.saver`), which allocates extents,
+  copies, and reports the save, on the session stream where the daemon
+  takes saves there (no call per save). The queue is bounded in bytes
+  (`save_queue_bytes`): outputs held for saving live outside vLLM's encoder
+  budget, so a full queue drops the save. An entry another engine is
+  already writing is dropped, and a full cache (RESOURCE_EXHAUSTED) just
+  means this output is not cached. Only the `save_rank` writes (all TP
+  ranks hold identical outputs).
+- `load` makes no call to the daemon: it maps the region generation the
+  load names (`regions`), copies, then checks the pages' stamps against
+  the entry_id. A load either returns exactly the saved bytes or is listed
+  as failed with the reason; the scheduler's view kept the pages from reuse
+  until this rank's report reaches it through vLLM's worker metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.common.session import Attachment, LinkListener, SessionLink
+from ec_client.common.settings import DEFAULT_SAVE_QUEUE_BYTES
+from ec_client.common.trust import attached_socket_owner
+from ec_client.copy import CopyBackend, get_backend
+from ec_client.copy.mapping import RegionMapping
+from ec_client.worker_side.regions import Regions
+from ec_client.worker_side.saver import Saver
+from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role, pb
+from ec_protocol.stamps import FREE
+from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    loaded: dict[str, Any] = field(default_factory=dict)  # mm_hash -> array
+    done: list[int] = field(default_factory=list)  # transfer ids served
+    failed: dict[int, str] = field(default_factory=dict)  # transfer id -> why it failed
+
+
+class WorkerDelegate(LinkListener):
+    def __init__(self, socket: str, *, engine_id: str, layout: Layout, rank: int = 0,
+                 world_size: int = 1, role: Role = BOTH, backend: str | CopyBackend = "cpu",
+                 save_rank: int = 0, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+                 client_name: str = "",
+                 allocate_out: Callable[[tuple[int, ...], str], Any] | None = None,
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
+                 token_file: str | None = None, tls_ca: str | None = None,
+                 stream_saves: bool = True, start: bool = True,
+                 engine_token: str = "", hold_saves: bool = False) -> None:
+        """`allocate_out(shape, dtype)`: a load's output (default: the
+        backend's `empty`, on its device, ordered for its copies).
+        `stream_saves=False`: saves by Allocate and Report calls even where
+        the daemon takes them on the stream (benchmarks compare the two).
+        `engine_token`: the engine's token when this process can derive it
+        (`ec_client.engine_token`); else `join` presents it once learnt.
+        `hold_saves`: saves wait, within `save_queue_bytes`, until
+        `follow_scheduler` hears the scheduler's namespace (the vLLM
+        connector: its workers and scheduler identify the weights apart)."""
+        self.rank = rank
+        # The engine's token, and the attachment it was presented on.
+        self._engine_token = engine_token
+        self._joined: tuple[Attachment, str] | None = None
+        self.saves_enabled = role in SAVING_ROLES and rank == save_rank
+        self.transport = Transport(socket, deadline_seconds, token_file=token_file,
+                                   tls_ca=tls_ca)
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.allocate_out = allocate_out or self.backend.empty
+        self.stats: Counter[str] = Counter()
+        self._stats_taken: Counter[str] = Counter()
+        self.regions = Regions(on_map=self.backend.attach, on_unmap=self.backend.detach,
+                               open_mapping=self._open_region)
+        self._region_owner: int | None = None  # the socket's owner at the last attach
+        self.link = SessionLink(
+            self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
+            world_size=world_size, client_name=client_name, listener=self,
+            engine_token=engine_token)
+        self.saver = Saver(link=self.link, transport=self.transport, regions=self.regions,
+                           backend=self.backend, stats=self.stats,
+                           queue_bytes=save_queue_bytes, use_stream=stream_saves,
+                           name=f"ec-saver-{rank}", held=hold_saves and self.saves_enabled)
+        if start:
+            self.link.start()
+
+    # ------------------------------------------------------------- saves
+
+    def save(self, mm_hash: str, output: Any) -> bool:
+        """Queue `output` (kept alive until copied) to be saved as `mm_hash`.
+        Returns False when this rank does not save, the daemon is detached,
+        or the queue holds `save_queue_bytes` already (not cached then)."""
+        if not self.saves_enabled:
+            return False
+        if self.link.attachment is None:
+            self.stats["saves_skipped_detached"] += 1
+            return False
+        return self.saver.put(mm_hash, output)
+
+    def follow_scheduler(self, namespace: str) -> None:
+        """The engine's scheduler answers hits from `namespace` (each step's
+        metadata; "" while it is not attached). A worker attached with
+        another namespace identified the weights differently (for instance
+        before a download moved a hub model's ref): its saves would land
+        where engines on other weights read, so it stops saving, for good,
+        drops the saves it held, and says so. With `hold_saves`, saves wait
+        until the first step names the worker's own namespace. Loads are
+        unaffected."""
+        attachment = self.link.attachment
+        if not namespace or attachment is None or not self.saves_enabled:
+            return
+        if attachment.namespace == namespace:
+            self.saver.release_held()
+            return
+        self.saves_enabled = False
+        dropped = self.saver.drop_held()
+        self.stats["saves_off_namespace"] += 1 + dropped
+        log.error("ec-daemon worker rank %d: its namespace %r differs from its scheduler's %r "
+                  "(the weights were identified differently in the two processes): this "
+                  "worker saves nothing (%d held saves dropped). Pin the model's revision "
+                  "to a commit, or set ec_daemon_weights_id.", self.rank,
+                  attachment.namespace, namespace, dropped)
+
+    def join(self, engine_token: str) -> None:
+        """The engine's scheduler names its instance by `engine_token` (each
+        step's metadata): present it to the daemon, once per attachment, so
+        this rank counts toward that engine's views. Later attaches present
+        it at once."""
+        if not engine_token:
+            return
+        if engine_token != self._engine_token:
+            self._remember(engine_token)
+        attachment, joined = self.link.attachment, self._joined
+        if attachment is None or (joined is not None and joined[0] is attachment
+                                  and joined[1] == engine_token):
+            return
+        if self.link.send_on(attachment, pb.ClientMessage(engine_token=engine_token)):
+            self._joined = (attachment, engine_token)
+
+    def _remember(self, engine_token: str) -> None:
+        self._engine_token = engine_token
+        self.link.present_engine_token(engine_token)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save landed or was dropped."""
+        return self.saver.flush(timeout)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self.saver.queued_bytes
+
+    @property
+    def save_messages(self) -> int:
+        """Messages sent on the session stream for saves (allocations, reports)."""
+        return self.saver.stream.messages
+
+    # ------------------------------------------------------------- loads
+
+    def load(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo]) -> LoadResult:
+        """Copy each dispatched entry out of the region generation it names
+        (`regions` by generation) and verify its stamps. No daemon call."""
+        result = LoadResult()
+        for spec in specs:
+            reason = self._load_one(spec, regions.get(spec.generation), result)
+            if reason is None:
+                result.done.append(spec.transfer_id)
+                self.stats["loads_done"] += 1
+            else:
+                log.error("ec-daemon load of %s (entry %d) failed: %s", spec.mm_hash,
+                          spec.entry_id, reason)
+                result.failed[spec.transfer_id] = reason
+                self.stats["loads_failed"] += 1
+        return result
+
+    def _load_one(self, spec: LoadSpec, info: RegionInfo | None, result: LoadResult) -> str | None:
+        if info is None:
+            return f"no region of generation {spec.generation:016x} came with the load"
+        if spec.entry_id == FREE:
+            return "entry id 0 names no entry (it is the stamp of free pages)"
+        try:
+            with self.regions.use(info) as (mapping, stamps):
+                out = self.allocate_out(spec.shape, spec.dtype)
+                self.backend.load(mapping, spec.extents, out)
+                if not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
+                    self.stats["loads_stamp_mismatch"] += 1
+                    return "its pages were reused (stamp mismatch): the bytes are not the entry's"
+        except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        result.loaded[spec.mm_hash] = out
+        return None
+
+    def take_stats(self, load_seconds: list[float] | None = None) -> dict[str, Any]:
+        """Counters that moved since the previous call, plus `load_seconds`
+        (for vLLM's connector stats; `stats` itself keeps the totals)."""
+        now = Counter(self.stats) + self.backend.stats
+        moved: dict[str, Any] = {k: v for k, v in (now - self._stats_taken).items() if v}
+        self._stats_taken = now
+        if load_seconds:
+            moved["load_seconds"] = list(load_seconds)
+        return moved
+
+    # ------------------------------------------------------------ common
+
+    def _open_region(self, info: RegionInfo) -> RegionMapping:
+        """Map a region the daemon named, only if its file belongs to the user
+        serving the socket (or root): raises UntrustedError otherwise. With
+        the socket gone (a restart) the owner seen at the last attach counts,
+        and without one, only this user's or root's files are mapped."""
+        owner = self._region_owner
+        if owner is None:
+            owner = attached_socket_owner(self.transport.uri)
+        return RegionMapping(info.path, info.size, info.generation,
+                             expected_uid=os.getuid() if owner is None else owner)
+
+    def opening_message(self, attachment: Attachment) -> Any:
+        """The engine's token, when known, counts this rank from the stream's
+        opening (the attach request carried it too, if it was known then)."""
+        token = self._engine_token
+        if not token:
+            return None
+        self._joined = (attachment, token)
+        return pb.ClientMessage(engine_token=token)
+
+    def on_attached(self, attachment: Attachment) -> None:
+        self._region_owner = attached_socket_owner(self.transport.uri)  # raises if untrusted
+        self.regions.make_current(attachment.region)
+        log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
+                 attachment.index, attachment.region.generation)
+
+    def on_message(self, message: Any) -> None:
+        if message.allocations or message.reported:
+            self.saver.stream.on_message(message)
+
+    def on_detached(self) -> None:
+        self.saver.stream.detached()
+        self.regions.make_current(None)
+
+    def close(self) -> None:
+        self.saver.close(timeout=self.transport.deadline_seconds)
+        self.link.stop()
+        self.regions.close()
+        self.transport.close()

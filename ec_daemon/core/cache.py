@@ -1,0 +1,612 @@
+"""The entry life cycle: every state change of an entry happens here.
+
+```
+absent --allocate--> PENDING (owned by the writer's session, invisible; stamped)
+PENDING --commit--> READY (ready event to the namespace's views)
+READY --chosen by eviction--> HIDDEN (evicted event; bytes kept)
+HIDDEN --every awaited view acknowledged--> absent (pages cleared, reusable)
+PENDING --abort--> absent
+PENDING --owner session ended--> quarantined (--quarantine-seconds) --> absent
+```
+
+Why hidden entries, and no pins: a scheduler answers hits from its local
+view and dispatches loads without asking the daemon. Pages are reused only
+once every scheduler view that could have seen the entry acknowledged its
+eviction, and a view withholds that acknowledgement while a load of the
+entry that its engine dispatched is in flight (epoch-based reclamation, as in
+RCU). A view that ends without detaching stays awaited as a ghost for one
+lease (`sessions`). Each allocation's entry_id is written into the region's
+stamp table before its writer gets the extents, so a reader can verify.
+
+Durability (`index`): a READY record is journaled before an entry becomes
+visible, a GONE record before its pages are freed, and ids are reserved
+before use, so a restarted daemon adopts the ready entries (`restore`) and
+never reuses an id a reader may still hold.
+
+Not thread-safe: the daemon's event loop is the only caller. Methods that
+raise a `CacheError` have changed nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+from ec_daemon.core.allocator import ExtentAllocator
+from ec_daemon.core.events import (
+    AllocOutcome,
+    AllocResult,
+    EvictedEvent,
+    Extent,
+    RanksEvent,
+    ReadyEvent,
+    ReportStatus,
+    SnapshotDoneEvent,
+)
+from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
+from ec_daemon.core.limits import validate_mm_hash, validate_save
+from ec_daemon.core.quotas import PendingCaps, PendingQuota
+from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
+from ec_daemon.core.sessions import SessionTable
+from ec_daemon.durable.index import ID_BLOCK, NoIndex
+from ec_daemon.durable.journal import Record
+from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+# Evict at least 1/64 of the cache at a time: each eviction round costs one
+# event message to every view and one acknowledgement back from each, so
+# batching the victims divides that traffic (measured: benchmarks/concurrency).
+EVICTION_BATCH_DIVISOR = 64
+# A writer that vanished may still be copying (a frozen process resumed, a
+# DMA in flight): its pages are reused only after this, by default.
+DEFAULT_QUARANTINE_SECONDS = 300.0
+COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
+            "bytes_loaded", "capped_saves", "refused_attaches")
+
+
+class Stamps:
+    """Where the cache writes allocation stamps (the region's stamp table);
+    this default keeps none, for a cache without a region (unit tests)."""
+
+    def write(self, runs: Iterable[Run], stamp: int) -> None:
+        return None
+
+    def clear(self, runs: Iterable[Run]) -> None:
+        return None
+
+    def holds(self, extents: Iterable[Extent], stamp: int) -> bool:
+        return True  # no table, no region: nothing was read from pages
+
+
+class Cache:
+    def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
+                 policy: EvictionPolicy | None = None, data_offset: int = 0,
+                 stamps: Any = None, index: Any = None,
+                 quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS,
+                 pending_caps: PendingCaps | None = None) -> None:
+        """`capacity_bytes` of payload pages starting at byte `data_offset` of
+        the region; `stamps` is the region's StampTable (or a `Stamps`),
+        `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
+        bound each session's pending saves (`quotas`; None: unbounded)."""
+        if page_bytes <= 0 or capacity_bytes < page_bytes:
+            raise ValueError("the cache needs at least one page")
+        self.page_bytes = page_bytes
+        self.data_offset = data_offset
+        self.allocator = ExtentAllocator(capacity_bytes // page_bytes)
+        self.capacity_bytes = self.allocator.total_pages * page_bytes
+        self.sessions = sessions
+        self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.stamps = stamps if stamps is not None else Stamps()
+        self.index = index if index is not None else NoIndex()
+        self.quarantine_seconds = quarantine_seconds
+        self.quota = PendingQuota(pending_caps, self.page_bytes)
+        self._namespaces: dict[str, dict[str, Entry]] = {}
+        self._next_entry_id = 1
+        self.pending_pages = 0
+        self.hidden_pages = 0
+        self.ready_entries = 0
+        self.hidden_entries = 0
+        # Pages of saves discarded with their session: (reusable at, runs, pages).
+        self.quarantine: deque[tuple[float, list[Run], int]] = deque()
+        self.quarantined_pages = 0
+        # namespace -> [visible (ready or hidden) entries, their bytes]
+        self.namespace_usage: dict[str, list[int]] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.namespace_counters: dict[str, dict[str, int]] = {}
+        # Hook for the data plane: pages came back (a save may be waiting).
+        self.on_reclaim: Callable[[], None] = lambda: None
+        # Ghosts of the views of the daemon whose region was adopted, by
+        # (engine, namespace): each until its engine re-attaches.
+        self._previous: dict[tuple[str, str], Session] = {}
+        # Hook for the data plane, the one announcement of an entry that just
+        # became READY (its views were told first) or HIDDEN: watchers,
+        # convergence and the second tier listen there (`dataplane`).
+        self.on_entry_change: Callable[[Entry], None] = lambda entry: None
+
+    # ----------------------------------------------------------- sessions
+
+    def attach(self, **fields: Any) -> Session:
+        """Create a session; it takes part once its stream opens (`open`).
+        Raises ResourceExhausted past the session caps (counted)."""
+        try:
+            session = self.sessions.create(**fields)
+        except ResourceExhausted:
+            self.counters["refused_attaches"] += 1
+            raise
+        self.namespace_counters.setdefault(session.namespace,
+                                           {"hits": 0, "misses": 0, "loads": 0})
+        return session
+
+    def open(self, session: Session) -> None:
+        """`session`'s stream opened. A scheduler session is sent a snapshot of
+        the namespace's ready entries, a SnapshotDoneEvent and its engine's
+        mapped ranks, then live events; evictions await it from now on. A
+        worker session (its client mapped the region before opening) counts
+        as one of its engine's mapped ranks."""
+        self.sessions.open(session)
+        if not session.is_scheduler:
+            self._tell_ranks(session.engine_key)
+            return
+        self.index.view_on(session.engine_key, session.namespace)  # before it sees anything
+        for entry in self._namespaces.get(session.namespace, {}).values():
+            if entry.state is State.READY:
+                session.outbox.append(self._ready_event(entry))
+                session.seen_upto = max(session.seen_upto, entry.entry_id)
+        session.outbox.append(SnapshotDoneEvent())
+        session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_key)))
+        session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
+        session.wake()
+
+    def end_session(self, session: Session, *, detached: bool = False) -> None:
+        """Release everything `session` holds. Idempotent.
+
+        Pending saves are quarantined. A scheduler session that `detached`
+        (its client said it will load nothing more) acknowledges everything
+        it owed; one that did not becomes a ghost for one lease.
+        """
+        if not session.alive:
+            return
+        # A view whose stream never opened was told nothing: no ghost.
+        ghost = session.is_scheduler and session.streaming and not detached
+        self.sessions.remove(session, ghost=ghost)
+        for key in list(session.pending):
+            self._discard_pending(self._namespaces[key[0]][key[1]], quarantine=True)
+        if not ghost:
+            for entry in list(session.awaiting):
+                self._acknowledge(entry, session)
+            if session.is_scheduler and session.streaming:
+                self.index.view_off(session.engine_key, session.namespace)
+        if not session.is_scheduler and session.streaming:
+            self._tell_ranks(session.engine_key)
+        session.outbox.clear()
+        session.wake()
+        self._prune_namespace(session.namespace)
+
+    def expire_sessions(self) -> list[Session]:
+        """End every session whose lease ran out; returns them."""
+        expired = self.sessions.expired()
+        for session in expired:
+            self.end_session(session)
+        return expired
+
+    def release_ghosts(self) -> list[Session]:
+        """Acknowledge for ghosts whose lease is over; returns them."""
+        ghosts = self.sessions.expired_ghosts()
+        for ghost in ghosts:
+            self._ghost_gone(ghost)
+        return ghosts
+
+    def reattached(self, session: Session) -> None:
+        """`session`'s engine declared its loads in flight (`hold`) on the
+        session's first message: the ghost standing for that engine's view of
+        the previous daemon (`restore`) awaits nothing any more."""
+        ghost = self._previous.pop((session.engine_key, session.namespace), None)
+        if ghost is not None:
+            self.sessions.drop_ghost(ghost)
+            self._ghost_gone(ghost)
+
+    def serving(self) -> None:
+        """The daemon serves now: the previous daemon's views get their whole
+        lease from here (adopting a large region takes seconds)."""
+        until = self.sessions.clock() + self.sessions.lease_seconds
+        for ghost in self._previous.values():
+            ghost.ghost_until = until
+
+    def _ghost_gone(self, ghost: Session) -> None:
+        key = (ghost.engine_key, ghost.namespace)
+        if self._previous.get(key) is ghost:  # its lease ran out before its engine came back
+            del self._previous[key]
+        for entry in list(ghost.awaiting):
+            self._acknowledge(entry, ghost)
+        self.index.view_off(ghost.engine_key, ghost.namespace)
+        self._prune_namespace(ghost.namespace)
+
+    def record_lookups(self, session: Session, lookups: int, hits: int) -> None:
+        """Counters a scheduler's local view reports on its heartbeats."""
+        if lookups < 0 or hits < 0 or hits > lookups:
+            raise InvalidArgument("heartbeat counters must satisfy 0 <= hits <= lookups")
+        ns = self.namespace_counters[session.namespace]
+        ns["hits"] += hits
+        ns["misses"] += lookups - hits
+        self.counters["hits"] += hits
+        self.counters["misses"] += lookups - hits
+
+    # -------------------------------------------------------------- saves
+
+    def allocate(self, session: Session, mm_hash: str, nbytes: int,
+                 shape: tuple[int, ...], dtype: str, *, count_hidden: bool = True) -> AllocResult:
+        """Reserve and stamp extents for a save of `mm_hash` by `session`.
+
+        On ALLOCATED the caller copies into the extents, then must `commit`
+        (or `abort`); if the session ends first the pages are quarantined.
+        WAIT: victims were hidden, ask again after `on_reclaim`. Raises
+        ResourceExhausted when no room can be made, or past the session's cap
+        of pending saves (`quotas`, nothing evicted): the caller drops the save.
+        `count_hidden`: hidden pages count as coming back (acknowledgements
+        usually arrive within milliseconds); a caller that waited in vain asks
+        again without, and more ready entries are hidden if need be.
+        """
+        if session.rank is None or not session.can_save:
+            raise FailedPrecondition(
+                f"a {session.role} {session.component} session cannot save: only worker "
+                "sessions of producer or both engines allocate")
+        validate_save(mm_hash, nbytes, shape, dtype)
+        existing = self._namespaces.get(session.namespace, {}).get(mm_hash)
+        if existing is not None:
+            return AllocResult({State.PENDING: AllocOutcome.ALREADY_PENDING,
+                                State.READY: AllocOutcome.ALREADY_READY,
+                                State.HIDDEN: AllocOutcome.ALREADY_HIDDEN}[existing.state],
+                               existing.entry_id)
+        pages = -(-nbytes // self.page_bytes)
+        if pages > self.allocator.total_pages:
+            self.counters["refused_saves"] += 1
+            raise ResourceExhausted(
+                f"an entry of {nbytes} bytes is larger than the cache "
+                f"({self.capacity_bytes} bytes)")
+        try:
+            self.quota.check(session, pages)  # before anything is evicted for it
+        except ResourceExhausted:
+            self.counters["capped_saves"] += 1
+            raise
+        runs = self.allocator.allocate(pages) or self._make_room(pages, count_hidden)
+        if runs is None:
+            if self.allocator.free_pages + self.hidden_pages >= pages:
+                return AllocResult(AllocOutcome.WAIT)
+            self.counters["refused_saves"] += 1
+            raise ResourceExhausted(self._full_message(nbytes))
+        if self._next_entry_id >= self.index.ids_reserved:  # said before it is used
+            self.index.reserve_ids(self._next_entry_id + ID_BLOCK)
+        entry = Entry((session.namespace, mm_hash), self._next_entry_id, nbytes, shape, dtype,
+                      runs, session)
+        self._next_entry_id += 1
+        self.stamps.write(runs, entry.entry_id)  # before anyone learns the extents
+        self._namespaces.setdefault(session.namespace, {})[mm_hash] = entry
+        session.pending.add(entry.key)
+        session.pending_pages += entry.pages
+        self.pending_pages += entry.pages
+        return AllocResult(AllocOutcome.ALLOCATED, entry.entry_id, self.extents(entry))
+
+    def refuse_waited_save(self, nbytes: int) -> ResourceExhausted:
+        """The error for a save that waited in vain for reclamation."""
+        self.counters["refused_saves"] += 1
+        return ResourceExhausted(self._full_message(nbytes) + " (evicted entries were not "
+                                 "acknowledged in time)")
+
+    def commit(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
+        """Make `session`'s pending entries ready (their copies landed)."""
+        return [self._commit_one(session, h) for h in _valid(mm_hashes)]
+
+    def abort(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
+        """Discard `session`'s pending entries (their copies will not land)."""
+        statuses = []
+        namespace = self._namespaces.get(session.namespace, {})
+        for mm_hash in _valid(mm_hashes):
+            entry = namespace.get(mm_hash)
+            if entry is not None and entry.state is State.PENDING and entry.owner is session:
+                self._discard_pending(entry)
+                statuses.append(ReportStatus.ACCEPTED)
+            else:
+                statuses.append(ReportStatus.UNKNOWN)
+        return statuses
+
+    def release_quarantine(self) -> int:
+        """Free the pages of discarded saves whose quarantine is over."""
+        now = self.sessions.clock()
+        self.quota.release(now)
+        released = 0
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, runs, pages = self.quarantine.popleft()
+            self._free_runs(runs)
+            self.quarantined_pages -= pages
+            released += pages
+        return released
+
+    # -------------------------------------------------------------- views
+
+    def acknowledge(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
+        """`session`'s view dropped these evicted entries and loads none of
+        them any more; stale refs are ignored."""
+        namespace = self._namespaces.get(session.namespace, {})
+        for mm_hash, entry_id in refs:
+            entry = namespace.get(mm_hash)
+            if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
+                self._acknowledge(entry, session)
+
+    def hold(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
+        """`session`'s engine is still loading these entries (it re-attached
+        to an adopted region): a hidden one awaits this session too and is
+        announced to it as evicted; unknown or stale refs are ignored."""
+        namespace = self._namespaces.get(session.namespace, {})
+        for mm_hash, entry_id in refs:
+            entry = namespace.get(mm_hash)
+            if entry is None or entry.entry_id != entry_id or entry.state is not State.HIDDEN \
+                    or session in entry.awaiting:
+                continue
+            entry.awaiting.add(session)
+            session.awaiting.add(entry)
+            session.send(EvictedEvent(mm_hash, entry_id))
+
+    def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
+        """Loads `session`'s view dispatched: recency for eviction, and the
+        load counters (bytes only for entries still known)."""
+        namespace = self._namespaces.get(session.namespace, {})
+        counters = self.namespace_counters[session.namespace]
+        for mm_hash, entry_id, loads in touches:
+            counters["loads"] += loads  # dispatched, whatever became of the entry since
+            self.counters["loads"] += loads
+            entry = namespace.get(mm_hash)
+            if entry is None or entry.entry_id != entry_id:
+                continue
+            if entry.state is State.READY:
+                self.policy.touch(entry.key)
+            self.counters["bytes_loaded"] += loads * entry.nbytes
+
+    def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
+        """Entries as tools see them: pending ones are absent."""
+        entries = self._namespaces.get(namespace, {})
+        found = [entries.get(h) for h in _valid(mm_hashes)]
+        return [e if e is not None and e.state is not State.PENDING else None for e in found]
+
+    def state_of(self, namespace: str, mm_hash: str) -> State | None:
+        """The state of a key's entry; None when there is none."""
+        entry = self.get(namespace, mm_hash)
+        return None if entry is None else entry.state
+
+    def get(self, namespace: str, mm_hash: str) -> Entry | None:
+        """A key's entry in any state (the service's second tier)."""
+        return self._namespaces.get(namespace, {}).get(mm_hash)
+
+    def extents(self, entry: Entry) -> tuple[Extent, ...]:
+        """Byte extents of `entry` in the region file, in payload order; the
+        last is trimmed to the entry's size."""
+        out = []
+        left = entry.nbytes
+        for start, pages in entry.runs:
+            length = min(pages * self.page_bytes, left)
+            out.append((self.data_offset + start * self.page_bytes, length))
+            left -= length
+        return tuple(out)
+
+    def entries(self) -> Iterable[Entry]:
+        """Every entry, any state (the invariant checker and tools)."""
+        return (e for es in self._namespaces.values() for e in es.values())
+
+    # ---------------------------------------------------- warm restart
+
+    def restore(self, records: Iterable[Record], free: list[Run], quarantined: list[Run],
+                next_entry_id: int, views: Iterable[tuple[str, str]],
+                ghost: Callable[[str, str, int], Session]) -> None:
+        """Rebuild an empty cache from an adopted region (`adoption`): the
+        verified `records` (least recently used first) become ready or hidden
+        entries, `quarantined` runs (stamped, owned by no adopted entry: a
+        writer of the previous daemon may still be copying) stay out of use
+        for the quarantine, and ids continue from `next_entry_id`. Each engine
+        instance whose view was attached (`views`: engine key, namespace) may
+        still be loading: a ghost of it, `ghost(namespace, key, seen_upto)`, is
+        awaited by the hidden entries of its namespace and by every eviction
+        there of an adopted entry, until the engine re-attaches (`reattached`)
+        or a lease passes."""
+        assert self._next_entry_id == 1 and not self._namespaces, "restore into an empty cache"
+        self.allocator = ExtentAllocator(self.allocator.total_pages, free)
+        self._next_entry_id = next_entry_id
+        for instance, namespace in views:  # (`sessions.engine_key`, namespace)
+            self._previous[(instance, namespace)] = ghost(namespace, instance, next_entry_id - 1)
+        awaited: dict[str, set[Session]] = {}
+        for g in self._previous.values():
+            awaited.setdefault(g.namespace, set()).add(g)
+        hidden = []
+        for record in records:
+            key = (record.namespace, record.mm_hash)
+            entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
+                          record.runs, None)
+            self._namespaces.setdefault(key[0], {})[key[1]] = entry
+            usage = self.namespace_usage.setdefault(key[0], [0, 0])
+            usage[0] += 1
+            usage[1] += entry.nbytes
+            if record.hidden:
+                entry.state = State.HIDDEN
+                entry.awaiting = set(awaited.get(key[0], ()))
+                for view in entry.awaiting:
+                    view.awaiting.add(entry)
+                self.hidden_pages += entry.pages
+                self.hidden_entries += 1
+                hidden.append(entry)
+            else:
+                entry.state = State.READY
+                self.policy.add(key, entry.pages)
+                self.ready_entries += 1
+        if quarantined:
+            pages = sum(n for _, n in quarantined)
+            self.quarantine.append((self.sessions.clock() + self.quarantine_seconds,
+                                    quarantined, pages))
+            self.quarantined_pages += pages
+        for entry in hidden:
+            if not entry.awaiting:  # no view was attached: nobody can be loading it
+                self._reclaim(entry)
+
+    def compact_index(self) -> bool:
+        """Rewrite the journal when it holds mostly dead records, live entries
+        in eviction order (a later adoption keeps it). True if it did."""
+        if not self.index.needs_compaction():
+            return False
+        ready = (self._namespaces[ns][h].entry_id for ns, h in
+                 cast(Iterable[Key], self.policy.order()))
+        hidden = (e.entry_id for e in self.entries() if e.state is State.HIDDEN)
+        self.index.compact(itertools.chain(ready, hidden))
+        return True
+
+    # ------------------------------------------------------------ helpers
+
+    def _make_room(self, pages: int, count_hidden: bool) -> list[Run] | None:
+        """Hide LRU victims so `pages` can come free; allocate if it already can."""
+        # Hidden entries are on their way out (after the acknowledgements).
+        coming = self.hidden_pages if count_hidden else 0
+        shortfall = pages - self.allocator.free_pages - coming
+        if shortfall > 0:
+            # A whole batch where there is one; never less than the shortfall.
+            batch = min(self.allocator.total_pages // EVICTION_BATCH_DIVISOR,
+                        self.policy.evictable_pages)
+            for key in self.policy.choose(max(shortfall, batch)):
+                namespace, mm_hash = cast(Key, key)
+                self._hide(self._namespaces[namespace][mm_hash])
+        return self.allocator.allocate(pages)
+
+    def _commit_one(self, session: Session, mm_hash: str) -> ReportStatus:
+        entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
+        if entry is None or (entry.state is State.PENDING and entry.owner is not session):
+            return ReportStatus.UNKNOWN
+        if entry.state is not State.PENDING:
+            return ReportStatus.DUPLICATE
+        self.index.ready(entry.entry_id, entry.key[0], entry.key[1], entry.nbytes, entry.shape,
+                         entry.dtype, entry.runs)  # durable before it is visible
+        entry.state = State.READY
+        entry.owner = None
+        session.pending.discard(entry.key)
+        session.pending_pages -= entry.pages
+        self.pending_pages -= entry.pages
+        self.policy.add(entry.key, entry.pages)
+        self.ready_entries += 1
+        usage = self.namespace_usage.setdefault(entry.key[0], [0, 0])
+        usage[0] += 1
+        usage[1] += entry.nbytes
+        self.counters["saves"] += 1
+        self.counters["bytes_saved"] += entry.nbytes
+        views = self.sessions.subscribers(entry.key[0])
+        if views:  # the event is built only for someone to hear it
+            event = self._ready_event(entry)
+            for view in views:
+                view.send(event)
+                view.seen_upto = max(view.seen_upto, entry.entry_id)
+        self.on_entry_change(entry)  # after the views: a waiter's answer follows its event
+        return ReportStatus.ACCEPTED
+
+    def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
+        """Drop a pending entry; with `quarantine` its pages stay out of use
+        (and stamped) for `quarantine_seconds`."""
+        owner = entry.owner
+        assert entry.state is State.PENDING and owner is not None
+        owner.pending.discard(entry.key)
+        owner.pending_pages -= entry.pages
+        entry.owner = None
+        self.pending_pages -= entry.pages
+        self._forget(entry)
+        if not quarantine:
+            self._free_runs(entry.runs)
+            return
+        until = self.sessions.clock() + self.quarantine_seconds
+        self.quota.charge(owner.engine_id, entry.pages, until)  # its engine's cap holds them
+        self.quarantine.append((until, entry.runs, entry.pages))
+        self.quarantined_pages += entry.pages
+
+    def _hide(self, entry: Entry) -> None:
+        assert entry.state is State.READY
+        self.policy.remove(entry.key)
+        awaiting = self.sessions.awaited(entry.key[0], entry.entry_id)
+        if awaiting:  # else reclaimed at once: its GONE record says it all
+            self.index.hidden(entry.entry_id)
+        entry.state = State.HIDDEN
+        self.hidden_pages += entry.pages
+        self.ready_entries -= 1
+        self.hidden_entries += 1
+        self.counters["evictions"] += 1
+        self.on_entry_change(entry)
+        if not awaiting:
+            self._reclaim(entry)
+            return
+        entry.awaiting = awaiting
+        event = EvictedEvent(entry.mm_hash, entry.entry_id)
+        for view in awaiting:
+            view.awaiting.add(entry)
+            view.send(event)  # ghosts send nothing
+
+    def _acknowledge(self, entry: Entry, session: Session) -> None:
+        entry.awaiting.discard(session)
+        session.awaiting.discard(entry)
+        if not entry.awaiting:
+            self._reclaim(entry)
+
+    def _reclaim(self, entry: Entry) -> None:
+        assert entry.state is State.HIDDEN and not entry.awaiting
+        self.hidden_pages -= entry.pages
+        self.hidden_entries -= 1
+        usage = self.namespace_usage[entry.key[0]]
+        usage[0] -= 1
+        usage[1] -= entry.nbytes
+        self.index.gone(entry.entry_id)  # before any page can be reused
+        self._forget(entry)
+        self._free_runs(entry.runs)
+
+    def _free_runs(self, runs: list[Run]) -> None:
+        self.stamps.clear(runs)
+        self.allocator.free(runs)
+        self.on_reclaim()  # an allocation may be waiting for these pages
+
+    def _forget(self, entry: Entry) -> None:
+        namespace = self._namespaces[entry.key[0]]
+        del namespace[entry.key[1]]
+        if not namespace:
+            del self._namespaces[entry.key[0]]
+            self._prune_namespace(entry.key[0])
+
+    def _prune_namespace(self, namespace: str) -> None:
+        """Forget the counters of a namespace nobody uses and nothing is in."""
+        if namespace in self._namespaces or self.sessions.in_use(namespace):
+            return
+        self.namespace_counters.pop(namespace, None)
+        usage = self.namespace_usage.get(namespace)
+        if usage is not None and usage == [0, 0]:
+            del self.namespace_usage[namespace]
+
+    def join(self, worker: Session, key: str) -> None:
+        """Worker `worker` presented the token of engine instance `key`: it
+        counts toward that instance's views only (both instances' views are
+        told their count)."""
+        before = self.sessions.join(worker, key)
+        if before != key and worker.streaming:
+            self._tell_ranks(before)
+            self._tell_ranks(key)
+
+    def _tell_ranks(self, key: str) -> None:
+        """The views of engine instance `key`: how many of its ranks mapped the region."""
+        event = RanksEvent(*self.sessions.mapped_ranks(key))
+        for view in self.sessions.views_of(key):
+            view.send(event)
+
+    def _ready_event(self, entry: Entry) -> ReadyEvent:
+        return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,
+                          entry.dtype, self.extents(entry))
+
+    def _full_message(self, nbytes: int) -> str:
+        pb = self.page_bytes
+        return (f"cache full: cannot place {nbytes} bytes ({self.allocator.free_pages * pb} free, "
+                f"{self.pending_pages * pb} pending, {self.hidden_pages * pb} hidden awaiting "
+                f"acknowledgement, {self.quarantined_pages * pb} quarantined)")
+
+
+def _valid(mm_hashes: Iterable[str]) -> list[str]:
+    """All of `mm_hashes`, checked before any is used (raises InvalidArgument)."""
+    hashes = list(mm_hashes)
+    for mm_hash in hashes:
+        validate_mm_hash(mm_hash)
+    return hashes

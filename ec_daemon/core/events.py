@@ -1,0 +1,162 @@
+"""What the cache announces to session streams and answers to its callers,
+and what a session stream brings in (`ClientMessage`).
+
+Plain values: the service turns them into protobuf (`wire`), tests read them
+directly. Those made for every save or entry are named tuples, the rest
+frozen dataclasses: several are built per save, and a frozen dataclass's
+`__init__` costs three times a tuple's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+Extent = tuple[int, int]  # (byte offset, byte length)
+
+
+class ReadyEvent(NamedTuple):
+    mm_hash: str
+    entry_id: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    extents: tuple[Extent, ...]
+
+
+class EvictedEvent(NamedTuple):
+    mm_hash: str
+    entry_id: int
+
+
+@dataclass(frozen=True)
+class HeartbeatEcho:
+    """The lease was renewed after the client sent heartbeat `seq`."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class SnapshotDoneEvent:
+    pass
+
+
+class Verdict(enum.Enum):
+    """The answer to a wanted item (`convergence`)."""
+
+    ENCODE = "encode"  # nobody has it or makes it: encode it (others may wait for you)
+    READY = "ready"  # a ready event preceded the answer
+    PROMOTING = "promoting"  # being fetched from the second tier: defer
+    ENCODING = "encoding"  # another engine of this host encodes or saves it: defer
+
+
+@dataclass(frozen=True)
+class AnswerEvent:
+    mm_hash: str
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class NamespaceInfoEvent:
+    """Whether wanting items helps: another engine shares the namespace, or
+    a second tier may hold what this host misses."""
+
+    engines: int
+    remote_tier: bool
+
+
+@dataclass(frozen=True)
+class RanksEvent:
+    """To an engine's view: how many of its worker ranks mapped the region
+    (hits are answered only once every loading rank has)."""
+
+    mapped: int
+    world_size: int  # the largest its worker sessions attached with; 0 with none
+
+
+class AllocOutcome(enum.Enum):
+    ALLOCATED = "allocated"
+    ALREADY_PENDING = "already_pending"
+    ALREADY_READY = "already_ready"
+    ALREADY_HIDDEN = "already_hidden"
+    # Victims are hidden and their pages come back once the views acknowledge:
+    # ask again after `Cache.on_reclaim` fires.
+    WAIT = "wait"
+
+
+class AllocResult(NamedTuple):
+    outcome: AllocOutcome
+    entry_id: int = 0
+    extents: tuple[Extent, ...] = ()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """`seq` to echo, and the lookups a view answered (and the hits among
+    them) since its previous heartbeat."""
+
+    seq: int
+    lookups: int
+    hits: int
+
+
+class SaveAllocate(NamedTuple):
+    """A worker's save asked for on its stream (as an Allocate call)."""
+
+    request_id: int
+    mm_hash: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SaveReport(NamedTuple):
+    """A save that landed (`saved`) or was given up, on the stream;
+    `request_id` 0 is not answered."""
+
+    request_id: int
+    mm_hash: str
+    saved: bool
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """One message of a session stream (`wire.client_message`): entries
+    acknowledged, held and touched (mm_hash, entry_id[, loads]), items
+    wanted, released and yielded, the heartbeat if it carries one, and a
+    worker's saves (allocations asked for, reports), the engine token a
+    worker presents."""
+
+    acks: list[tuple[str, int]]
+    holds: list[tuple[str, int]]
+    touches: list[tuple[str, int, int]]
+    wants: list[str]
+    releases: list[str]
+    yields: list[str]
+    heartbeat: Heartbeat | None = None
+    allocations: list[SaveAllocate] = field(default_factory=list)
+    reports: list[SaveReport] = field(default_factory=list)
+    engine_token: str = ""  # a worker joins its engine instance (`Cache.join`)
+
+
+class ReportStatus(enum.Enum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    UNKNOWN = "unknown"
+
+
+class AllocationAnswer(NamedTuple):
+    """To a worker's stream: the answer to its allocation `request_id`, the
+    result or the error an Allocate call would have raised."""
+
+    request_id: int
+    result: AllocResult | None
+    error: Exception | None = None
+
+
+class ReportAnswer(NamedTuple):
+    """To a worker's stream: the status of its report `request_id`."""
+
+    request_id: int
+    status: ReportStatus

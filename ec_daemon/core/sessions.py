@@ -1,0 +1,264 @@
+"""The session table: who is attached, indexed for the cache, with leases
+and ghosts.
+
+A session is one attached client component (`records.Session`). The stream
+is its liveness: a broken stream ends it at once, and a lease (renewed by
+any stream message) ends one whose client hangs. What a session holds is
+released by `Cache.end_session`.
+
+Ghosts: a scheduler session that ends without detaching (its lease ran out,
+its stream broke, it could not keep up) may belong to an engine that is
+still loading from its old view. Its view answers hits only while its
+heartbeats are echoed within a fraction of the lease, so one lease after
+the end it dispatches nothing more and its loads have landed. Until then it
+stays a ghost: evictions in its namespace of entries it could have seen (ids
+up to the last one announced to it) still await it, and the clock
+acknowledges for it (`expired_ghosts`). A session whose stream never opened
+was told nothing, so it leaves no ghost: a client that cannot use its
+attachment (say, a region it cannot map) costs the other engines nothing.
+
+A scheduler session is a view (subscribed to its namespace's events) and a
+worker session counts as a rank of its engine that mapped the region only
+from the moment its stream opens (`open`): clients open it once the region
+is mapped (and, on a GPU, registered: seconds for a large region), so a
+session's stream may open up to OPEN_GRACE_SECONDS after Attach whatever the
+lease; the lease applies from then on.
+
+Engine instances: a view counts only the worker ranks of its own engine
+instance, keyed by `engine_key`: the engine id and a digest of the token the
+instance's scheduler presented at Attach (its workers learn it from their
+step metadata and present it too). Two engines configured with the same
+engine id, or a client attaching a worker under another engine's id, thus
+never raise each other's rank count, and their ghosts stay apart. A session
+without a token has the tokenless key of its engine id (older clients).
+
+Session ids are secret bearer tokens; session indexes are small numbers for
+logs and stats, starting at a random value per daemon.
+
+Sessions are capped in total and per engine id (`--max-sessions`,
+`--max-sessions-per-engine`): an Attach that never opens its stream still
+lives OPEN_GRACE_SECONDS, so without a cap a loop of attaches grows the
+daemon (and its Stats reply) without bound. One more is refused with
+RESOURCE_EXHAUSTED naming the cap; the refused client retries, and gets in
+once others end or expire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ec_daemon.core.records import Session
+from ec_daemon.errors import NotFound, ResourceExhausted
+from ec_protocol.protocol import CONSUMER, Role
+
+# How long after Attach a session's stream may open, at least.
+OPEN_GRACE_SECONDS = 60.0
+
+
+def engine_key(engine_id: str, token: str) -> str:
+    """The engine instance of `engine_id` whose scheduler presented `token`
+    ("" for none). A digest, so the key can be logged and journalled without
+    the token; its prefix never clashes with an engine id's characters."""
+    digest = hashlib.sha256(token.encode()).hexdigest()[:32] if token else "-"
+    return f"{digest}/{engine_id}"
+
+
+def engine_of(key: str) -> str:
+    """The engine id of an `engine_key` (a key of an older journal is one)."""
+    return key.partition("/")[2] or key
+
+
+class SessionTable:
+    """Live sessions by id and index, scheduler views and ghosts by namespace."""
+
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic, *,
+                 max_sessions: int | None = None,
+                 max_per_engine: int | None = None) -> None:
+        """At most `max_sessions` live sessions, `max_per_engine` per engine id
+        (None: unbounded, for unit tests)."""
+        self.lease_seconds = lease_seconds
+        self.clock = clock
+        self.max_sessions = max_sessions
+        self.max_per_engine = max_per_engine
+        self._per_engine: dict[str, int] = {}  # engine id -> its live sessions
+        self._by_id: dict[str, Session] = {}
+        self._by_index: dict[int, Session] = {}
+        self._views: dict[str, set[Session]] = defaultdict(set)
+        self._ghosts: dict[str, set[Session]] = defaultdict(set)
+        # engine instance (`engine_key`) -> its worker sessions whose stream
+        # is open (in any namespace: a load names the region, not the namespace)
+        self._ranks: dict[str, set[Session]] = defaultdict(set)
+        self._next_index = secrets.randbits(31) + 1
+
+    def create(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
+               namespace: str, client_name: str, engine_token: str = "") -> Session:
+        """A new live session. Raises ResourceExhausted past the caps (nothing changed)."""
+        self._check_room(engine_id)
+        now = self.clock()
+        session = Session(
+            session_id=secrets.token_hex(16), index=self._take_index(), engine_id=engine_id,
+            role=role, rank=rank, world_size=world_size, namespace=namespace,
+            client_name=client_name, created=now,
+            lease_deadline=now + max(self.lease_seconds, OPEN_GRACE_SECONDS),
+            engine_key=engine_key(engine_id, engine_token),
+        )
+        self._by_id[session.session_id] = session
+        self._by_index[session.index] = session
+        self._per_engine[engine_id] = self._per_engine.get(engine_id, 0) + 1
+        return session
+
+    def _check_room(self, engine_id: str) -> None:
+        if self.max_sessions is not None and len(self._by_id) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"session cap: {len(self._by_id)} sessions attached (--max-sessions "
+                f"{self.max_sessions}); attach again when one ends (an attach that never opens "
+                f"its stream ends after {OPEN_GRACE_SECONDS:.0f} s)")
+        held = self._per_engine.get(engine_id, 0)
+        if self.max_per_engine is not None and held >= self.max_per_engine:
+            raise ResourceExhausted(
+                f"session cap: engine {engine_id!r} has {held} sessions attached "
+                f"(--max-sessions-per-engine {self.max_per_engine}); attach again when one ends")
+
+    def open(self, session: Session) -> None:
+        """`session`'s stream opened: a view from now on, or a rank that mapped
+        the region."""
+        session.streaming = True
+        self.renew(session)
+        if session.is_scheduler:
+            self._views[session.namespace].add(session)
+        else:
+            self._ranks[session.engine_key].add(session)
+
+    def join(self, worker: Session, key: str) -> str:
+        """Worker `worker` belongs to engine instance `key` from now on;
+        returns the key it counted under before."""
+        before, worker.engine_key = worker.engine_key, key
+        if worker.streaming and worker.alive and before != key:
+            _discard(self._ranks, before, worker)
+            self._ranks[key].add(worker)
+        return before
+
+    def get(self, session_id: str) -> Session:
+        """The live session; raises NotFound (the client must re-attach)."""
+        session = self._by_id.get(session_id)
+        if session is None:
+            raise NotFound("unknown session (it ended, expired, or belongs to an earlier "
+                           "daemon): attach again")
+        return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The live session, or None."""
+        return self._by_id.get(session_id)
+
+    def remove(self, session: Session, *, ghost: bool = False) -> None:
+        """End `session`; a scheduler session whose stream opened becomes a
+        ghost for one lease when `ghost` (it did not detach)."""
+        session.alive = False
+        if self._by_id.pop(session.session_id, None) is not None:
+            left = self._per_engine[session.engine_id] - 1
+            if left:
+                self._per_engine[session.engine_id] = left
+            else:
+                del self._per_engine[session.engine_id]
+        self._by_index.pop(session.index, None)
+        if not session.is_scheduler:
+            _discard(self._ranks, session.engine_key, session)
+            return
+        _discard(self._views, session.namespace, session)
+        if ghost and session.streaming:
+            session.ghost_until = self.clock() + self.lease_seconds
+            self._ghosts[session.namespace].add(session)
+
+    def previous_daemon(self, namespace: str, key: str, seen_upto: int) -> Session:
+        """A ghost for one lease standing for the view of engine instance
+        `key` (`engine_key`) of the daemon whose region was adopted: it may
+        still be loading from it (the engine re-attaches within a lease and
+        re-declares its loads). It may have seen every entry up to `seen_upto`."""
+        now = self.clock()
+        ghost = Session(session_id="", index=0, engine_id=engine_of(key), engine_key=key,
+                        role=CONSUMER,
+                        rank=None, world_size=1, namespace=namespace,
+                        client_name="a view of the previous daemon", created=now,
+                        lease_deadline=now, alive=False, streaming=True, seen_upto=seen_upto,
+                        ghost_until=now + self.lease_seconds)
+        self._ghosts[namespace].add(ghost)
+        return ghost
+
+    def drop_ghost(self, ghost: Session) -> None:
+        """`ghost` awaits nothing any more (its engine came back)."""
+        _discard(self._ghosts, ghost.namespace, ghost)
+
+    def expired_ghosts(self) -> list[Session]:
+        """Ghosts whose lease is over, removed from the table."""
+        now = self.clock()
+        done = [g for gs in self._ghosts.values() for g in gs
+                if g.ghost_until is not None and g.ghost_until <= now]
+        for ghost in done:
+            _discard(self._ghosts, ghost.namespace, ghost)
+        return done
+
+    def subscribers(self, namespace: str) -> set[Session]:
+        """Live scheduler sessions of `namespace` (they hold a view of it)."""
+        return self._views.get(namespace, set())
+
+    def awaited(self, namespace: str, entry_id: int) -> set[Session]:
+        """Whom the eviction of entry `entry_id` in `namespace` awaits: the
+        namespace's live views, and its ghosts that could have seen it."""
+        awaited = set(self.subscribers(namespace))
+        ghosts = self._ghosts.get(namespace)
+        if ghosts:
+            awaited.update(g for g in ghosts if g.seen_upto >= entry_id)
+        return awaited
+
+    def mapped_ranks(self, key: str) -> tuple[int, int]:
+        """Distinct worker ranks of engine instance `key` whose stream is open
+        (they mapped the region), and the largest world size they attached
+        with (0 with none)."""
+        ranks = self._ranks.get(key, ())
+        return len({s.rank for s in ranks}), max((s.world_size for s in ranks), default=0)
+
+    def views_of(self, key: str) -> list[Session]:
+        """Engine instance `key`'s live scheduler sessions whose stream is open."""
+        return [s for views in self._views.values() for s in views if s.engine_key == key]
+
+    def ghosts(self) -> Iterator[Session]:
+        return (g for gs in list(self._ghosts.values()) for g in gs)
+
+    def in_use(self, namespace: str) -> bool:
+        """Does any live session or ghost belong to `namespace`?"""
+        return bool(self._views.get(namespace) or self._ghosts.get(namespace)) or any(
+            s.namespace == namespace for s in self._by_id.values())
+
+    def renew(self, session: Session) -> None:
+        session.lease_deadline = self.clock() + self.lease_seconds
+
+    def expired(self) -> list[Session]:
+        now = self.clock()
+        return [s for s in self._by_id.values() if s.lease_deadline < now]
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def _take_index(self) -> int:
+        while True:
+            index = self._next_index
+            self._next_index = self._next_index % 0xFFFF_FFFF + 1  # 1 .. 2**32-1
+            if index not in self._by_index:
+                return index
+
+
+def _discard(table: dict[Any, set[Session]], namespace: Any, session: Session) -> None:
+    members = table.get(namespace)
+    if members is None:
+        return
+    members.discard(session)
+    if not members:
+        del table[namespace]

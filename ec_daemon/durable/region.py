@@ -1,0 +1,412 @@
+"""The shared region: one file in a tmpfs, and its index beside it.
+
+`region` owns only the files (clients map the region themselves; `index`
+writes the journal). The daemon touches payload bytes only for the second
+tier: publishing a saved entry hashes and sends its pages in place, through a
+read-only mapping (`view`: a copy of each published MiB cost 0.1-0.25 ms of
+CPU), whose pages are dropped again once sent (`unview`: the daemon's RSS,
+which the OOM killer reads, must not grow with the region),
+and promoting a fetched one writes them with pwrite (`write`).
+
+The file is created owner-only under a name that carries the generation,
+its pages are allocated up front with posix_fallocate (pre-faulting without
+touching memory, and failing with a clear error instead of a SIGBUS later
+when the tmpfs is short). The final names are taken with link(2) and
+O_EXCL, never by replacing a file: a name another user took first costs a
+new generation, never the start-up.
+
+Liveness of a region is its flock: the daemon holds an exclusive lock for its
+whole life, so a region file whose lock can be taken belongs to a dead daemon.
+At exit the daemon leaves the region and its index for the next daemon on the
+same socket to adopt (`adoption`), or removes them (`--on-exit remove`).
+Files are opened without following symlinks and without blocking (a FIFO
+planted under a region's name is skipped), and only this user's are touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ec_daemon.durable.index import (
+    COMPACTING_SUFFIX,
+    INDEX_SUFFIX,
+    Index,
+    index_path,
+    open_own_file,
+    read_header,
+)
+from ec_daemon.durable.journal import Header, IndexUnreadable
+from ec_daemon.sizes import format_size
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ec-daemon-"
+SUFFIX = ".region"
+# A region being created has this name until it is locked and pre-faulted,
+# so a daemon starting at the same moment never takes it for a dead one's.
+CREATING_SUFFIX = ".creating"
+# A half-created region untouched this long (pre-faulting keeps touching it)
+# belongs to a daemon that died starting.
+CREATING_STALE_SECONDS = 30
+# Names tried for a new region before giving up (each taken one is skipped).
+PUBLISH_ATTEMPTS = 16
+# Progress lines are printed while pre-faulting regions at least this large.
+PROGRESS_MIN_BYTES = 1 << 30
+_CHUNK_BYTES = 256 << 20
+
+
+class RegionError(Exception):
+    """The region cannot be created; the message is for the operator."""
+
+
+class RegionTooLarge(RegionError):
+    """The tmpfs could hold the region but has not enough space free now (it
+    may come back: clients of a previous daemon unmap its region within
+    seconds). A region larger than the whole tmpfs raises RegionError."""
+
+
+def new_generation() -> int:
+    """A random non-zero 63-bit number, different on every start."""
+    return secrets.randbits(63) | 1
+
+
+class Region:
+    def __init__(self, path: Path, size: int, generation: int, fd: int,
+                 index: Index | None = None) -> None:
+        self.path = path
+        self.size = size
+        self.generation = generation
+        self._fd = fd
+        self.index = index  # None only for a region without one (tools, tests)
+        self._map: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
+
+    @classmethod
+    def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
+               gid: int | None = None,
+               progress: Callable[[str], None] | None = None,
+               index_header: Callable[[int], Header] | None = None) -> Region:
+        """Create, lock and pre-fault a region of `size` bytes in `shm_dir`,
+        with an empty index (`index_header(generation)` is its header).
+
+        Raises RegionError (nothing left behind) when the directory is
+        unusable or the tmpfs cannot hold `size` bytes.
+        """
+        folder = Path(shm_dir)
+        if not folder.is_dir():
+            raise RegionError(f"shm directory {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise RegionError(f"shm directory {folder} is not writable by this user")
+        available, total = _space(folder)
+        if size > available:
+            raise (RegionTooLarge if size <= total else RegionError)(
+                f"a region of {format_size(size)} does not fit in {folder} "
+                f"({format_size(available)} available): lower --cpu-bytes or enlarge the "
+                "tmpfs (docker: --shm-size; host: mount -o remount,size=... /dev/shm)")
+        creating = folder / f".{PREFIX}{secrets.token_hex(8)}{CREATING_SUFFIX}"
+        # Owner-only until the group is set: created with `mode`, the file
+        # would be open to the daemon's own primary group until the fchown.
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        index = None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)  # the umask must not widen or narrow it
+            _prefault(fd, size, folder, progress)
+            path, generation, index = _publish(folder, creating, index_header)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                creating.unlink()
+            raise
+        return cls(path, size, generation, fd, index)
+
+    def fileno(self) -> int:
+        """The region file's descriptor (a store that maps it: the second tier)."""
+        return self._fd
+
+    def map_front(self, length: int) -> mmap.mmap:
+        """A shared, writable mapping of the file's first `length` bytes (the
+        stamp table: the daemon never maps the payload)."""
+        return mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def view(self, extents: Iterable[tuple[int, int]]) -> list[memoryview]:
+        """Read-only views of the bytes under `extents` ((offset, length)
+        pairs), in place: a client may rewrite them meanwhile, so the caller
+        checks the pages' stamps after reading. Thread-safe."""
+        if self._map is None:
+            with self._map_lock:
+                if self._map is None:
+                    self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        whole = memoryview(self._map)
+        views = []
+        for offset, length in extents:
+            if offset < 0 or length < 0 or offset + length > self.size:
+                raise ValueError(f"extent ({offset}, {length}) is outside the region")
+            views.append(whole[offset:offset + length])
+        return views
+
+    def unview(self, extents: Iterable[tuple[int, int]]) -> None:
+        """Drop the pages under `extents` from the daemon's mapping once
+        published (MADV_DONTNEED: the shared pages stay in the region): else
+        every page ever published counts in the daemon's RSS, which the OOM
+        killer reads, up to the whole region."""
+        if self._map is None:
+            return
+        page = mmap.PAGESIZE
+        for offset, length in extents:
+            start = offset - offset % page
+            with contextlib.suppress(ValueError, OSError):  # closed meanwhile: nothing mapped
+                self._map.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
+
+    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
+        """Write the concatenation of `parts` (bytes-like) across `extents`,
+        in order, with pwritev: no joining copy."""
+        pieces: Iterator[memoryview | None] = iter([memoryview(p).cast("B") for p in parts])
+        part: memoryview | None = memoryview(b"")
+        for offset, length in extents:
+            batch = []
+            while length:
+                if not part:
+                    part = next(pieces, None)
+                    if part is None:
+                        raise ValueError("the payload is shorter than its extents")
+                    continue
+                take = min(len(part), length)
+                batch.append(part[:take])
+                part, length = part[take:], length - take
+            while batch:
+                wrote = os.pwritev(self._fd, batch, offset)
+                offset += wrote
+                while batch and wrote >= len(batch[0]):
+                    wrote -= len(batch.pop(0))
+                if batch and wrote:
+                    batch[0] = batch[0][wrote:]
+        if part or next(pieces, None) is not None:
+            raise ValueError("the payload is longer than its extents")
+
+    def close(self, *, remove: bool = True) -> None:
+        """Drop the lock; with `remove`, remove the files too. Clients still
+        mapping the region keep their mappings until they unmap. Kept, the
+        region and its index are adopted by the next daemon on this socket."""
+        if self._fd < 0:
+            return
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held: freed with it
+                self._map.close()
+        if self.index is not None:
+            self.index.close(remove=remove)
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        os.close(self._fd)
+        self._fd = -1
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def region_path(folder: Path, generation: int) -> Path:
+    """Where the region of `generation` lives (its index beside it: `index_path`)."""
+    return folder / f"{PREFIX}{generation:016x}{SUFFIX}"
+
+
+def _publish(folder: Path, creating: Path,
+             index_header: Callable[[int], Header] | None) -> tuple[Path, int, Index | None]:
+    """Give the pre-faulted region its final name and its index under a new
+    generation. link(2) and O_EXCL never replace a file, so a name another
+    user took first costs only another generation. Returns (path,
+    generation, index)."""
+    for _ in range(PUBLISH_ATTEMPTS):
+        generation = new_generation()
+        path = region_path(folder, generation)
+        index = None
+        try:
+            if index_header is not None:
+                index = Index.create(index_path(path), index_header(generation))
+            os.link(creating, path)  # visible to clients and cleaners only now
+        except FileExistsError:
+            if index is not None:
+                index.close(remove=True)
+            continue
+        except BaseException:
+            if index is not None:
+                index.close(remove=True)
+            raise
+        creating.unlink()
+        return path, generation, index
+    raise RegionError(f"could not name a region in {folder}: every name tried was taken")
+
+
+@dataclass
+class DeadRegion:
+    """A region file of this user whose daemon is gone (its lock is ours now)."""
+
+    path: Path
+    fd: int  # open, flock held
+    size: int
+    header: Header | None  # None when its index is missing or unreadable
+    problem: str = ""  # why there is no header
+
+    def take(self, index: Index) -> Region:
+        """Adopt it: the lock stays held for this daemon's life."""
+        fd, self.fd = self.fd, -1
+        return Region(self.path, self.size, _generation_of(self.path), fd, index)
+
+    def remove(self) -> None:
+        """Remove the region and its index (only regular files of this user:
+        another user's file or folder under the index's name stays)."""
+        _unlink_own(index_path(self.path))
+        _unlink_own(self.path)
+        self.release()
+
+    def release(self) -> None:
+        """Leave the files; let go of the lock."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def dead_regions(shm_dir: str | Path, socket: str | None = None) -> list[DeadRegion]:
+    """This user's region files in `shm_dir` whose daemon is dead, locked now
+    (the caller adopts, removes or releases each), newest index first; with
+    `socket`, only those whose index names it or that have no readable index
+    (the others are never locked: their own daemon may be starting now).
+    Half-created regions and indexes without a region, left by a daemon that
+    died starting, are removed on the way. Anything that is not a regular
+    file of this user (a symlink, a FIFO, a folder, another user's) is left
+    alone, and no such file can make the scan fail."""
+    folder = Path(shm_dir)
+    if not folder.is_dir():
+        return []
+    old = time.time() - CREATING_STALE_SECONDS
+    for path in [*folder.glob(f".{PREFIX}*{CREATING_SUFFIX}"),
+                 *folder.glob(f".{PREFIX}*{COMPACTING_SUFFIX}"),
+                 *folder.glob(f"{PREFIX}*{INDEX_SUFFIX}")]:
+        if _mtime(path) >= old or (path.suffix == INDEX_SUFFIX
+                                   and os.path.lexists(path.with_suffix(SUFFIX))):
+            continue  # (checked before locking: never race a creator)
+        fd = _lock_own(path)
+        if fd is not None:
+            _unlink_own(path)
+            os.close(fd)
+    found = []
+    for path in folder.glob(f"{PREFIX}*{SUFFIX}"):
+        header, problem = _header(path)
+        if socket is not None and header is not None and header.socket != socket:
+            continue
+        fd = _lock_own(path)
+        if fd is not None:
+            found.append(DeadRegion(path, fd, os.fstat(fd).st_size, header, problem))
+    found.sort(key=lambda d: -_mtime(index_path(d.path)))
+    return found
+
+
+def _header(path: Path) -> tuple[Header | None, str]:
+    """The header of a region's index, or why there is none."""
+    try:
+        return read_header(index_path(path)), ""
+    except FileNotFoundError:
+        return None, "it has no index"
+    except (OSError, IndexUnreadable) as exc:
+        return None, f"its index is unreadable: {exc}"
+
+
+def clean_stale(shm_dir: str | Path, socket: str | None = None) -> list[Path]:
+    """Remove dead daemons' regions (those of `socket` only, when given);
+    returns them. Regions of live daemons and other users' files stay."""
+    removed = []
+    for dead in dead_regions(shm_dir, socket):
+        dead.remove()
+        removed.append(dead.path)
+    return removed
+
+
+def _unlink_own(path: Path) -> None:
+    """Remove `path` if it is still a regular file of this user; never fails."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            path.unlink()
+
+
+def _lock_own(path: Path) -> int | None:
+    """An open, exclusively locked descriptor of `path` when it is a regular
+    file of this user that no live daemon holds; else None."""
+    try:
+        fd = open_own_file(path, os.O_RDWR)  # read-write: an adopted region is served
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None  # a live daemon holds it
+    return fd
+
+
+def _generation_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):-len(SUFFIX)], 16)
+
+
+def _mtime(path: Path) -> float:
+    """When `path` itself (not what it links to) changed; never for a file
+    that cannot be looked at."""
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _space(folder: Path) -> tuple[int, int]:
+    """(bytes available to us, bytes in all) of the filesystem of `folder`."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _prefault(fd: int, size: int, folder: Path, progress: Callable[[str], None] | None) -> None:
+    """Allocate every page of the file now, reporting progress on big ones."""
+    say = progress if progress is not None and size >= PROGRESS_MIN_BYTES else None
+    started = time.monotonic()
+    last_report = started
+    if say is not None:
+        say(f"pre-faulting a region of {format_size(size)} in {folder}...")
+    done = 0
+    while done < size:
+        length = min(_CHUNK_BYTES, size - done)
+        try:
+            os.posix_fallocate(fd, done, length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise RegionError(
+                    f"the tmpfs holding {folder} ran out of space after "
+                    f"{format_size(done)} of {format_size(size)}: lower --cpu-bytes or "
+                    "enlarge the tmpfs") from None
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.ftruncate(fd, size)  # no fallocate here: size it, fault on use
+                return
+            raise
+        done += length
+        now = time.monotonic()
+        if say is not None and (now - last_report >= 1.0 or done == size):
+            last_report = now
+            say(f"pre-faulting region: {format_size(done)} of {format_size(size)} "
+                f"({100 * done // size}%, {now - started:.1f}s)")

@@ -1,0 +1,311 @@
+"""One encode per item across the engines of a host, and promotions from the
+second tier: who makes a missing item, and who waits for it.
+
+vLLM asks the connector (`ensure_cache_available`) before it schedules a
+request with media. A view that does not hold an item sends a *want* (a
+stream message, never a wait) and defers the request until the answer. The
+first engine that wants a cold item is told to encode it (it holds the
+claim); engines that want it later are told to wait, and hit when the
+claimant's save lands (a ready event). An item another host published is
+promoted from the second tier instead: one fetch per key however many
+engines ask. A claim whose engine ended, a failed promotion, or one past its
+bound is handed to a waiting engine that can save; views bound every wait
+themselves too, so a lost answer costs an encode, never a stuck request.
+
+Across hosts: a cold item the local index does not hold is first *resolved*
+by the second tier (`resolve`, off the loop): the store may hold it (a store
+without an index is asked), another host may have claimed it (then this
+host waits for its value, bounded by the claim, and promotes it), or this
+host claims it and its engine encodes. The first engine's answer waits for
+the resolution (it is the one `ensure` waits a few ms for), so a fast store
+costs no deferred step; a resolution still running after ANSWER_SECONDS is
+answered PROMOTING meanwhile (wait), so a slow store (a busy host) costs the
+engine a deferral within its own bound, not an encode its unanswered want
+would turn into, and the outcome still decides (a hand-over tells it ENCODE).
+
+Why claims and not a lock: an engine that is told to wait loses nothing it
+would not have spent encoding, and the daemon, which sees every save and
+every session end, is the one place that knows when to pass a claim on.
+
+Not thread-safe: the daemon's event loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ec_daemon.core.cache import Cache
+from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Verdict
+from ec_daemon.core.limits import MAX_ITEMS_MAKING
+from ec_daemon.core.records import Key, Session, State
+
+log = logging.getLogger(__name__)
+
+# A claimant's save normally lands within an encoder step and a copy; past
+# this its claim goes to a waiting engine (views give up sooner on their own).
+CLAIM_SECONDS = 30.0
+# A promotion is a store read and a copy; past this its waiters encode.
+PROMOTE_SECONDS = 10.0
+# A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
+# well within the view's bound on an answer (ec_client.scheduler_side.scheduler ANSWER_SECONDS).
+ANSWER_SECONDS = 0.25
+COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
+            "promotion_failures", "promoted_bytes", "slow_resolutions")
+
+
+@dataclass(eq=False, slots=True)
+class Making:
+    """An item someone is making: an engine encoding it (`holder`), a save
+    landing or a promotion (`holder` None); `waiters` deferred for it."""
+
+    kind: Verdict  # ENCODING or PROMOTING
+    holder: Session | None
+    deadline: float
+    waiters: list[Session] = field(default_factory=list)
+    # Being resolved by the second tier (`Convergence.resolve`): it takes the
+    # resolution's outcome, and no other (see `resolved`).
+    resolving: bool = False
+    # The waiter whose answer waits for the resolution, if it still wants one.
+    unanswered: Session | None = None
+
+
+class Convergence:
+    def __init__(self, cache: Cache, *,
+                 remote_available: Callable[[str, str], int | None] | None = None,
+                 claim_seconds: float = CLAIM_SECONDS,
+                 promote_seconds: float = PROMOTE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`remote_available(namespace, mm_hash)`: the entry's size when the
+        second tier holds it (a local index, no network), else None."""
+        self.cache = cache
+        self.remote_available = remote_available
+        self.claim_seconds = claim_seconds
+        self.promote_seconds = promote_seconds
+        self.clock = clock
+        self.making: dict[Key, Making] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # Set by the service: fetch `key` (of `nbytes`) from the second tier.
+        self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
+        # Set by the service: resolve `key` with the second tier, claiming it
+        # across hosts if the flag says an engine here would save it; True
+        # when started (`resolved` is called with the outcome, on the loop).
+        self.resolve: Callable[[Key, bool], bool] | None = None
+        # Set by the service: call `fn()` on the loop after `seconds`.
+        self.call_later: Callable[[float, Callable[[], None]], object] | None = None
+
+    def info(self, namespace: str) -> NamespaceInfoEvent:
+        return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
+                                  self.remote_available is not None)
+
+    def want(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """Answer each item `session`'s view wants (on its stream)."""
+        for mm_hash in mm_hashes:
+            self.counters["wants"] += 1
+            verdict = self._verdict(session, (session.namespace, mm_hash))
+            if verdict is None:  # answered once the second tier resolved it
+                log.debug("session %d wants %s: resolving", session.index, mm_hash)
+                continue
+            log.debug("session %d wants %s: %s", session.index, mm_hash, verdict.value)
+            session.send(AnswerEvent(mm_hash, verdict))
+
+    def resolved(self, key: Key, outcome: str, nbytes: int | None = None) -> None:
+        """The second tier resolved `key` (`remote.tier.Outcome`'s value):
+        "found" (promote `nbytes`), "elsewhere" (another host encodes: wait
+        for its value, "found" or a final outcome follows), anything else:
+        an engine here encodes.
+
+        Only a Making being resolved takes an outcome: one that outlived its
+        Making (made meanwhile, handed over past its bound, released) must
+        not start a second promotion, or an encode, for a later Making of the
+        same key. (Resolutions are known by key alone: a later Making's own
+        resolution may be the one that lands; either answers it, once.)"""
+        making = self.making.get(key)
+        if making is None or not making.resolving:
+            return
+        making.resolving = outcome == "elsewhere"  # (its value, or the end of its claim, follows)
+        first, making.unanswered = making.unanswered, None
+        if outcome == "found" and nbytes is not None and nbytes <= self.cache.capacity_bytes:
+            making.deadline = self.clock() + self.promote_seconds
+            self.start_promotion(key, nbytes)
+        elif outcome == "elsewhere":
+            making.deadline = self.clock() + self.claim_seconds
+        else:
+            self._hand_over(key, making, f"the second tier does not hold it ({outcome})",
+                            quiet=True)
+            after = self.making.get(key)
+            if first is None or not first.alive or after is None or after.holder is first:
+                return  # (told ENCODE just now)
+            first.send(AnswerEvent(key[1], Verdict.ENCODING))
+            return
+        if first is not None and first.alive:
+            first.send(AnswerEvent(key[1], Verdict.PROMOTING))
+
+    def answer_meanwhile(self, key: Key, making: Making) -> None:
+        """`making`'s resolution is still running: its first engine, if it
+        still wants an answer, is told to wait (PROMOTING) rather than left
+        to give up on an answer and encode; the outcome follows (`resolved`:
+        a promotion, or a hand-over telling it ENCODE)."""
+        if self.making.get(key) is not making or not making.resolving:
+            return
+        first, making.unanswered = making.unanswered, None
+        if first is None or not first.alive:
+            return
+        self.counters["slow_resolutions"] += 1
+        self.counters["waits"] += 1
+        log.debug("session %d wants %s: still resolving, told to wait", first.index, key[1])
+        first.send(AnswerEvent(key[1], Verdict.PROMOTING))
+
+    def ready(self, key: Key) -> None:
+        """`key` became ready (saved or promoted): its waiters saw the ready
+        event, and are answered READY too (should the entry be evicted before
+        they ask again, they encode it rather than wait for nothing)."""
+        making = self.making.pop(key, None)
+        if making is None:
+            return
+        for waiter in making.waiters:
+            if waiter.alive:
+                waiter.send(AnswerEvent(key[1], Verdict.READY))
+
+    def release(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine no longer makes nor waits for these items: a
+        claim it holds passes on at once, and it waits for nothing."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None:
+                continue
+            if making.holder is session:
+                self.counters["releases"] += 1
+                self._hand_over(key, making, "its engine no longer needs it")
+            elif session in making.waiters:
+                making.waiters.remove(session)
+            if making.unanswered is session:  # (it no longer wants the answer)
+                making.unanswered = None
+
+    def step_aside(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine did not run the requests it claimed these items
+        for this step: a claim that another engine waits for passes to it,
+        and `session` waits in its place; one nobody waits for stays."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None or making.holder is not session \
+                    or not any(w.alive and w.can_save for w in making.waiters):
+                continue
+            self.counters["releases"] += 1
+            self._hand_over(key, making, "its claimant's request did not run this step",
+                            quiet=True)  # (an engine under KV pressure: every step)
+            after = self.making.get(key)
+            if after is not None:
+                after.waiters.append(session)
+                session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
+
+    def promoted(self, key: Key, nbytes: int) -> None:
+        self.counters["promotions"] += 1
+        self.counters["promoted_bytes"] += nbytes
+        self.ready(key)
+
+    def save_given_up(self, key: Key, engine_id: str) -> None:
+        """A save of `key` by `engine_id` was aborted, refused or skipped: if
+        that engine was making it (or it was the save being waited for), a
+        waiting engine encodes it now."""
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.ENCODING and (
+                making.holder is None or making.holder.engine_id == engine_id):
+            self._hand_over(key, making, "its save was given up")
+
+    def await_save(self, key: Key) -> None:
+        """A promotion found a worker saving `key`: its waiters wait for that."""
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.PROMOTING:
+            making.kind = Verdict.ENCODING
+            making.deadline = self.clock() + self.claim_seconds
+
+    def promotion_failed(self, key: Key) -> None:
+        self.counters["promotion_failures"] += 1
+        making = self.making.get(key)
+        if making is not None and making.kind is Verdict.PROMOTING:
+            self._hand_over(key, making, "its promotion failed")
+
+    def session_ended(self, session: Session) -> None:
+        """A view ended: its claims pass on, it waits for nothing."""
+        if not session.is_scheduler:
+            return
+        for key, making in list(self.making.items()):
+            if making.holder is session:
+                self._hand_over(key, making, "its engine's session ended")
+            elif session in making.waiters:
+                making.waiters.remove(session)
+
+    def expire(self) -> None:
+        """Upkeep: claims and promotions past their bound, and saves that
+        were given up, pass on."""
+        now = self.clock()
+        for key, making in list(self.making.items()):
+            if making.deadline <= now:
+                self._hand_over(key, making, "it was not made in time")
+            elif making.holder is None and making.kind is Verdict.ENCODING \
+                    and self.cache.state_of(*key) is None:
+                self._hand_over(key, making, "the save it waited for was aborted")
+
+    # ------------------------------------------------------------ helpers
+
+    def _verdict(self, session: Session, key: Key) -> Verdict | None:
+        state = self.cache.state_of(*key)
+        if state is State.READY:
+            return Verdict.READY
+        making = self.making.get(key)
+        if making is not None:
+            if making.holder is session:
+                return Verdict.ENCODE
+            if session not in making.waiters:
+                making.waiters.append(session)
+            self.counters["waits"] += 1
+            return making.kind
+        if state is State.HIDDEN or len(self.making) >= MAX_ITEMS_MAKING:
+            return Verdict.ENCODE  # (a hidden key's save is refused until it is reclaimed)
+        now = self.clock()
+        if state is State.PENDING:  # encoded already; its copy is landing
+            self.making[key] = Making(Verdict.ENCODING, None, now + self.claim_seconds, [session])
+            self.counters["waits"] += 1
+            return Verdict.ENCODING
+        nbytes = self.remote_available(*key) if self.remote_available is not None else None
+        if nbytes is not None and nbytes <= self.cache.capacity_bytes:
+            self.making[key] = Making(Verdict.PROMOTING, None, now + self.promote_seconds,
+                                      [session])
+            self.start_promotion(key, nbytes)
+            return Verdict.PROMOTING
+        if self.resolve is not None and self.resolve(key, session.can_save):
+            making = Making(Verdict.PROMOTING, None, now + self.promote_seconds, [session],
+                            resolving=True, unanswered=session)
+            self.making[key] = making
+            if self.call_later is not None:
+                self.call_later(ANSWER_SECONDS, lambda: self.answer_meanwhile(key, making))
+            return None
+        if session.can_save:
+            self.making[key] = Making(Verdict.ENCODING, session, now + self.claim_seconds)
+            self.counters["claims"] += 1
+        return Verdict.ENCODE
+
+    def _hand_over(self, key: Key, making: Making, why: str, *, quiet: bool = False) -> None:
+        """The claim goes to the first live waiter that can save; with none,
+        every waiter encodes."""
+        waiters = [w for w in making.waiters if w.alive]
+        heir = next((w for w in waiters if w.can_save), None)
+        if heir is None:
+            del self.making[key]
+            for waiter in waiters:
+                waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
+            return
+        waiters.remove(heir)
+        self.making[key] = Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
+                                  waiters)
+        self.counters["handovers"] += 1
+        (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
+                                            key[1], why)
+        heir.send(AnswerEvent(key[1], Verdict.ENCODE))

@@ -1,0 +1,206 @@
+"""Promotions: an item another host published, fetched from the second tier
+into this host's region, because an engine here wants it (`convergence`).
+
+`Promotions` owns the daemon's own writer in each namespace (a session no
+client can name), the running fetch-and-write tasks and their thread pool.
+Why the daemon writes and not the engine that wants the item: one fetch per
+key per host however many engines want it, the store's bytes are verified
+before any page is touched, and a failure costs the waiting engines only an
+encode (the item is handed to one of them). A promotion otherwise goes the
+way of a save: pages allocated (waiting for room as a save does), written,
+committed, and announced ready like any entry.
+
+Not thread-safe: the daemon's event loop is the only caller; fetches and
+writes run on the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
+
+from ec_daemon.core.cache import Cache
+from ec_daemon.core.events import AllocOutcome, AllocResult
+from ec_daemon.core.records import Key, Session
+from ec_daemon.errors import CacheError
+from ec_daemon.plane.convergence import Convergence
+from ec_protocol.protocol import BOTH
+
+if TYPE_CHECKING:
+    from ec_daemon.durable.region import Region
+
+log = logging.getLogger(__name__)
+
+# Promotions running at once (each a store read and a copy into the region).
+PROMOTION_THREADS = 4
+
+# Allocate for the session the first argument returns: mm_hash, nbytes, shape,
+# dtype (`DataPlane.allocate_waiting`: it waits for room as a save does).
+Allocate = Callable[[Callable[[], Session], str, int, tuple[int, ...], str],
+                    Awaitable[AllocResult]]
+
+
+class Fetched(Protocol):
+    """A verified value fetched from the second tier (`remote.tier.Fetched`)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def write_into(self, region_file: Region, extents: Sequence[tuple[int, int]]) -> bool: ...
+
+
+class Reservation(Protocol):
+    """Promotion budget held for one value (`remote.budget.Reservation`)."""
+
+    nbytes: int
+
+    def release(self) -> None: ...
+
+
+class Tier(Protocol):
+    """What promotions need of the second tier (`remote.tier.RemoteTier`):
+    declared here, so the plane never imports the tier (the server hands it
+    in, and the plane runs and is tested without one)."""
+
+    def reserve(self, namespace: str, mm_hash: str) -> Reservation | None: ...
+
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int | None = None) -> Fetched | None: ...
+
+    def forget(self, namespace: str, mm_hash: str) -> None: ...
+
+
+class Promotions:
+    def __init__(self, cache: Cache, convergence: Convergence, tier: Tier,
+                 region_file: Region, *,
+                 allocate: Allocate, verify: Callable[[], None]) -> None:
+        """`tier` is the `remote.tier.RemoteTier` fetched from, `region_file`
+        the `region.Region` written to; `verify` checks the bookkeeping after
+        each promotion (--check-invariants)."""
+        self.cache = cache
+        self.convergence = convergence
+        self.tier = tier
+        self.region_file = region_file
+        self.allocate = allocate
+        self.verify = verify
+        self._promoters: dict[str, Session] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
+        # Keys being written into pages of their own (allocated, not yet
+        # committed or aborted): their entries come from the second tier.
+        self._writing: set[Key] = set()
+        self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="ec-promote")
+
+    def start(self, key: Key, nbytes: int) -> None:
+        """Promote `key` (`Convergence.start_promotion`); convergence hears how it ended."""
+        task = asyncio.ensure_future(self._promote(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def writing(self, key: Key) -> bool:
+        """Whether a promotion is writing `key` now: the entry that becomes
+        ready under it came from the second tier (not to be published back)."""
+        return key in self._writing
+
+    def namespace_unused(self, namespace: str) -> None:
+        """No session uses `namespace` any more: forget its writer unless a
+        promotion still holds a pending entry there."""
+        promoter = self._promoters.get(namespace)
+        if promoter is not None and not promoter.pending:
+            del self._promoters[namespace]
+
+    def cancel(self) -> None:
+        """Shutdown: cancel every promotion (a write under way may still run)."""
+        for task in list(self._tasks):
+            task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _promoter(self, namespace: str) -> Session:
+        """The daemon's own writer in `namespace`: promotions' pending entries
+        are its (never in the session table: no client can name it)."""
+        promoter = self._promoters.get(namespace)
+        if promoter is None:
+            now = time.monotonic()
+            promoter = self._promoters[namespace] = Session(
+                session_id="", index=0, engine_id="ec-daemon", role=BOTH, rank=0,
+                world_size=1, namespace=namespace, client_name="second tier", created=now,
+                lease_deadline=float("inf"))
+        return promoter
+
+    async def _promote(self, key: Key) -> None:
+        """Fetch `key` from the second tier (verified), allocate, write, commit.
+        Any failure hands the item to a waiting engine to encode, and so does
+        a spent promotion budget: the value's bytes are reserved before the
+        fetch and released after the write, whatever happens (`remote.budget`)."""
+        namespace, mm_hash = key
+        loop = asyncio.get_running_loop()
+        promoted = False
+        started = time.perf_counter()
+        reservation = self.tier.reserve(namespace, mm_hash)
+        try:
+            if reservation is None:
+                return  # the budget is spent, or the key's announcement is gone
+            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
+                                               reservation.nbytes)
+            fetched = time.perf_counter()
+            if value is None:
+                return  # (the tier counted and logged why, and forgot the key)
+            promoter = self._promoter(namespace)
+            result = await self.allocate(lambda: promoter, mm_hash, value.nbytes,
+                                         tuple(value.shape), value.dtype)
+            if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
+                promoted = True
+                self.convergence.await_save(key)
+                return
+            if result.outcome is not AllocOutcome.ALLOCATED:
+                promoted = result.outcome is AllocOutcome.ALREADY_READY
+                return
+            if not await self._write(key, promoter, result, value):
+                return  # (the tier counted and logged why, and forgot the key)
+            self.convergence.promoted(key, value.nbytes)
+            promoted = True
+            log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
+                      value.nbytes, (time.perf_counter() - started) * 1e3,
+                      (fetched - started) * 1e3)
+        except CacheError as exc:
+            # A value that verified but cannot be cached here (too large, a
+            # shape or dtype the daemon refuses): never fetched again.
+            self.tier.forget(namespace, mm_hash)
+            log.warning("promotion of %s failed: %s; not trying it again", mm_hash, exc)
+        except Exception:
+            self.tier.forget(namespace, mm_hash)
+            log.exception("promotion of %s failed", mm_hash)
+        finally:
+            if reservation is not None:
+                # (Cancelled, at shutdown only, a write may still run: its
+                # bytes go with the daemon.)
+                reservation.release()
+            if not promoted:
+                self.convergence.promotion_failed(key)
+            self.verify()
+
+    async def _write(self, key: Key, promoter: Session, result: AllocResult,
+                     value: Fetched) -> bool:
+        """Write the fetched value into its pages (`write_into`: a value in
+        memory written there, or one the store reads in, verified there) and
+        commit (the entry is announced ready); aborted if the write fails
+        (raises) or the value fails to read or verify (False)."""
+        loop = asyncio.get_running_loop()
+        self._writing.add(key)
+        try:
+            try:
+                written = await loop.run_in_executor(
+                    self._pool, value.write_into, self.region_file, result.extents)
+            except Exception:  # (cancelled only at shutdown: the write may still run)
+                self.cache.abort(promoter, [key[1]])
+                raise
+            if not written:
+                self.cache.abort(promoter, [key[1]])
+                return False
+            self.cache.commit(promoter, [key[1]])
+            return True
+        finally:
+            self._writing.discard(key)

@@ -1,0 +1,85 @@
+"""Caps on a session's pending saves, on the cache core: refused before
+anything is evicted, counted, and the quarantine an ended session leaves
+charged to its engine until it is released."""
+
+import pytest
+
+from ec_daemon.core.quotas import PendingCaps
+from ec_daemon.core.records import State
+from ec_daemon.errors import ResourceExhausted
+from tests.unit.cache_helpers import PAGE, FakeClock, allocate, make_cache, save, worker
+
+
+def test_past_the_byte_cap_a_save_is_refused_before_anything_is_evicted():
+    cache = make_cache(pages=16, pending_caps=PendingCaps(bytes=4 * PAGE, entries=100))
+    writer = worker(cache, "W")
+    for i in range(16):  # the cache is full of ready entries
+        save(cache, writer, f"r{i}", 1)
+    hostile = worker(cache, "H")
+    allocate(cache, hostile, "a", 3)
+    evicted = cache.counters["evictions"]
+    with pytest.raises(ResourceExhausted, match="--session-pending-bytes 4096") as info:
+        allocate(cache, hostile, "b", 2)
+    assert "cache full" not in str(info.value)
+    assert cache.counters["capped_saves"] == 1 and cache.counters["refused_saves"] == 0
+    assert cache.counters["evictions"] == evicted == 3  # for "a" only
+    assert cache.state_of("ns", "b") is None
+    allocate(cache, hostile, "c", 1)  # exactly the cap
+    cache.commit(hostile, ["a"])  # reported: room again
+    allocate(cache, hostile, "b", 2)
+
+
+def test_past_the_entry_cap_a_save_is_refused_and_a_pending_key_is_still_said_so():
+    cache = make_cache(pages=16, pending_caps=PendingCaps(bytes=16 * PAGE, entries=2))
+    w = worker(cache)
+    allocate(cache, w, "a")
+    allocate(cache, w, "b")
+    with pytest.raises(ResourceExhausted, match="--session-pending-entries 2"):
+        allocate(cache, w, "c")
+    assert allocate(cache, w, "a").outcome.value == "already_pending"
+    cache.abort(w, ["a"])
+    allocate(cache, w, "c")
+
+
+def test_an_ended_sessions_quarantine_is_charged_to_its_engine_until_released():
+    clock = FakeClock()
+    cache = make_cache(pages=16, clock=clock, quarantine=60.0,
+                       pending_caps=PendingCaps(bytes=4 * PAGE, entries=100))
+    first = worker(cache, "H")
+    allocate(cache, first, "a", 3)
+    cache.end_session(first)
+    assert cache.quarantined_pages == 3
+    again = worker(cache, "H")
+    with pytest.raises(ResourceExhausted, match="3072 bytes in quarantine"):
+        allocate(cache, again, "b", 2)
+    allocate(cache, again, "b", 1)  # what the cap leaves
+    other = worker(cache, "O")  # another engine is not charged
+    allocate(cache, other, "c", 4)
+    clock.now += 60
+    cache.release_quarantine()
+    cache.commit(again, ["b"])
+    allocate(cache, again, "d", 4)
+    assert cache.state_of("ns", "d") is State.PENDING
+
+
+def test_without_caps_nothing_is_refused():
+    cache = make_cache(pages=16)
+    w = worker(cache)
+    for i in range(16):
+        allocate(cache, w, f"p{i}")
+    assert cache.pending_pages == 16
+
+
+def test_the_daemons_own_writer_is_not_capped_nor_charged_for_a_clients_quarantine():
+    from ec_daemon.core.records import Session
+
+    cache = make_cache(pages=16, pending_caps=PendingCaps(bytes=2 * PAGE, entries=1))
+    impostor = worker(cache, "ec-daemon")
+    allocate(cache, impostor, "a", 2)
+    cache.end_session(impostor)  # quarantined, charged to engine "ec-daemon"
+    promoter = Session(session_id="", index=0, engine_id="ec-daemon", role="both", rank=0,
+                       world_size=1, namespace="ns", client_name="second tier", created=0.0,
+                       lease_deadline=float("inf"))
+    allocate(cache, promoter, "p1", 3)
+    allocate(cache, promoter, "p2", 3)
+    cache.commit(promoter, ["p1", "p2"])

@@ -1,0 +1,130 @@
+"""vLLM's own Scheduler with ECDaemonConnector, stepped as EngineCore steps it.
+
+The Scheduler is vLLM's (it builds the SCHEDULER connector through vLLM's
+factory, keeps vLLM's encoder cache manager, calls `ensure_cache_available`,
+`has_cache_item`, `update_state_after_alloc`, `build_connector_meta`,
+`request_finished` and `take_unavailable_requests` where vLLM calls them).
+The model runner is stood in for by `RunnerStandIn`, which does what vLLM's
+GPU model runner does with the connector each step, in its order: drop the
+encoder outputs the scheduler freed, bind the metadata, `start_load_caches`,
+run the encoder for the scheduled inputs and `save_caches` each, then the
+worker metadata into `ModelRunnerOutput.ec_connector_output`. Every request
+samples one token when its prompt is done (`max_tokens=1` ends it there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.vllm import vllm_harness as h
+
+BLOCK = 16
+KV_BLOCKS = 64
+TOKEN = 5
+
+
+def make_scheduler(config: VllmConfig, encoder_cache_items: int = 0) -> Scheduler:
+    """vLLM's Scheduler on `config`; `encoder_cache_items`: an encoder cache
+    that holds that many images (0: vLLM's default size)."""
+    if encoder_cache_items:
+        embeds = encoder_cache_items * h.IMAGE_TOKENS
+        config.scheduler_config.encoder_cache_size = embeds
+        config.scheduler_config.max_num_encoder_input_tokens = embeds
+    config.cache_config.num_gpu_blocks = KV_BLOCKS
+    kv = KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
+                                                      head_size=32, dtype=torch.float32))])
+    return Scheduler(vllm_config=config, kv_cache_config=kv, block_size=BLOCK,
+                     structured_output_manager=StructuredOutputManager(config))
+
+
+def request(request_id: str, mm_hash: str, data: Any = None,
+            ec_transfer_params: dict[str, Any] | None = None) -> Request:
+    """A one-image request that ends after its first token."""
+    feature = MultiModalFeatureSpec(data=data, modality="image", identifier=mm_hash,
+                                    mm_position=PlaceholderRange(offset=1,
+                                                                 length=h.IMAGE_TOKENS))
+    extra = {"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None
+    req = Request(request_id=request_id, prompt_token_ids=[2] + [5] * h.IMAGE_TOKENS + [7],
+                  sampling_params=SamplingParams(max_tokens=1, extra_args=extra),
+                  pooling_params=None, mm_features=[feature])
+    return req
+
+
+def reported(item: dict[str, Any]) -> bool:
+    """Is `item` what vLLM's `collect_ec_item_metadata` reports for the
+    one image of a request of this model (no placeholder fields to publish;
+    vLLM 0.33 adds the modality)?"""
+    return (item["item_indices"] == [0] and item["metadata"] == {}
+            and item.get("modality", "image") == "image")
+
+
+@dataclass
+class Step:
+    output: SchedulerOutput
+    encoded: list[str] = field(default_factory=list)  # mm_hashes the encoder ran for
+    finished: dict[str, EngineCoreOutput] = field(default_factory=dict)  # by request id
+
+
+class RunnerStandIn:
+    """The worker side of one engine with one rank: the WORKER connector and
+    the encoder cache vLLM's model runner keeps (`encoder_cache`)."""
+
+    def __init__(self, scheduler: Scheduler, config: VllmConfig,
+                 encode: Callable[[str], torch.Tensor]) -> None:
+        self.scheduler = scheduler
+        self.connector = scheduler.get_ec_connector()
+        self.worker = h.connector(config, ECConnectorRole.WORKER)
+        self.encode = encode
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+
+    def step(self) -> Step:
+        output = self.scheduler.schedule()
+        step = Step(output)
+        for mm_hash in output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        worker = self.worker
+        worker.bind_connector_metadata(output.ec_connector_metadata)
+        if worker.is_consumer:
+            worker.start_load_caches(self.encoder_cache)
+        for req_id, inputs in output.scheduled_encoder_inputs.items():
+            req = self.scheduler.requests[req_id]
+            for index in inputs:
+                mm_hash = req.mm_features[index].identifier
+                self.encoder_cache[mm_hash] = self.encode(mm_hash)
+                step.encoded.append(mm_hash)
+                worker.save_caches(self.encoder_cache, mm_hash)
+        ec_output = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
+        worker.clear_connector_metadata()
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            req = self.scheduler.requests[req_id]  # (schedule() counted its tokens)
+            sampled.append([TOKEN] if req.num_computed_tokens >= req.num_prompt_tokens else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, ec_connector_output=ec_output)
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            for out in outputs.outputs:
+                if out.finish_reason is not None:
+                    step.finished[out.request_id] = out
+        return step
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()

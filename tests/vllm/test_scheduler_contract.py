@@ -1,0 +1,138 @@
+"""ECDaemonConnector under vLLM's own Scheduler (tests.vllm.scheduler_harness):
+what vLLM expects of an EC connector where the behaviour is the scheduler's,
+with a real daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+from vllm.multimodal.inputs import MultiModalKwargsItem
+from vllm.v1.engine import FinishReason
+
+from tests.vllm import scheduler_harness as sh
+from tests.vllm import vllm_harness as h
+
+
+def encode(mm_hash: str) -> torch.Tensor:
+    return h.encoder_output(sum(mm_hash.encode()))
+
+
+@pytest.fixture
+def engines(tiny_model, daemon) -> Iterator[Any]:
+    """Engines (vLLM's Scheduler + the model runner's stand-in), all shut
+    down at the end: `make(role, instance_id, items, **extra)`."""
+    made: list[sh.RunnerStandIn] = []
+
+    def make(role: str, instance_id: str, encoder_cache_items: int = 0,
+             **extra: Any) -> sh.RunnerStandIn:
+        config = h.make_config(tiny_model, daemon.socket, role, instance_id=instance_id, **extra)
+        runner = sh.RunnerStandIn(sh.make_scheduler(config, encoder_cache_items), config, encode)
+        made.append(runner)
+        h.wait_attached(runner.connector)
+        h.wait_attached(runner.worker)
+        h.wait_until(lambda: runner.connector.scheduler_delegate.serving())
+        return runner
+
+    yield make
+    for runner in made:
+        runner.shutdown()
+
+
+def run_to_end(runner: sh.RunnerStandIn, *requests: Any, steps: int = 10) -> list[sh.Step]:
+    for req in requests:
+        runner.scheduler.add_request(req)
+    done: list[sh.Step] = []
+    while runner.scheduler.has_unfinished_requests():
+        assert len(done) < steps, "requests did not finish"
+        done.append(runner.step())
+    return done
+
+
+def test_a_load_for_an_item_the_worker_still_holds_keeps_its_tensor(engines):
+    """vLLM evicts img-a and allocates it again in one scheduling pass (its
+    encoder cache holds two images): the worker never freed it, and the
+    load dispatched for it must keep vLLM's tensor, not copy over it."""
+    engine = engines("ec_both", "keeps", encoder_cache_items=2)
+    run_to_end(engine, sh.request("r-a", "img-a"), sh.request("r-b", "img-b"))
+    assert engine.worker.worker_delegate.flush(20)
+    view = engine.connector.scheduler_delegate.view
+    h.wait_until(lambda: view.get("img-a") is not None and view.get("img-b") is not None)
+    held = engine.encoder_cache["img-a"]
+    loads_done = engine.worker.worker_delegate.stats["loads_done"]
+
+    engine.scheduler.add_request(sh.request("r-c", "img-c"))  # a miss: evicts img-a
+    engine.scheduler.add_request(sh.request("r-a2", "img-a"))  # a hit: evicts img-b
+    step = engine.step()
+    metadata = step.output.ec_connector_metadata
+    assert [spec.mm_hash for spec in metadata.loads] == ["img-a"]
+    assert step.encoded == ["img-c"] and step.output.free_encoder_mm_hashes == ["img-b"]
+    assert engine.encoder_cache["img-a"] is held  # vLLM's tensor kept, nothing copied
+    assert engine.worker.worker_delegate.stats["loads_done"] == loads_done
+    assert view.inflight() == 0  # the skipped load was reported done all the same
+    assert set(step.finished) == {"r-c", "r-a2"}
+
+
+def test_items_vllm_holds_are_never_asked_about_nor_deferred(engines, daemon):
+    """Another engine shares the namespace (so wants are sent) and claims
+    img-x; this engine already holds img-x in vLLM's encoder cache (a
+    consumer: never in the daemon). A request for it needs no transfer."""
+    engine = engines("ec_consumer", "holder")
+    run_to_end(engine, sh.request("r1", "img-x"))
+    assert "img-x" in engine.encoder_cache
+    assert engine.connector.scheduler_delegate.view.get("img-x") is None
+
+    other = engines("ec_both", "claimant")
+    h.wait_until(lambda: engine.connector.scheduler_delegate.wanting)
+    assert other.connector.ensure_cache_available(sh.request("o1", "img-x"), 0)  # claims it
+    wants = daemon.stats()["convergence"]["wants"]
+
+    steps = run_to_end(engine, sh.request("r2", "img-x"))
+    assert len(steps) == 1 and steps[0].encoded == []  # not deferred, not encoded again
+    assert "r2" in steps[0].finished
+    assert daemon.stats()["convergence"]["wants"] == wants  # nothing asked
+
+
+def test_a_producer_reports_vllms_ec_transfer_params_and_a_consumer_loads_metadata_only_items(
+        engines):
+    """E/PD: the producer's finished request carries vLLM's per-item
+    `ec_transfer_params`; vLLM's token-in-token-out protocol accepts them
+    for metadata-only items; the consumer, given such an item (no media),
+    loads it from the cache and never schedules the encoder for it."""
+    producer = engines("ec_producer", "encoder")
+    (step,) = run_to_end(producer, sh.request("e1", "img-e"))
+    params = step.finished["e1"].ec_transfer_params
+    assert list(params) == ["img-e"] and sh.reported(params["img-e"])
+    GenerateRequest.model_validate({
+        "token_ids": [2, 5, 7], "sampling_params": {}, "ec_transfer_params": params,
+        "features": {"mm_hashes": {"image": ["img-e"]},
+                     "mm_placeholders": {"image": [{"offset": 1, "length": 1}]},
+                     "mm_metadata": {"image": ["metadata-only"]}}})
+    assert producer.worker.worker_delegate.flush(20)
+
+    consumer = engines("ec_consumer", "prefill-decode")
+    metadata_only = MultiModalKwargsItem({})  # what is left of an item without its media
+    steps = run_to_end(consumer, sh.request("p1", "img-e", metadata_only, params))
+    assert [s.encoded for s in steps] == [[]] * len(steps)  # never encoded here
+    loads = [spec.mm_hash for s in steps for spec in s.output.ec_connector_metadata.loads]
+    assert loads == ["img-e"]
+    assert torch.equal(consumer.encoder_cache["img-e"], encode("img-e"))
+    assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
+
+
+def test_a_metadata_only_item_the_cache_never_gets_fails_its_request_not_the_engine(engines):
+    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_s=0.5)
+    params = {"img-never": {"item_indices": [0], "metadata": {}}}
+    consumer.scheduler.add_request(sh.request("p1", "img-never", MultiModalKwargsItem({}),
+                                              params))
+    finished: dict[str, Any] = {}
+    h.wait_until(lambda: finished.update(consumer.step().finished) or "p1" in finished,
+                 timeout=30)
+    assert finished["p1"].finish_reason == FinishReason.ERROR
+    assert "img-never" not in consumer.encoder_cache  # the encoder never ran on it
+    # The engine goes on: a request with its media is encoded as usual.
+    steps = run_to_end(consumer, sh.request("p2", "img-media"))
+    assert [mm for s in steps for mm in s.encoded] == ["img-media"]
