@@ -14,10 +14,13 @@ into the folder given to it, with the logs beside them (at most 8 files):
 4. the daemon at scale (benchmarks/concurrency.py): 8 and 16 engines, every
    step with items, on the machine's 16 cores.
 
-Each phase has its own time limit (PHASE_S, 8 minutes together at worst), so one
+Each phase has its own time limit (PHASE_S, 8 minutes together), so one
 that hangs cannot take the others' time; a phase's processes are stopped by
-their process group. The exit status is 1 when a phase failed; targets
-missed are in the report, not in the status.
+their process group. The whole run also keeps within TOTAL_S, stops included,
+so the report is written before the `run` tool's 590 s end it: a phase gets
+what is left of it, and one with nothing left is reported as not run. The
+exit status is 1 when a phase failed; targets missed are in the report, not
+in the status.
 
 On the device machine, with the `run` tool (after `make gpu-check-prepare`
 in the checkout that travels; the stubs and wheels are ignored files, so
@@ -71,6 +74,9 @@ DEVICE_TAGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementat
 TEST_NEEDS = ("pytest", "psutil", "numpy", "grpc", "google.protobuf", "torch")
 PHASE_S = {"install": 60, "tests": 220, "gpu-bench": 100, "daemon-bench": 110}
 STOP_GRACE_S = 20  # the daemon helper stops its daemon within 15 s
+# The run's own bound: under the tool's 590 s, with the report written after.
+TOTAL_S = 560
+PROBE_S = 60
 PROBE = """
 import json, platform, sys
 info = {"python": platform.python_version(), "machine": platform.machine(),
@@ -131,7 +137,12 @@ class Check:
         """Run `argv` under the phase's time limit, its output into `log` in
         the report folder; stop its whole process group when it overruns."""
         started = time.monotonic()
-        limit = PHASE_S.get(name, 120)
+        # stopping an overrun takes up to three graces (SIGINT, SIGTERM, SIGKILL)
+        left = self.started + TOTAL_S - started - 3 * STOP_GRACE_S
+        limit = min(PHASE_S.get(name, 120), int(left))
+        if limit <= 0:
+            self._fail(name, f"not run: the check's {TOTAL_S} s were spent")
+            return False
         with open(self.out / log, "ab") as out:
             out.write(f">> {' '.join(argv)}\n".encode())
             out.flush()
@@ -166,8 +177,12 @@ class Check:
                                            "status": f"no wheels in {WHEELS}: using this "
                                            "Python's packages (make gpu-check-prepare)"})
         self.env["PYTHONPATH"] = os.pathsep.join(path)
-        probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=self.env,
-                               capture_output=True, text=True, timeout=120)
+        try:
+            probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=self.env,
+                                   capture_output=True, text=True, timeout=PROBE_S)
+        except subprocess.TimeoutExpired:
+            self.results["environment"] = {"probe": f"timed out after {PROBE_S} s"}
+            return
         self.results["environment"] = (json.loads(probe.stdout.splitlines()[-1])
                                        if probe.returncode == 0
                                        else {"probe": probe.stderr[-500:]})

@@ -126,3 +126,24 @@ def _group(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             found.append(int(stat.parent.name))
     return found
+
+
+def test_the_check_keeps_within_its_total_so_the_report_is_written(monkeypatch, tmp_path):
+    """The device tool ends a command at 590 s and the report is written last:
+    each phase gets only what is left of TOTAL_S (less the time stopping an
+    overrun takes), and a phase with nothing left is reported as not run."""
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "STOP_GRACE_S", 1)
+    monkeypatch.setattr(gpu_check, "TOTAL_S", 8)
+    monkeypatch.setattr(gpu_check, "PHASE_S", {"slow": 60, "next": 60})
+    check = gpu_check.Check(tmp_path, dry_run=True)
+    started = time.monotonic()
+    assert not check.phase("slow", ["sleep", "60"], "slow.log")
+    assert not check.phase("next", ["true"], "next.log")
+    assert time.monotonic() - started < 30
+    slow, after = check.results["phases"]
+    assert slow["status"] in ("timed out after 4 s", "timed out after 5 s")
+    assert after["status"].startswith("failed: not run")
+    assert not check.write()
+    assert "not run" in (tmp_path / "report.md").read_text()
