@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from ec_client.copy.mapping import RegionMapping  # noqa: E402
 from ec_client.copy.pinning import REGISTER_CHUNK_BYTES as CHUNK  # noqa: E402
+from ec_client.copy.pinning import PinRefused  # noqa: E402
 from tests.gpu.support import (  # noqa: E402
     get_backend_or_skip,
     host_pointer,
@@ -162,12 +163,17 @@ def test_a_refused_registration_falls_back_to_unpinned_copies(name):
     """The driver refuses the backend's cudaHostRegister (here: this test
     registered the pages first, cudaErrorHostMemoryAlreadyRegistered): the
     backend counts it, copies unpinned and bit-exact, and leaves no CUDA
-    error pending for an unrelated torch call to trip over."""
+    error pending for an unrelated torch call to trip over. CUDA's last
+    error is kept per host thread, so the refusal is also made on this
+    thread (the runtime's own register) before it is looked for; and the
+    test's registration is then dropped, so the copies run on pageable
+    memory, as they would where the driver refused the first time."""
     backend = get_backend_or_skip(name)
     cudart = torch.cuda.cudart()
     with shm_region(64 * MiB) as mapping:
         base = host_pointer(mapping)
         assert int(cudart.cudaHostRegister(base, mapping.size, 0)) == 0
+        registered = True
         try:
             backend.attach(mapping)
             try:
@@ -176,7 +182,13 @@ def test_a_refused_registration_falls_back_to_unpinned_copies(name):
                     time.sleep(0.01)
                 assert backend.stats["pin_refused"] >= 1
                 assert not backend.pinned(mapping)
+                host = backend.runtime.host_bytes(mapping)
+                with pytest.raises(PinRefused):
+                    backend.runtime.register(host, 0, 2 * MiB)
+                del host
                 assert pending_cuda_errors() == []
+                assert int(cudart.cudaHostUnregister(base)) == 0
+                registered = False
                 source = pattern(5, (1024, 1152), torch.bfloat16, backend.device).T
                 expected = source.contiguous()
                 extents = [(4096, expected.numel() * 2)]
@@ -192,4 +204,5 @@ def test_a_refused_registration_falls_back_to_unpinned_copies(name):
             finally:
                 backend.detach(mapping)
         finally:
-            assert int(cudart.cudaHostUnregister(base)) == 0
+            if registered:
+                assert int(cudart.cudaHostUnregister(base)) == 0
