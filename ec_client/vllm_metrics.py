@@ -41,6 +41,9 @@ COUNTERS = {
                      "Times the scheduler waited for the daemon's answer to a cold miss"),
     "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",
                        "Time the scheduler waited for those answers"),
+    "pin_refused": ("vllm:ec_daemon_pin_refused",
+                    "Region mappings a CUDA worker could not pin (cudaHostRegister refused): "
+                    "its copies run unpinned, slower and still correct"),
 }
 LOAD_SECONDS = "load_seconds"
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)

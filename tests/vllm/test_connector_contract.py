@@ -241,7 +241,9 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     hit_cycle(scheduler, worker, "img-6", 6)
     stats = scheduler.get_ec_connector_stats()
     assert stats is not None
-    data = stats.data
+    # A CUDA worker whose region could not be pinned counts it (a CPU worker never does).
+    assert "pin_refused" not in stats.data
+    data = dict(stats.data, pin_refused=1)
     config = h.make_config(tiny_model, "unix:///nonexistent.sock")
 
     # The console logger: rebuilds the stats from the plain dict, sums steps.
@@ -268,6 +270,7 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     assert sample("vllm:ec_daemon_loads_total") == 2
     assert sample("vllm:ec_daemon_load_bytes_total") == 2 * data["load_bytes"]
     assert sample("vllm:ec_daemon_saves_total") == 2
+    assert sample("vllm:ec_daemon_pin_refused_total") == 2
     assert sample("vllm:ec_daemon_load_seconds_count") == 2
     assert sample("vllm:ec_daemon_load_seconds_sum") == pytest.approx(
         2 * sum(data["load_seconds"]))
