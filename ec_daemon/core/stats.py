@@ -4,10 +4,14 @@ counts become bytes here and nowhere else).
 
 Sessions are listed up to LISTED_SESSIONS (the oldest first) and counted in
 full: the list must never outgrow a gRPC reply (4 MiB by default), whatever
-the session caps allow."""
+the session caps allow. Namespaces likewise, up to LISTED_NAMESPACES, the
+largest first: any client can save under as many namespaces as the region
+has pages, each name up to 4 KiB, and each listed one is also a label set
+of the Prometheus families per namespace."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import Counter
@@ -19,6 +23,9 @@ from ec_protocol.protocol import Component, Role
 # Sessions a snapshot lists one by one (each up to ~1.5 KiB on the wire:
 # 128 stay far below gRPC's 4 MiB); the rest are counted.
 LISTED_SESSIONS = 128
+# Namespaces listed one by one (each up to ~4.1 KiB on the wire), the ones
+# holding the most bytes; the rest are counted.
+LISTED_NAMESPACES = 64
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class Snapshot:
     largest_free_bytes: int
     page_bytes: int
     counters: dict[str, int]
-    namespaces: list[NamespaceSnapshot]
+    namespaces: list[NamespaceSnapshot]  # the LISTED_NAMESPACES holding the most bytes
     sessions: list[SessionSnapshot]  # the first LISTED_SESSIONS
     ghost_sessions: int
     generation: int
@@ -67,12 +74,17 @@ class Snapshot:
     convergence: dict[str, int] = field(default_factory=dict)
     remote_tier: dict[str, float] = field(default_factory=dict)
     sessions_total: int = 0  # live sessions, listed or not
+    namespaces_total: int = 0  # namespaces in use or holding entries, listed or not
     # What this start found of the previous daemon's region (`adoption.Found`).
     adoption: dict[str, int] = field(default_factory=dict)
 
     @property
     def sessions_not_listed(self) -> int:
         return self.sessions_total - len(self.sessions)
+
+    @property
+    def namespaces_not_listed(self) -> int:
+        return max(0, self.namespaces_total - len(self.namespaces))
 
     @property
     def used_bytes(self) -> int:
@@ -92,9 +104,14 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
     sessions = [SessionSnapshot(s.index, s.engine_id, s.role, s.component, s.namespace,
                                 len(s.awaiting), len(s.pending), s.client_name, now - s.created)
                 for s in itertools.islice(cache.sessions, LISTED_SESSIONS)]
+    usage = cache.namespace_usage
+    listed = heapq.nsmallest(  # the most bytes first, then by name: a stable order
+        LISTED_NAMESPACES, cache.namespace_counters,
+        key=lambda name: (-usage.get(name, (0, 0))[1], name))
     namespaces = []
-    for name, counts in cache.namespace_counters.items():
-        entries, nbytes = cache.namespace_usage.get(name, (0, 0))
+    for name in listed:
+        counts = cache.namespace_counters[name]
+        entries, nbytes = usage.get(name, (0, 0))
         namespaces.append(NamespaceSnapshot(name, entries, nbytes, counts["hits"],
                                             counts["misses"], counts["loads"]))
     return Snapshot(
@@ -108,5 +125,5 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,
         region_path=region_path, uptime_s=now - started,
         sessions_by_kind=dict(Counter((s.role, s.kind) for s in cache.sessions)),
-        sessions_total=len(cache.sessions),
+        sessions_total=len(cache.sessions), namespaces_total=len(cache.namespace_counters),
         convergence=dict(convergence or {}), remote_tier=dict(remote_tier or {}))

@@ -238,6 +238,10 @@ def format_stats(data: dict[str, Any]) -> str:
         for ns in top:
             lines.append(f"  {ns['namespace']}: {ns['entries']} entries, {size(ns['bytes'])}, "
                          f"{ns['hits']} hits, {ns['misses']} misses, {ns['loads']} loads")
+    more = len(data["namespaces"]) - len(top) + data["namespaces_not_listed"]
+    if more:
+        lines.append(f"  ... and {more} more namespaces (`ec-daemon stats --json` lists "
+                     f"{len(data['namespaces'])})")
     return "\n".join(lines)
 
 

@@ -322,7 +322,7 @@ def stats_reply(snapshot: Snapshot, region: Any) -> Any:
         pending_bytes=by_state["pending"], hidden_bytes=by_state["hidden"],
         quarantined_bytes=by_state["quarantined"], entries=s.ready_entries,
         hidden_entries=s.hidden_entries, sessions=s.sessions_total,
-        sessions_not_listed=s.sessions_not_listed,
+        sessions_not_listed=s.sessions_not_listed, namespaces_not_listed=s.namespaces_not_listed,
         ghost_sessions=s.ghost_sessions, page_bytes=s.page_bytes, generation=region.generation,
         region_path=region.path, uptime_s=s.uptime_s, largest_free_bytes=s.largest_free_bytes)
     for name, value in s.counters.items():

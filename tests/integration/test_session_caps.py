@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.core.stats import LISTED_NAMESPACES
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration import engines
 from tests.integration.daemon import Daemon
@@ -181,7 +182,9 @@ def test_thousands_of_attaches_leave_stats_working():
     names, used to all succeed and grow the Stats reply past gRPC's default
     4 MiB: a plain client (a router, grpcurl) could no longer read it. With
     the default flags the daemon holds --max-sessions of them, refuses the
-    rest precisely, and lists the first sessions, counting the others."""
+    rest precisely, and lists the first sessions, counting the others. Each
+    attach names a model of its own, so each holds a namespace of its own:
+    namespaces are listed the same way, the largest first."""
     layout = Layout("m" * 500, "bfloat16", {"image": 8192}, variant="v" * 250)
     count, cap = 4000, 1024  # cap: the default --max-sessions
     with Daemon(cpu_bytes="8MiB") as daemon:
@@ -191,6 +194,7 @@ def test_thousands_of_attaches_leave_stats_working():
         futures, errors = [], []
         for i in range(count):
             request.engine_id = f"{i:06d}" + "e" * 250
+            request.layout.model = f"{i:06d}" + "m" * 500
             futures.append(daemon.stub.Attach.future(request, timeout=120))
             if len(futures) >= 200 or i == count - 1:
                 for future in futures:
@@ -205,12 +209,15 @@ def test_thousands_of_attaches_leave_stats_working():
         assert stats["sessions"] == cap and stats["refused_attaches"] == count - cap
         assert 0 < len(stats["session_list"]) < cap
         assert stats["sessions_not_listed"] == cap - len(stats["session_list"])
+        assert len(stats["namespaces"]) == LISTED_NAMESPACES
+        assert stats["namespaces_not_listed"] == cap - LISTED_NAMESPACES
         result = cli("stats", "--socket", daemon.socket, "--json")
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["sessions"] == cap
         table = cli("stats", "--socket", daemon.socket)
         assert table.returncode == 0, table.stderr
         assert f"and {stats['sessions_not_listed']} more sessions" in table.stdout
+        assert f"and {cap - 5} more namespaces" in table.stdout  # the table shows 5
         assert f"{count - cap} attaches refused" in table.stdout
 
 

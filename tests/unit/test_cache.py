@@ -9,6 +9,7 @@ from collections import deque
 import pytest
 
 from ec_daemon.core import cache as cache_module
+from ec_daemon.core import stats as stats_module
 from ec_daemon.core.events import (
     AllocOutcome,
     EvictedEvent,
@@ -578,6 +579,26 @@ def test_namespace_counters_are_forgotten_once_nothing_uses_the_namespace():
     clock.now += 10
     assert cache.release_ghosts() == [ghost]
     assert "g" not in cache.namespace_counters
+
+
+def test_stats_list_the_namespaces_holding_the_most_bytes_and_count_the_rest(monkeypatch):
+    """Any client can save under as many namespaces as the region has pages:
+    the snapshot (the Stats reply, /metrics' label sets) lists a bounded
+    number, the largest first, and counts the others."""
+    monkeypatch.setattr(stats_module, "LISTED_NAMESPACES", 3)
+    cache = make_cache(pages=16)
+    for i, pages in enumerate([1, 3, 0, 2, 4]):
+        w = worker(cache, ns=f"ns{i}")
+        if pages:
+            save(cache, w, f"key{i}", pages=pages)
+    snapshot = stats_module.take(cache, generation=1, region_path="r", started=0.0)
+    assert [(n.name, n.bytes) for n in snapshot.namespaces] == [
+        ("ns4", 4 * cache.page_bytes), ("ns1", 3 * cache.page_bytes),
+        ("ns3", 2 * cache.page_bytes)]
+    assert snapshot.namespaces_total == 5 and snapshot.namespaces_not_listed == 2
+    monkeypatch.setattr(stats_module, "LISTED_NAMESPACES", 64)
+    assert stats_module.take(cache, generation=1, region_path="r",
+                             started=0.0).namespaces_not_listed == 0
 
 
 def test_heartbeat_lookup_counters_feed_hits_and_misses(cache):
