@@ -208,7 +208,7 @@ def test_stats_count_this_engines_lookups_hits_and_loads(engine):
     assert len(load_seconds) == 1 and 0 < load_seconds[0] < 10
     assert scheduler.get_ec_connector_stats() is None  # each step's counters once
     # By design the worker role reports None: its counters travel in its
-    # worker metadata and reach vLLM in the scheduler's stats (docs/running.md, metrics).
+    # worker metadata and reach vLLM in the scheduler's stats (docs/vllm.md, Metrics).
     assert worker.get_ec_connector_stats() is None
 
 
