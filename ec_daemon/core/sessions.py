@@ -35,12 +35,15 @@ without a token has the tokenless key of its engine id (older clients).
 Session ids are secret bearer tokens; session indexes are small numbers for
 logs and stats, starting at a random value per daemon.
 
-Sessions are capped in total and per engine id (`--max-sessions`,
+Sessions are capped in total and per engine instance (`--max-sessions`,
 `--max-sessions-per-engine`): an Attach that never opens its stream still
 lives OPEN_GRACE_SECONDS, so without a cap a loop of attaches grows the
 daemon (and its Stats reply) without bound. One more is refused with
 RESOURCE_EXHAUSTED naming the cap; the refused client retries, and gets in
-once others end or expire.
+once others end or expire. The per-engine cap counts by the `engine_key`
+presented at Attach, so another client of the socket that attaches under
+an engine's id without its token fills the tokenless bucket, never the
+room of the engine's own processes.
 """
 
 from __future__ import annotations
@@ -79,13 +82,15 @@ class SessionTable:
     def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic, *,
                  max_sessions: int | None = None,
                  max_per_engine: int | None = None) -> None:
-        """At most `max_sessions` live sessions, `max_per_engine` per engine id
-        (None: unbounded, for unit tests)."""
+        """At most `max_sessions` live sessions, `max_per_engine` per engine
+        instance (None: unbounded, for unit tests)."""
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.max_sessions = max_sessions
         self.max_per_engine = max_per_engine
-        self._per_engine: dict[str, int] = {}  # engine id -> its live sessions
+        # engine instance (`engine_key` at attach) -> its live sessions: a
+        # client that cannot present an engine's token cannot take its room
+        self._per_engine: dict[str, int] = {}
         self._by_id: dict[str, Session] = {}
         self._by_index: dict[int, Session] = {}
         self._views: dict[str, set[Session]] = defaultdict(set)
@@ -98,30 +103,32 @@ class SessionTable:
     def create(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
                namespace: str, client_name: str, engine_token: str = "") -> Session:
         """A new live session. Raises ResourceExhausted past the caps (nothing changed)."""
-        self._check_room(engine_id)
+        key = engine_key(engine_id, engine_token)
+        self._check_room(engine_id, key)
         now = self.clock()
         session = Session(
             session_id=secrets.token_hex(16), index=self._take_index(), engine_id=engine_id,
             role=role, rank=rank, world_size=world_size, namespace=namespace,
             client_name=client_name, created=now,
             lease_deadline=now + max(self.lease_seconds, OPEN_GRACE_SECONDS),
-            engine_key=engine_key(engine_id, engine_token),
+            engine_key=key, counted_as=key,
         )
         self._by_id[session.session_id] = session
         self._by_index[session.index] = session
-        self._per_engine[engine_id] = self._per_engine.get(engine_id, 0) + 1
+        self._per_engine[key] = self._per_engine.get(key, 0) + 1
         return session
 
-    def _check_room(self, engine_id: str) -> None:
+    def _check_room(self, engine_id: str, key: str) -> None:
         if self.max_sessions is not None and len(self._by_id) >= self.max_sessions:
             raise ResourceExhausted(
                 f"session cap: {len(self._by_id)} sessions attached (--max-sessions "
                 f"{self.max_sessions}); attach again when one ends (an attach that never opens "
                 f"its stream ends after {OPEN_GRACE_SECONDS:.0f} s)")
-        held = self._per_engine.get(engine_id, 0)
+        held = self._per_engine.get(key, 0)
         if self.max_per_engine is not None and held >= self.max_per_engine:
+            which = "" if key == engine_key(engine_id, "") else " (this engine instance)"
             raise ResourceExhausted(
-                f"session cap: engine {engine_id!r} has {held} sessions attached "
+                f"session cap: engine {engine_id!r}{which} has {held} sessions attached "
                 f"(--max-sessions-per-engine {self.max_per_engine}); attach again when one ends")
 
     def open(self, session: Session) -> None:
@@ -160,11 +167,11 @@ class SessionTable:
         ghost for one lease when `ghost` (it did not detach)."""
         session.alive = False
         if self._by_id.pop(session.session_id, None) is not None:
-            left = self._per_engine[session.engine_id] - 1
+            left = self._per_engine[session.counted_as] - 1
             if left:
-                self._per_engine[session.engine_id] = left
+                self._per_engine[session.counted_as] = left
             else:
-                del self._per_engine[session.engine_id]
+                del self._per_engine[session.counted_as]
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
             _discard(self._ranks, session.engine_key, session)

@@ -163,8 +163,9 @@ SETTINGS: tuple[Setting, ...] = (
             "sessions attached at once (an attach that never opens its stream counts for "
             "60 s); one more Attach is refused (RESOURCE_EXHAUSTED)", "N"),
     Setting("max_sessions_per_engine", _positive_int, lambda: "64",
-            "sessions of one engine id attached at once (its scheduler and one per worker "
-            "rank, with room for re-attaches); one more Attach is refused (RESOURCE_EXHAUSTED)",
+            "sessions of one engine instance (its id and token) attached at once (its "
+            "scheduler and one per worker rank, with room for re-attaches); one more Attach "
+            "is refused (RESOURCE_EXHAUSTED)",
             "N"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),

@@ -143,6 +143,31 @@ def test_a_stranger_attaching_a_worker_under_the_engines_id_does_not_count(daemo
     told(engine, 2, daemon)
 
 
+# Protects: --max-sessions-per-engine counts by the engine instance presented
+# at Attach. Before, it counted by engine id: a client of the socket holding
+# 64 attaches under an engine's id kept that engine from (re-)attaching at all.
+def test_a_stranger_filling_the_engines_session_cap_leaves_the_engine_its_room():
+    with Daemon(cpu_bytes="4MiB", extra=("--max-sessions-per-engine", "3")) as daemon:
+        squatters = [attach(daemon.stub, LAYOUT, engine=ENGINE, rank=r % 2, world=2)
+                     for r in range(3)]
+        with pytest.raises(grpc.RpcError) as refused:
+            attach(daemon.stub, LAYOUT, engine=ENGINE, rank=1, world=2)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sessions-per-engine 3" in (refused.value.details() or "")
+        made = Delegates(daemon)
+        try:
+            token = new_engine_token()
+            engine = made.scheduler(token)
+            for rank in (0, 1):
+                made.made.append(WorkerDelegate(daemon.socket, engine_id=ENGINE, layout=LAYOUT,
+                                                rank=rank, world_size=2, engine_token=token))
+            told(engine, 2, daemon)
+            daemon.wait_for(engine.serving, WAIT, "the engine to answer hits")
+            assert len(squatters) == 3 and daemon.stats()["refused_attaches"] == 1
+        finally:
+            made.close()
+
+
 def attach_error(daemon: Daemon, token: str) -> grpc.RpcError:
     request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, engine_id=ENGINE,
                                role=pb.ROLE_BOTH, layout=LAYOUT.to_pb(),

@@ -185,6 +185,26 @@ def test_in_use_counts_live_sessions_and_ghosts(table, clock):
     assert not table.in_use("ns")
 
 
+def test_a_client_without_the_engines_token_cannot_take_its_sessions_room(clock):
+    """Attaches under engine A's id with no token (any client of the socket)
+    fill the tokenless bucket; A's processes, which present its token, still
+    attach; and a worker that joins its instance later frees the room its
+    attach took."""
+    table = SessionTable(LEASE, clock=clock, max_per_engine=2)
+    token = "ab" * 16
+    squatters = [rank(table, engine="A", r=r) for r in range(2)]
+    with pytest.raises(ResourceExhausted, match="engine 'A' has 2 sessions"):
+        rank(table, engine="A", r=2)
+    own = [rank(table, engine="A", r=r, token=token) for r in range(2)]
+    with pytest.raises(ResourceExhausted, match=r"engine 'A' \(this engine instance\) has 2"):
+        rank(table, engine="A", r=2, token=token)
+    table.join(squatters[0], own[0].engine_key)  # counted where its attach was
+    table.remove(squatters[0])
+    rank(table, engine="A", r=3)
+    table.remove(own[1])
+    rank(table, engine="A", r=1, token=token)
+
+
 def test_sessions_are_capped_in_total_and_per_engine_and_freed_as_they_end(clock):
     table = SessionTable(LEASE, clock=clock, max_sessions=4, max_per_engine=2)
     a1, _ = rank(table, engine="A", r=0), rank(table, engine="A", r=1)
