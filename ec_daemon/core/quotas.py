@@ -10,11 +10,14 @@ more is refused with RESOURCE_EXHAUSTED naming the cap (distinct from
 Why the quarantine counts too: a session that ends with pending saves leaves
 their pages quarantined (`--quarantine-seconds`), so ending and re-attaching
 would give it a fresh allowance every time. The pages an engine's ended
-sessions left in quarantine are charged to that engine id until they are
-released, and count against each of its sessions' byte cap: one engine id
-cannot hold more than one cap of the cache pending and quarantined together.
-A client rotating engine ids is bounded per session by these caps and in
-number by the session caps (`sessions`). The daemon's own writer (promotions
+sessions left in quarantine are charged to that engine instance (the engine
+id and token its sessions presented at Attach, `Session.counted_as`) until
+they are released, and count against each of its sessions' byte cap: one
+engine instance cannot hold more than one cap of the cache pending and
+quarantined together, and another client of the socket naming its engine id
+without its token is charged in a bucket of its own, never the engine's. A
+client rotating engine ids or tokens is bounded per session by these caps
+and in number by the session caps (`sessions`). The daemon's own writer (promotions
 from the second tier) is not capped here: its budget bounds it, and a client
 naming its engine id must not starve it.
 
@@ -45,7 +48,8 @@ class PendingQuota:
         """`caps` None: no cap (a cache built without a daemon: unit tests)."""
         self.caps = caps
         self.page_bytes = page_bytes
-        self._charged: dict[str, int] = {}  # engine id -> quarantined pages
+        # engine instance (`Session.counted_as`) -> quarantined pages
+        self._charged: dict[str, int] = {}
         self._charges: deque[tuple[float, str, int]] = deque()  # (released at, engine, pages)
 
     def check(self, session: Session, pages: int) -> None:
@@ -63,7 +67,7 @@ class PendingQuota:
                 f"holds {held} saves allocated and not reported (--session-pending-entries "
                 f"{caps.entries}); report them first")
         pb = self.page_bytes
-        quarantined = self._charged.get(session.engine_id, 0) * pb
+        quarantined = self._charged.get(session.counted_as, 0) * pb
         pending = session.pending_pages * pb
         if pending + quarantined + pages * pb > caps.bytes:
             raise ResourceExhausted(

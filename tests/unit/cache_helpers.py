@@ -81,10 +81,11 @@ def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns
 
 
 def worker(cache: Cache, engine: str = "E", rank: int = 0, world: int = 1,
-           role: str = "both", ns: str = "ns", *, stream: bool = True) -> Session:
+           role: str = "both", ns: str = "ns", *, stream: bool = True,
+           token: str = "") -> Session:
     """A worker session; with `stream` its stream opened too (it mapped the region)."""
     session = cache.attach(engine_id=engine, role=role, rank=rank, world_size=world,
-                           namespace=ns, client_name="test")
+                           namespace=ns, client_name="test", engine_token=token)
     if stream:
         cache.open(session)
     return session

@@ -62,6 +62,23 @@ def test_an_ended_sessions_quarantine_is_charged_to_its_engine_until_released():
     assert cache.state_of("ns", "d") is State.PENDING
 
 
+def test_a_strangers_quarantine_under_the_engines_id_is_not_charged_to_the_engine():
+    """Another client of the socket names engine H's id without its token,
+    allocates and ends: its quarantine is charged to the tokenless bucket,
+    so H's own sessions keep their whole allowance."""
+    cache = make_cache(pages=16, quarantine=60.0,
+                       pending_caps=PendingCaps(bytes=4 * PAGE, entries=100))
+    stranger = worker(cache, "H")
+    allocate(cache, stranger, "a", 3)
+    cache.end_session(stranger)
+    assert cache.quarantined_pages == 3
+    own = worker(cache, "H", token="cd" * 16)
+    allocate(cache, own, "b", 4)
+    assert cache.state_of("ns", "b") is State.PENDING
+    with pytest.raises(ResourceExhausted, match="3072 bytes in quarantine"):
+        allocate(cache, worker(cache, "H"), "c", 2)  # the stranger's bucket is charged
+
+
 def test_without_caps_nothing_is_refused():
     cache = make_cache(pages=16)
     w = worker(cache)
