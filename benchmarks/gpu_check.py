@@ -193,7 +193,8 @@ class Check:
                 "no:cacheprovider", f"--junitxml={junit}"]
         if self.dry_run:
             ok = self.phase("tests", [*argv, "--collect-only", "-q"], "gpu-tests.log")
-            text = (self.out / "gpu-tests.log").read_text()
+            log = self.out / "gpu-tests.log"
+            text = log.read_text() if log.exists() else ""
             ids = [line for line in text.splitlines() if line.startswith("tests/gpu/")]
             self.results["tests"] = {"collected": len(ids)}
             for backend in gpu_report.BACKENDS:

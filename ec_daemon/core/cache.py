@@ -515,7 +515,7 @@ class Cache:
             self._free_runs(entry.runs)
             return
         until = self.sessions.clock() + self.quarantine_seconds
-        self.quota.charge(owner.counted_as, entry.pages, until)  # its engine's cap holds them
+        self.quota.charge(owner.engine_key, entry.pages, until)  # its engine's cap holds them
         self.quarantine.append((until, entry.runs, entry.pages))
         self.quarantined_pages += entry.pages
 

@@ -11,8 +11,9 @@ Why the quarantine counts too: a session that ends with pending saves leaves
 their pages quarantined (`--quarantine-seconds`), so ending and re-attaching
 would give it a fresh allowance every time. The pages an engine's ended
 sessions left in quarantine are charged to that engine instance (the engine
-id and token its sessions presented at Attach, `Session.counted_as`) until
-they are released, and count against each of its sessions' byte cap: one
+id and token of its sessions, `Session.engine_key`: a worker that learns the
+token after Attach counts with its instance from then on) until they are
+released, and count against each of its sessions' byte cap: one
 engine instance cannot hold more than one cap of the cache pending and
 quarantined together, and another client of the socket naming its engine id
 without its token is charged in a bucket of its own, never the engine's. A
@@ -48,7 +49,7 @@ class PendingQuota:
         """`caps` None: no cap (a cache built without a daemon: unit tests)."""
         self.caps = caps
         self.page_bytes = page_bytes
-        # engine instance (`Session.counted_as`) -> quarantined pages
+        # engine instance (`Session.engine_key`) -> quarantined pages
         self._charged: dict[str, int] = {}
         self._charges: deque[tuple[float, str, int]] = deque()  # (released at, engine, pages)
 
@@ -67,7 +68,7 @@ class PendingQuota:
                 f"holds {held} saves allocated and not reported (--session-pending-entries "
                 f"{caps.entries}); report them first")
         pb = self.page_bytes
-        quarantined = self._charged.get(session.counted_as, 0) * pb
+        quarantined = self._charged.get(session.engine_key, 0) * pb
         pending = session.pending_pages * pb
         if pending + quarantined + pages * pb > caps.bytes:
             raise ResourceExhausted(

@@ -85,8 +85,8 @@ class Session:
     # The engine instance it belongs to (`sessions.engine_key`): views count
     # the worker ranks of their own instance only.
     engine_key: str = ""
-    # The key its attach counted under for --max-sessions-per-engine: the
-    # engine instance it presented then (a worker may join another later).
+    # The key it counts under for --max-sessions-per-engine: the engine
+    # instance it presented at Attach, or joined since (`SessionTable.join`).
     counted_as: str = ""
     # Its stream opened (`Cache.open`): a view is subscribed from then on, a
     # worker has mapped the region (it opens its stream only after that).

@@ -40,10 +40,10 @@ Sessions are capped in total and per engine instance (`--max-sessions`,
 lives OPEN_GRACE_SECONDS, so without a cap a loop of attaches grows the
 daemon (and its Stats reply) without bound. One more is refused with
 RESOURCE_EXHAUSTED naming the cap; the refused client retries, and gets in
-once others end or expire. The per-engine cap counts by the `engine_key`
-presented at Attach, so another client of the socket that attaches under
-an engine's id without its token fills the tokenless bucket, never the
-room of the engine's own processes.
+once others end or expire. The per-engine cap counts by `engine_key` (a
+worker that joins its instance after Attach moves with it), so another
+client of the socket that attaches under an engine's id without its token
+fills the tokenless bucket, never the room of the engine's own processes.
 """
 
 from __future__ import annotations
@@ -118,6 +118,13 @@ class SessionTable:
         self._per_engine[key] = self._per_engine.get(key, 0) + 1
         return session
 
+    def _uncount(self, key: str) -> None:
+        left = self._per_engine[key] - 1
+        if left:
+            self._per_engine[key] = left
+        else:
+            del self._per_engine[key]
+
     def _check_room(self, engine_id: str, key: str) -> None:
         if self.max_sessions is not None and len(self._by_id) >= self.max_sessions:
             raise ResourceExhausted(
@@ -148,6 +155,12 @@ class SessionTable:
         if worker.streaming and worker.alive and before != key:
             _discard(self._ranks, before, worker)
             self._ranks[key].add(worker)
+        if worker.session_id in self._by_id and worker.counted_as != key:
+            # its place under --max-sessions-per-engine moves with it (the
+            # cap is checked at Attach only: an attached session stays)
+            self._uncount(worker.counted_as)
+            self._per_engine[key] = self._per_engine.get(key, 0) + 1
+            worker.counted_as = key
         return before
 
     def get(self, session_id: str) -> Session:
@@ -167,11 +180,7 @@ class SessionTable:
         ghost for one lease when `ghost` (it did not detach)."""
         session.alive = False
         if self._by_id.pop(session.session_id, None) is not None:
-            left = self._per_engine[session.counted_as] - 1
-            if left:
-                self._per_engine[session.counted_as] = left
-            else:
-                del self._per_engine[session.counted_as]
+            self._uncount(session.counted_as)
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
             _discard(self._ranks, session.engine_key, session)

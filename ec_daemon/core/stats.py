@@ -26,6 +26,7 @@ LISTED_SESSIONS = 128
 # Namespaces listed one by one (each up to ~4.1 KiB on the wire), the ones
 # holding the most bytes; the rest are counted.
 LISTED_NAMESPACES = 64
+NO_LOOKUPS = {"hits": 0, "misses": 0, "loads": 0}
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,14 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
     sessions = [SessionSnapshot(s.index, s.engine_id, s.role, s.component, s.namespace,
                                 len(s.awaiting), len(s.pending), s.client_name, now - s.created)
                 for s in itertools.islice(cache.sessions, LISTED_SESSIONS)]
-    usage = cache.namespace_usage
+    usage, counters = cache.namespace_usage, cache.namespace_counters
+    # in use (counters from Attach) or holding entries (adopted ones too)
+    names = counters.keys() | usage.keys()
     listed = heapq.nsmallest(  # the most bytes first, then by name: a stable order
-        LISTED_NAMESPACES, cache.namespace_counters,
-        key=lambda name: (-usage.get(name, (0, 0))[1], name))
+        LISTED_NAMESPACES, names, key=lambda name: (-usage.get(name, (0, 0))[1], name))
     namespaces = []
     for name in listed:
-        counts = cache.namespace_counters[name]
+        counts = counters.get(name, NO_LOOKUPS)
         entries, nbytes = usage.get(name, (0, 0))
         namespaces.append(NamespaceSnapshot(name, entries, nbytes, counts["hits"],
                                             counts["misses"], counts["loads"]))
@@ -125,5 +127,5 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,
         region_path=region_path, uptime_s=now - started,
         sessions_by_kind=dict(Counter((s.role, s.kind) for s in cache.sessions)),
-        sessions_total=len(cache.sessions), namespaces_total=len(cache.namespace_counters),
+        sessions_total=len(cache.sessions), namespaces_total=len(names),
         convergence=dict(convergence or {}), remote_tier=dict(remote_tier or {}))

@@ -111,6 +111,10 @@ class CacheCollector(Collector):
         for name, help_text in COUNTERS.items():
             yield CounterMetricFamily(f"ec_daemon_{name}", help_text, value=data.counters[name])
         yield from _namespace_metrics(data)
+        yield GaugeMetricFamily("ec_daemon_namespaces_not_listed",
+                                "Namespaces left out of the per-namespace families (they list "
+                                "the ones holding the most bytes)",
+                                value=data.namespaces_not_listed)
         sessions = GaugeMetricFamily("ec_daemon_sessions", "Attached sessions",
                                      labels=["role", "component"])
         for (role, component), count in sorted(data.sessions_by_kind.items()):

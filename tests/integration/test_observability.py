@@ -68,6 +68,7 @@ def test_metrics_endpoint_reports_cache_activity():
         assert metrics[("ec_daemon_bytes", (("state", "hidden"),))] == 0
         assert metrics[("ec_daemon_entries", (("state", "ready"),))] == 1
         assert metrics[("ec_daemon_ghost_sessions", ())] == 0
+        assert metrics[("ec_daemon_namespaces_not_listed", ())] == 0
         stats = daemon.stats()
         region = (("generation", f"{stats['generation']:016x}"), ("path", stats["region_path"]))
         assert metrics[("ec_daemon_region_info", region)] == 1

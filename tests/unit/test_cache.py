@@ -601,6 +601,20 @@ def test_stats_list_the_namespaces_holding_the_most_bytes_and_count_the_rest(mon
                              started=0.0).namespaces_not_listed == 0
 
 
+def test_stats_list_a_namespace_that_only_holds_adopted_entries():
+    """After a warm restart, before any engine attaches, the region's bytes
+    are in namespaces nobody uses yet: they are listed (no lookups yet)."""
+    from ec_daemon.durable.journal import Record
+
+    cache = make_cache(pages=8)
+    cache.restore([Record(6, "adopted", "a", 1024, (1, 1024), "uint8", [(1, 2)])],
+                  [(0, 1), (3, 5)], [], 7, (), cache.sessions.previous_daemon)
+    snapshot = stats_module.take(cache, generation=1, region_path="r", started=0.0)
+    assert [(n.name, n.entries, n.bytes, n.hits) for n in snapshot.namespaces] == [
+        ("adopted", 1, 1024, 0)]  # the entry's bytes
+    assert snapshot.namespaces_total == 1 and snapshot.namespaces_not_listed == 0
+
+
 def test_heartbeat_lookup_counters_feed_hits_and_misses(cache):
     view = scheduler(cache)
     cache.record_lookups(view, 10, 4)

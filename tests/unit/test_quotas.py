@@ -77,6 +77,15 @@ def test_a_strangers_quarantine_under_the_engines_id_is_not_charged_to_the_engin
     assert cache.state_of("ns", "b") is State.PENDING
     with pytest.raises(ResourceExhausted, match="3072 bytes in quarantine"):
         allocate(cache, worker(cache, "H"), "c", 2)  # the stranger's bucket is charged
+    # A worker that could not derive the token attaches without it and joins
+    # its instance at its first step: from then on it is H's, not the stranger's.
+    late = worker(cache, "H", rank=1)
+    cache.join(late, own.engine_key)
+    cache.commit(own, ["b"])
+    allocate(cache, late, "d", 4)
+    cache.end_session(late)
+    with pytest.raises(ResourceExhausted, match="4096 bytes in quarantine"):
+        allocate(cache, own, "e", 1)  # its quarantine is charged to H
 
 
 def test_without_caps_nothing_is_refused():

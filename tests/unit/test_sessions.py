@@ -188,8 +188,8 @@ def test_in_use_counts_live_sessions_and_ghosts(table, clock):
 def test_a_client_without_the_engines_token_cannot_take_its_sessions_room(clock):
     """Attaches under engine A's id with no token (any client of the socket)
     fill the tokenless bucket; A's processes, which present its token, still
-    attach; and a worker that joins its instance later frees the room its
-    attach took."""
+    attach; and a worker that joins its instance after Attach (it learnt the
+    token from a step) moves its place to its instance."""
     table = SessionTable(LEASE, clock=clock, max_per_engine=2)
     token = "ab" * 16
     squatters = [rank(table, engine="A", r=r) for r in range(2)]
@@ -198,10 +198,15 @@ def test_a_client_without_the_engines_token_cannot_take_its_sessions_room(clock)
     own = [rank(table, engine="A", r=r, token=token) for r in range(2)]
     with pytest.raises(ResourceExhausted, match=r"engine 'A' \(this engine instance\) has 2"):
         rank(table, engine="A", r=2, token=token)
-    table.join(squatters[0], own[0].engine_key)  # counted where its attach was
-    table.remove(squatters[0])
-    rank(table, engine="A", r=3)
     table.remove(own[1])
+    table.remove(squatters[1])
+    late = rank(table, engine="A", r=1)  # no token at Attach: counted tokenless
+    table.join(late, own[0].engine_key)  # learnt it: its place moves to its instance
+    rank(table, engine="A", r=3)  # the tokenless bucket has room again
+    with pytest.raises(ResourceExhausted, match=r"\(this engine instance\) has 2"):
+        rank(table, engine="A", r=2, token=token)
+    table.remove(late)
+    table.remove(late)  # twice: counted once
     rank(table, engine="A", r=1, token=token)
 
 
