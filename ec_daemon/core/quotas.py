@@ -77,22 +77,18 @@ class PendingQuota:
                 f"ended sessions {quarantined} bytes in quarantine; {pages * pb} more would "
                 f"exceed --session-pending-bytes {caps.bytes}")
 
-    def charge(self, engine_id: str, pages: int, until: float) -> None:
-        """`engine_id`'s ended session left `pages` quarantined until `until`
+    def charge(self, key: str, pages: int, until: float) -> None:
+        """Engine instance `key`'s ended session left `pages` quarantined until `until`
         (which never decreases from one call to the next)."""
-        self._charged[engine_id] = self._charged.get(engine_id, 0) + pages
-        self._charges.append((until, engine_id, pages))
+        self._charged[key] = self._charged.get(key, 0) + pages
+        self._charges.append((until, key, pages))
 
     def release(self, now: float) -> None:
         """Forget the charges whose quarantine is over."""
         while self._charges and self._charges[0][0] <= now:
-            _, engine_id, pages = self._charges.popleft()
-            left = self._charged[engine_id] - pages
+            _, key, pages = self._charges.popleft()
+            left = self._charged[key] - pages
             if left:
-                self._charged[engine_id] = left
+                self._charged[key] = left
             else:
-                del self._charged[engine_id]
-
-    def charged(self, engine_id: str) -> int:
-        """Pages `engine_id`'s ended sessions hold in quarantine."""
-        return self._charged.get(engine_id, 0)
+                del self._charged[key]

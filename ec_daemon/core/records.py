@@ -83,11 +83,9 @@ class Session:
     lease_deadline: float
     alive: bool = True
     # The engine instance it belongs to (`sessions.engine_key`): views count
-    # the worker ranks of their own instance only.
+    # the worker ranks of their own instance only, and it counts under it for
+    # --max-sessions-per-engine and the pending-save quota.
     engine_key: str = ""
-    # The key it counts under for --max-sessions-per-engine: the engine
-    # instance it presented at Attach, or joined since (`SessionTable.join`).
-    counted_as: str = ""
     # Its stream opened (`Cache.open`): a view is subscribed from then on, a
     # worker has mapped the region (it opens its stream only after that).
     streaming: bool = False

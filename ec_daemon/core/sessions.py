@@ -88,7 +88,7 @@ class SessionTable:
         self.clock = clock
         self.max_sessions = max_sessions
         self.max_per_engine = max_per_engine
-        # engine instance (`engine_key` at attach) -> its live sessions: a
+        # engine instance (`Session.engine_key`) -> its live sessions: a
         # client that cannot present an engine's token cannot take its room
         self._per_engine: dict[str, int] = {}
         self._by_id: dict[str, Session] = {}
@@ -111,12 +111,15 @@ class SessionTable:
             role=role, rank=rank, world_size=world_size, namespace=namespace,
             client_name=client_name, created=now,
             lease_deadline=now + max(self.lease_seconds, OPEN_GRACE_SECONDS),
-            engine_key=key, counted_as=key,
+            engine_key=key,
         )
         self._by_id[session.session_id] = session
         self._by_index[session.index] = session
-        self._per_engine[key] = self._per_engine.get(key, 0) + 1
+        self._count(key)
         return session
+
+    def _count(self, key: str) -> None:
+        self._per_engine[key] = self._per_engine.get(key, 0) + 1
 
     def _uncount(self, key: str) -> None:
         left = self._per_engine[key] - 1
@@ -155,12 +158,11 @@ class SessionTable:
         if worker.streaming and worker.alive and before != key:
             _discard(self._ranks, before, worker)
             self._ranks[key].add(worker)
-        if worker.session_id in self._by_id and worker.counted_as != key:
+        if worker.session_id in self._by_id and before != key:
             # its place under --max-sessions-per-engine moves with it (the
             # cap is checked at Attach only: an attached session stays)
-            self._uncount(worker.counted_as)
-            self._per_engine[key] = self._per_engine.get(key, 0) + 1
-            worker.counted_as = key
+            self._uncount(before)
+            self._count(key)
         return before
 
     def get(self, session_id: str) -> Session:
@@ -180,7 +182,7 @@ class SessionTable:
         ghost for one lease when `ghost` (it did not detach)."""
         session.alive = False
         if self._by_id.pop(session.session_id, None) is not None:
-            self._uncount(session.counted_as)
+            self._uncount(session.engine_key)
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
             _discard(self._ranks, session.engine_key, session)
