@@ -4,7 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# `make run` needs the daemon's runtime only (RUNTIME_STAMP); the tests,
+# lint and benchmarks add the development toolchain (STAMP) to the same venv.
+RUNTIME_STAMP := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
+PROTO_FILES := $(wildcard proto/ec_daemon/v1/*.proto)
 SOCKET ?=
 CPU_BYTES ?= 1GiB
 PYTEST_ARGS ?=
@@ -57,7 +61,7 @@ MOONCAKE_WHEEL := $(shell grep -m1 '^mooncake-transfer-engine' requirements-dev.
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
 	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test gpu-check gpu-check-prepare
 
-## create .venv with the dev tools (torch CPU build) and this package, editable
+## create .venv with this package (editable), its runtime and the dev tools (torch CPU build)
 install: $(STAMP)
 
 # The second tier's tests start real redis-server processes (Debian's redis-server).
@@ -106,13 +110,21 @@ ifeq ($(TEST_DEPS),1)
 	rm -f $$log
 endif
 
-$(STAMP): pyproject.toml setup.py requirements-dev.txt proto/generate.py
-	@echo ">> creating $(VENV) (dev tools, torch==2.13.0 CPU build); this takes a minute or two"
-	$(PYTHON) -m venv $(VENV)
+# The package with its runtime dependencies (grpcio, protobuf,
+# prometheus-client, redis-py, xxhash), editable; its build (setup.py)
+# generates the protocol stubs, so a changed .proto reinstalls it.
+$(RUNTIME_STAMP): pyproject.toml setup.py proto/generate.py $(PROTO_FILES)
+	@echo ">> installing ec-daemon and its runtime dependencies into $(VENV) (editable;" \
+		"the build generates the protocol stubs): well under a minute"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(STAMP): $(RUNTIME_STAMP) requirements-dev.txt
+	@echo ">> adding the test, lint and benchmark tools to $(VENV) (torch==2.13.0 CPU build," \
+		"Mooncake, mypy, ...): a minute or two"
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
-	@echo ">> installing ec-daemon (editable) and generating protocol stubs"
-	$(BIN)/pip install --quiet --no-build-isolation -e .
 	touch $@
 
 ## regenerate the protocol stubs after editing proto/
@@ -120,7 +132,7 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 ## serve a CPU_BYTES cache (default 1GiB) on SOCKET (default: the user's runtime folder)
-run: $(STAMP) proto
+run: $(RUNTIME_STAMP)
 	$(BIN)/ec-daemon --cpu-bytes $(CPU_BYTES) $(if $(SOCKET),--socket $(SOCKET),)
 
 # Everything that runs on this machine (tests/groups.py: what skips, and why).

@@ -12,7 +12,8 @@ vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`).
       "ec_connector_extra_config": {"ec_daemon_socket": "unix:///run/ec-daemon/ec.sock"}}'
 
 The module path may be left out: the package's vLLM plugin (`vllm_plugin`)
-registers the name with vLLM's connector factory.
+registers the name with vLLM's connector factory. So may the socket (here
+the systemd unit's): the default is the daemon's default socket.
 
 Extra-config keys (all optional): `ec_client.common.settings` declares them, with
 their defaults and meaning (docs/vllm.md's table is printed from it).

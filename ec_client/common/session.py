@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from ec_client.common.contract import RegionInfo
+from ec_client.common.detached import DetachedNotice
 from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, Role, pb
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class SessionLink:
         self._echoed = threading.Condition()
         self.fresh_until = 0.0
         self.last_error = ""
+        self._notice = DetachedNotice(getattr(transport, "uri", "?"), clock=clock)
 
     @property
     def attachment(self) -> Attachment | None:
@@ -303,6 +305,7 @@ class SessionLink:
             self._outbox = outbox
             self._attachment = attachment
             self._attached.notify_all()
+        self._notice.now_attached()
         healthy = True
         try:
             for message in responses:
@@ -415,7 +418,6 @@ class SessionLink:
             responses.cancel()
 
     def _note_error(self, message: str, *, retryable: bool) -> None:
-        if message != self.last_error:
-            (log.warning if retryable else log.error)("ec-daemon %s: %s", self.transport.uri,
-                                                      message)
+        """Logged at a low rate while detached (`DetachedNotice`)."""
+        self._notice.failed(message, retryable=retryable)
         self.last_error = message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -48,7 +49,7 @@ from ec_daemon.serving.service import ECDaemonService
 from ec_daemon.serving.startup import StartupError, prepare_socket
 from ec_daemon.sizes import format_size
 from ec_protocol import stamps
-from ec_protocol.protocol import pb, rpc, unix_path
+from ec_protocol.protocol import default_socket_uri, pb, rpc, unix_path
 
 if TYPE_CHECKING:  # (imported only when --remote is set: `_start_tier`)
     from ec_daemon.remote.backend import AnyStore
@@ -228,6 +229,21 @@ def _start_tier(config: DaemonConfig, region: Region) -> RemoteTier | None:
     return tier
 
 
+def engine_config(config: DaemonConfig) -> str:
+    """The `--ec-transfer-config` a vLLM engine passes to reach this daemon,
+    as JSON to paste: the socket absolute, and for TCP the token file (and
+    the certificate, as the CA of a self-signed one) the flags name."""
+    path = unix_path(config.socket)
+    extra = {"ec_daemon_socket": f"unix://{os.path.abspath(path)}" if path is not None
+             else config.socket}
+    if path is None and config.token_file:
+        extra["ec_daemon_token_file"] = os.path.abspath(config.token_file)
+    if path is None and config.tls_cert:
+        extra["ec_daemon_tls_ca"] = os.path.abspath(config.tls_cert)
+    return json.dumps({"ec_connector": "ECDaemonConnector", "ec_role": "ec_both",
+                       "ec_connector_extra_config": extra})
+
+
 def _redacted(url: str) -> str:
     """A URL without any password it carries."""
     return re.sub(r"//[^@/]*@", "//***@", url)
@@ -320,6 +336,9 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
              "lease %.0fs", config.socket, region.path, format_size(cache.capacity_bytes),
              cache.allocator.total_pages, format_size(config.page_bytes), region.generation,
              config.lease_seconds)
+    log.info("vLLM engines reach it with --ec-transfer-config '%s'%s", engine_config(config),
+             " (the default socket: engines of this user, with the same $XDG_RUNTIME_DIR, "
+             "may leave ec_daemon_socket out)" if config.socket == default_socket_uri() else "")
     sd_notify(f"READY=1\nSTATUS=serving {format_size(cache.capacity_bytes)} on {config.socket}")
     try:
         await stop.wait()

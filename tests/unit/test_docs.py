@@ -118,3 +118,30 @@ def test_make_help_lists_every_target_with_a_line():
                            capture_output=True, text=True, check=True, timeout=60).stdout
     listed = [line.split()[0] for line in shown.splitlines()]
     assert sorted(listed) == sorted(set(targets))
+
+
+# The sockets a reader may meet, and the words that say which each is: the
+# default (as the daemon and the connector compute it), and the one the
+# systemd unit and the Docker image serve. `unix:///path` is the flag
+# table's placeholder.
+DEFAULT_SOCKETS = re.compile(r"unix://((\$XDG_RUNTIME_DIR|/run/user/\d+)/ec-daemon"
+                             r"|/tmp/ec-daemon-\$UID)/ec\.sock")
+SYSTEMD_SOCKET = "unix:///run/ec-daemon/ec.sock"
+SOCKET_URI = re.compile(r"unix:[^\s`\"')|,]*")
+SAYS_WHICH = 600  # characters before a socket that must say which one it is
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_socket_in_the_docs_is_the_default_or_the_systemd_one_and_says_which(doc: Path):
+    text = doc.read_text()
+    for found in SOCKET_URI.finditer(text):
+        uri, before = found.group(0), text[max(0, found.start() - SAYS_WHICH):found.start()]
+        if uri == "unix:///path":
+            continue
+        if DEFAULT_SOCKETS.fullmatch(uri):
+            assert "default" in before.lower(), f"{doc.name}: {uri} is not said to be the default"
+        else:
+            assert uri == SYSTEMD_SOCKET, (
+                f"{doc.name}: {uri} is neither the default socket nor the systemd unit's")
+            assert re.search(r"systemd|image|container", before), (
+                f"{doc.name}: {uri} is not said to be the systemd unit's (or the image's)")

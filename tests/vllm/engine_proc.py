@@ -163,14 +163,17 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
                  env: dict[str, str] | None = None, wait_start: bool = False,
                  max_defer_seconds: float = 0, connector: str = "",
                  hold_end: bool = False, core: int | None = None,
-                 extra_config: dict[str, Any] | None = None) -> Engine:
+                 extra_config: dict[str, Any] | None = None,
+                 transfer_config: dict[str, Any] | None = None) -> Engine:
     """`wait_start`: the engine prints STARTED once built and waits for a
     line on stdin before its first request; `hold_end`: it waits for one
     after its RESULT before it shuts down. `core`: the engine's processes run
     on that core only, its forward passes on one OpenMP thread (engines that
     run at once then cannot starve each other's forward passes; their
     numerics are a one-thread engine's). `extra_config`: more keys of the
-    connector's extra config (e.g. embedding_model_identity)."""
+    connector's extra config (e.g. embedding_model_identity); `transfer_config`:
+    the whole --ec-transfer-config instead, as given (socket, role and the
+    rest ignored)."""
     args = [sys.executable, "-m", "tests.vllm.engine_run", str(model),
             "--images", ",".join(map(str, images)), "--role", role,
             "--copy-backend", copy_backend]
@@ -191,6 +194,8 @@ def start_engine(model: Path, images: list[int], socket: str = "", role: str = "
         args += ["--connector", connector]
     if extra_config:
         args += ["--extra-config", json.dumps(extra_config)]
+    if transfer_config is not None:
+        args += ["--transfer-config", json.dumps(transfer_config)]
     return Engine(subprocess.Popen(args, cwd=ROOT, env=engine_env(env), stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True))
@@ -206,7 +211,8 @@ def run_engine(model: Path, images: list[int], **kwargs: Any) -> dict[str, Any]:
     request waits until the engine answers hits: attaching runs beside the
     engine's start-up, and on a busy machine may end after it (a request
     then misses, which is right but not what a test of hits wants)."""
-    if not kwargs.get("socket") or kwargs.get("connector") or kwargs.get("wait_start"):
+    connected = kwargs.get("socket") or kwargs.get("transfer_config") is not None
+    if not connected or kwargs.get("connector") or kwargs.get("wait_start"):
         return start_engine(model, images, **kwargs).finish()
     engine = start_engine(model, images, wait_start=True, **kwargs)
     try:

@@ -2,8 +2,8 @@
 
     python -m tests.vllm.engine_run MODEL --images 10,11,10 [--socket URI
         --role ec_both --copy-backend cpu --connector MODULE:CLASS
-        --max-defer-seconds S --extra-config JSON] [--pause-after N]
-        [--wait-start] [--hold-end]
+        --max-defer-seconds S --extra-config JSON | --transfer-config JSON]
+        [--pause-after N] [--wait-start] [--hold-end]
 
 Generates greedily for each image seed in turn, one request at a time (the
 tiny PaliGemma of tiny_model.py), counting the images the vision encoder
@@ -15,7 +15,8 @@ the daemon then); with --wait-start it prints `STARTED` once built and waits
 for a line before its first request (tests start engines at once); with
 --hold-end it waits for a line after RESULT before it shuts down (a serving
 engine outlives its saves; vLLM kills an engine 5 s into its shutdown). Without
---socket the engine has no EC connector (the reference run).
+--socket or --transfer-config the engine has no EC connector (the reference
+run); --transfer-config is a whole `--ec-transfer-config`, used as given.
 """
 
 from __future__ import annotations
@@ -51,12 +52,16 @@ def main() -> int:
     parser.add_argument("--max-defer-seconds", type=float, default=0)
     parser.add_argument("--extra-config", default="",
                         help="JSON object: more keys of the connector's extra config")
+    parser.add_argument("--transfer-config", default="",
+                        help="JSON object: the whole --ec-transfer-config, as given")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
 
     extra: dict[str, Any] = {}
-    if args.socket:
+    if args.transfer_config:
+        extra["ec_transfer_config"] = json.loads(args.transfer_config)
+    elif args.socket:
         module, _, name = args.connector.rpartition(":")
         extra["ec_transfer_config"] = {
             "ec_connector": name,
