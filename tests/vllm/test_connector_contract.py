@@ -214,7 +214,11 @@ def test_a_copy_backend_for_another_device_is_refused_at_start():
         check_backend_device("cpu", "cpu", "cuda")
     with pytest.raises(ValueError, match="use 'auto'"):
         check_backend_device("torch", "cuda:1", "cpu")
-    check_backend_device("cupy", "cuda:1", "cuda")
+    check_backend_device("cupy", "cuda:1", "cuda")  # no index known: the type matches
+    # A backend built on another GPU than the worker's (checked by index too).
+    with pytest.raises(ValueError, match="copies on cuda:0, but this vLLM worker runs on cuda:1"):
+        check_backend_device("torch", "cuda:0", "cuda:1")
+    check_backend_device("cupy", "cuda:1", "cuda:1")
 
 
 # ----------------------------------------------------------------- stats
