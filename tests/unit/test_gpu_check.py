@@ -303,3 +303,15 @@ def test_the_copy_benchmark_dry_runs_every_case_through_the_model(tmp_path):
     assert [r["case"] for r in rows] == list(cases)
     assert all(r["bit_exact"] for r in rows)
     assert set(gpu_report.TARGET_CASES) <= set(cases)
+
+
+def test_a_dry_run_without_a_python_3_12_says_how_to_get_one(monkeypatch):
+    """No 3.12 and no pyenv to install one: the dry run stops with what to
+    do, instead of running in a Python the device does not have."""
+    monkeypatch.setattr(gpu_device, "find_python", lambda: None)
+    monkeypatch.setattr(gpu_device.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as stop:
+        gpu_device.model_python()
+    message = str(stop.value)
+    assert "no Python 3.12 found" in message
+    assert "pyenv install 3.12" in message and "GPU_CHECK_PYTHON" in message
