@@ -1,26 +1,29 @@
 """`make gpu-check`: the device check, one command that runs as it is on the
-borrowed GPU machine (Python 3.12, CUDA torch, cupy-cuda13x, grpcio,
-protobuf, pytest; no network, no vLLM) and writes report.md and report.json
-into the folder given to it, with the logs beside them (at most 8 files):
+borrowed GPU machine (`benchmarks.gpu_device` says what it has) and writes
+report.md and report.json into the folder given to it, with the logs and
+the raw figures beside them:
 
-1. installs the carried wheels (`.gpu-check/wheels`, made here by `make
-   gpu-check-prepare`: the daemon's gRPC and protobuf at the versions the
-   generated stubs need) into a temporary folder put on PYTHONPATH with the
+0. before any phase, what the run needs: the carried wheels and the stubs
+   (missing: the run stops at once, saying how to prepare them), then a
+   probe of the machine (Python, torch and CUDA, CuPy, the carried packages,
+   /dev/shm's size and free space); a phase whose needs are not met is
+   reported as not run, without spending its time;
+1. the carried wheels into a folder of this run, put on PYTHONPATH with the
    tree; nothing is installed into the machine's Python;
-2. the GPU tests (tests/gpu, both backends, EC_GPU_REQUIRED=1: a skipped
-   or empty run fails), JUnit into the report;
-3. the GPU benchmark (benchmarks/gpu.py): saves and loads against
-   cudaMemcpyAsync from pinned memory, and the compute stream during loads;
-4. the daemon at scale (benchmarks/concurrency.py): 8 and 16 engines, every
-   step with items, on the machine's 16 cores.
+2. the GPU tests (tests/gpu, both backends, EC_GPU_REQUIRED=1: a skipped or
+   empty run fails), JUnit into the report's folder;
+3. the GPU benchmark (benchmarks/gpu.py): saves and loads, contiguous and
+   fragmented, against cudaMemcpyAsync from pinned memory, and the compute
+   stream during loads; each row is written as soon as it is measured;
+4. the daemon at scale (benchmarks/concurrency.py): 8 engines, then 16, one
+   run each, every step with items, on the machine's 16 cores.
 
-Each phase has its own time limit (PHASE_S, 8 minutes together), so one
-that hangs cannot take the others' time; a phase's processes are stopped by
-their process group. The whole run also keeps within TOTAL_S, stops included,
-so the report is written before the `run` tool's 590 s end it: a phase gets
-what is left of it, and one with nothing left is reported as not run. The
-exit status is 1 when a phase failed; targets missed are in the report, not
-in the status.
+The report is rewritten after every phase, so a run the device tool ends
+still leaves every figure measured until then. Each phase has its own limit
+(PHASE_S) and the whole run keeps within TOTAL_S (under 8 minutes), stops
+included: a phase gets what is left, and one with nothing left is reported
+as not run. The exit status is 1 when a phase failed or did not run;
+targets missed are in the report, not in the status.
 
 On the device machine, with the `run` tool (after `make gpu-check-prepare`
 in the checkout that travels; the stubs and wheels are ignored files, so
@@ -28,12 +31,16 @@ they travel as `carry`):
 
     command: PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check run --out $OUT
     carry:   [".gpu-check", "ec_protocol/_proto"]
-    timeout_s: 590
+    timeout_s: 540
 
-`--dry-run` (CI, `make gpu-check DRY_RUN=1`, no GPU): checks that the wheels
-install for cp312 manylinux x86_64, collects the GPU tests, imports the
-benchmarks, runs the daemon benchmark for one second with two engines, and
-renders a fake result set; fails on any error.
+`--dry-run` (CI, `make gpu-check DRY_RUN=1`, no GPU) runs in a model of the
+device (`gpu_device.model_python`: Python 3.12 with the device image's
+packages and nothing of the project's venv): installs the carried wheels,
+probes, reads and imports everything the device run loads
+(`benchmarks.gpu_imports`), collects the GPU tests through the same
+conftests, runs the daemon benchmark for a second with two engines, and
+renders a fake result set. It fails where the device run would fail before
+its first GPU call.
 """
 
 from __future__ import annotations
@@ -41,11 +48,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.metadata
+import importlib
 import importlib.util
 import json
 import os
-import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -55,33 +62,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import gpu_report
+from benchmarks import gpu_device, gpu_report
+from benchmarks.gpu_device import ROOT, SHM_NEEDS, STUBS
 
-ROOT = Path(__file__).resolve().parent.parent
-PREPARED = ROOT / ".gpu-check"
-WHEELS = PREPARED / "wheels"
-STUBS = ROOT / "ec_protocol" / "_proto" / "__init__.py"
-# What the device image lacks or may hold in versions the stubs refuse
-# (generated code checks grpcio and protobuf at import), and grpcio's one
-# dependency: at the .venv's versions.
-CARRIED = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-           "prometheus-client", "typing-extensions")
-DEVICE_TAGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-               *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-                                 "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                                 "manylinux1_x86_64") for arg in ("--platform", tag))]
 # What the GPU tests import; cupy and CUDA are checked by tests/gpu/conftest.py.
 TEST_NEEDS = ("pytest", "psutil", "numpy", "grpc", "google.protobuf", "torch")
-PHASE_S = {"install": 60, "tests": 220, "gpu-bench": 100, "daemon-bench": 110}
+# Modules each phase imports (the probe says which the machine lacks), and
+# whether it needs a CUDA device.
+PHASE_NEEDS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "tests": (("torch", "cupy", *TEST_NEEDS), True),
+    "gpu-bench": (("torch", "numpy"), True),
+    "daemon-bench": (("grpc", "google.protobuf", "numpy", "psutil"), False),
+}
+PHASE_S = {"probe": 40, "install": 30, "imports": 120, "tests": 190, "gpu-bench": 90,
+           "daemon-bench": 60}
+DAEMON_ENGINES = (8, 16)
 STOP_GRACE_S = 20  # the daemon helper stops its daemon within 15 s
-# The run's own bound: under the tool's 590 s, with the report written after.
-TOTAL_S = 560
-PROBE_S = 60
+# The run's own bound, stops included: under 8 minutes, the report written after.
+TOTAL_S = 470
+MODEL_ENV = "EC_GPU_CHECK_MODEL"  # set in the dry run's model of the device
 PROBE = """
-import json, platform, sys
+import json, os, platform, sys
 info = {"python": platform.python_version(), "machine": platform.machine(),
-        "cores": __import__("os").cpu_count()}
-for name in ("torch", "cupy", "grpc", "google.protobuf", "numpy", "pytest"):
+        "cores": os.cpu_count()}
+for name in ("torch", "cupy", "grpc", "google.protobuf", "numpy", "pytest", "psutil",
+             "xxhash", "prometheus_client"):
     try:
         module = __import__(name, fromlist=["_"])
         info[name] = getattr(module, "__version__", "?")
@@ -98,29 +103,22 @@ try:
     info["stubs"] = "import"
 except Exception as exc:
     info["stubs"] = f"FAIL ({type(exc).__name__}: {exc})"
+try:
+    shm = os.statvfs("/dev/shm")
+    info["shm_bytes"] = shm.f_blocks * shm.f_frsize
+    info["shm_free_bytes"] = shm.f_bavail * shm.f_frsize
+    with open("/proc/mounts") as mounts:
+        kinds = [line.split()[2] for line in mounts if line.split()[1] == "/dev/shm"]
+    info["shm_fs"] = kinds[-1] if kinds else "?"
+except OSError as exc:
+    info["shm_bytes"] = info["shm_free_bytes"] = 0
+    info["shm_fs"] = f"({exc})"
 print(json.dumps(info))
 """
 
 
-def prepare() -> None:
-    """Here (with the .venv's Python): the wheels of CARRIED at this
-    environment's versions, for the device's Python; the stubs must exist."""
-    if not STUBS.exists():
-        raise SystemExit(f"{STUBS.parent} is missing: run `make proto` first")
-    pins = {name: importlib.metadata.version(name) for name in CARRIED}
-    shutil.rmtree(WHEELS, ignore_errors=True)  # one version of each, never two
-    WHEELS.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *DEVICE_TAGS,
-                    "-d", str(WHEELS), *(f"{n}=={v}" for n, v in pins.items())], check=True)
-    (PREPARED / "manifest.json").write_text(json.dumps({"wheels": pins}, indent=1) + "\n")
-    size = sum(p.stat().st_size for p in WHEELS.iterdir()) / 2**20
-    print(f">> {len(pins)} wheels ({size:.1f} MiB) in {WHEELS} and the stubs in {STUBS.parent}"
-          "; on the device machine: python3 -m benchmarks.gpu_check run --out $OUT, "
-          'carry [".gpu-check", "ec_protocol/_proto"]')
-
-
 class Check:
-    """One run: the phases, their results, the report."""
+    """One run: the phases, their results, the report (rewritten as it goes)."""
 
     def __init__(self, out: Path, dry_run: bool) -> None:
         self.out = out
@@ -132,14 +130,18 @@ class Check:
             "dry_run": dry_run, "phases": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
 
+    def left(self) -> float:
+        return self.started + TOTAL_S - time.monotonic()
+
     def phase(self, name: str, argv: list[str], log: str, env: dict[str, str] | None = None,
-              ) -> bool:
+              limit_s: int | None = None, ok: tuple[int, ...] = (0,)) -> bool:
         """Run `argv` under the phase's time limit, its output into `log` in
-        the report folder; stop its whole process group when it overruns."""
+        the report folder; stop its whole process group when it overruns.
+        `ok`: the exit statuses that pass."""
         started = time.monotonic()
         # stopping an overrun takes up to three graces (SIGINT, SIGTERM, SIGKILL)
-        left = self.started + TOTAL_S - started - 3 * STOP_GRACE_S
-        limit = min(PHASE_S.get(name, 120), int(left))
+        cap = limit_s or PHASE_S.get(name, PHASE_S.get(name.rsplit("-", 1)[0], 120))
+        limit = min(cap, int(self.left() - 3 * STOP_GRACE_S))
         if limit <= 0:
             self._fail(name, f"not run: the check's {TOTAL_S} s were spent")
             return False
@@ -149,88 +151,148 @@ class Check:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env or self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                status = "ok" if proc.wait(limit) == 0 else f"failed (exit {proc.returncode})"
+                status = "ok" if proc.wait(limit) in ok else f"failed (exit {proc.returncode})"
             except subprocess.TimeoutExpired:
                 status = f"timed out after {limit} s"
             _stop_group(proc)
         seconds = time.monotonic() - started
-        self.results["phases"].append({"name": name, "status": status,
-                                       "seconds": round(seconds, 1), "log": log})
-        print(f">> {name}: {status} in {seconds:.0f} s (log: {self.out / log})", flush=True)
+        self._record(name, status, seconds, log)
         return status == "ok"
+
+    # -------------------------------------------------------- before phases
+
+    def carried(self) -> bool:
+        """The wheels and stubs that must travel are here: else nothing runs."""
+        problems = gpu_device.carried_problems()
+        if problems:
+            self._fail("carried", "; ".join(problems))
+        else:
+            self._record("carried", "ok", 0.0, None)
+        return not problems
 
     def install(self) -> None:
         """The carried wheels into a folder of this run, on PYTHONPATH (when
-        this Python can import them: the dry run's need not be 3.12)."""
-        wheels = sorted(str(p) for p in WHEELS.glob("*.whl"))
+        this Python can import them: the dry run's model is 3.12 too)."""
+        wheels = [str(p) for p in gpu_device.carried_wheels()]
         site = self.work / "site"
         path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        if wheels:
-            can_import = sys.version_info[:2] == (3, 12) and platform.machine() == "x86_64"
-            argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
-                    *([] if can_import else DEVICE_TAGS), *wheels]
-            if self.phase("install", argv, "install.log") and can_import:
-                path.insert(0, str(site))
-        else:
-            self.results["phases"].append({"name": "install", "seconds": 0.0, "log": None,
-                                           "status": f"no wheels in {WHEELS}: using this "
-                                           "Python's packages (make gpu-check-prepare)"})
+        can_import = sys.version_info[:2] == gpu_device.DEVICE_PYTHON
+        argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
+                *([] if can_import else gpu_device.DEVICE_TAGS), *wheels]
+        if self.phase("install", argv, "install.log") and can_import:
+            path.insert(0, str(site))
         self.env["PYTHONPATH"] = os.pathsep.join(path)
+
+    def probe(self) -> None:
+        started = time.monotonic()
         try:
             probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=self.env,
-                                   capture_output=True, text=True, timeout=PROBE_S)
+                                   capture_output=True, text=True, timeout=PHASE_S["probe"])
         except subprocess.TimeoutExpired:
-            self.results["environment"] = {"probe": f"timed out after {PROBE_S} s"}
+            self.results["environment"] = {"probe": f"timed out after {PHASE_S['probe']} s"}
+            self._fail("probe", f"timed out after {PHASE_S['probe']} s")
             return
-        self.results["environment"] = (json.loads(probe.stdout.splitlines()[-1])
-                                       if probe.returncode == 0
+        ok = probe.returncode == 0
+        self.results["environment"] = (json.loads(probe.stdout.splitlines()[-1]) if ok
                                        else {"probe": probe.stderr[-500:]})
+        self._record("probe", "ok" if ok else "failed: " + probe.stderr[-300:],
+                     time.monotonic() - started, None)
+
+    def lacks(self, phase: str) -> str | None:
+        """What this machine lacks for `phase` (the probe's findings), or None."""
+        env = self.results.get("environment") or {}
+        modules, cuda = PHASE_NEEDS[phase]
+        if self.dry_run:  # the model has no torch, CuPy nor GPU: it checks the rest
+            modules, cuda = tuple(m for m in modules if m not in ("torch", "cupy")), False
+        why = [f"{m} ({env.get(m, 'not probed')})" for m in modules
+               if not isinstance(env.get(m), str) or env[m].startswith("missing")]
+        if cuda and not (isinstance(env.get("devices"), list) and env["devices"]):
+            why.append(f"a CUDA device (torch sees {env.get('devices', 'none')})")
+        if env.get("stubs") != "import":
+            why.append(f"the stubs ({env.get('stubs', 'not probed')})")
+        free = env.get("shm_free_bytes", 0)
+        if not self.dry_run and free < SHM_NEEDS[phase]:
+            why.append(f"{SHM_NEEDS[phase] / 2**30:.2f} GiB free in /dev/shm "
+                       f"({free / 2**30:.2f} GiB free of {env.get('shm_bytes', 0) / 2**30:.2f})")
+        return f"not run: needs {'; '.join(why)}" if why else None
+
+    def ready(self, phase: str, name: str | None = None) -> bool:
+        why = self.lacks(phase)
+        if why:
+            self._fail(name or phase, why)
+        return why is None
+
+    # ---------------------------------------------------------------- phases
+
+    def imports(self) -> None:
+        """Dry run: what the device run loads, read and imported in the model."""
+        self.phase("imports", [sys.executable, "-m", "benchmarks.gpu_check", "imports"],
+                   "imports.log")
 
     def tests(self) -> None:
+        if not self.ready("tests"):
+            return
         junit = self.out / "gpu-tests.xml"
         argv = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-p",
                 "no:cacheprovider", f"--junitxml={junit}"]
         if self.dry_run:
-            ok = self.phase("tests", [*argv, "--collect-only", "-q"], "gpu-tests.log")
-            log = self.out / "gpu-tests.log"
-            text = log.read_text() if log.exists() else ""
-            ids = [line for line in text.splitlines() if line.startswith("tests/gpu/")]
-            self.results["tests"] = {"collected": len(ids)}
-            for backend in gpu_report.BACKENDS:
-                if ok and not any(backend in i for i in ids):
-                    self._fail("tests", f"no GPU test of the {backend} backend was collected")
+            self._collect(argv)
             return
         self.phase("tests", [*argv, "-v", "--durations=10"], "gpu-tests.log",
                    dict(self.env, EC_GPU_REQUIRED="1"))
         if junit.exists():
-            self.results["tests"] = gpu_report.junit_summary(junit)
+            with contextlib.suppress(Exception):  # a file cut short by a stop
+                self.results["tests"] = gpu_report.junit_summary(junit)
+
+    def _collect(self, argv: list[str]) -> None:
+        """The GPU tests collected through the conftests the device loads;
+        in the model every test file may skip only for torch or CuPy."""
+        log = self.out / "gpu-tests.log"
+        # exit 5: nothing collected, every file skipped (checked below)
+        self.phase("tests", [*argv, "--collect-only", "-q", "-rs"], "gpu-tests.log",
+                   limit_s=PHASE_S["imports"], ok=(0, 5))
+        text = log.read_text() if log.exists() else ""
+        files = sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+        skipped = re.findall(r"SKIPPED \[\d+\] tests/gpu/(test_\w+\.py)(?::\d+)?: (.*)", text)
+        ids = [line for line in text.splitlines() if line.startswith("tests/gpu/")]
+        self.results["tests"] = {"collected": len(ids), "skipped files": len(skipped)}
+        other = [f"{f}: {why}" for f, why in skipped
+                 if not re.search(r"could not import '(torch|cupy)'", why)]
+        unseen = set(files) - {f for f, _ in skipped} - {i.split("::")[0].split("/")[-1]
+                                                         for i in ids}
+        if other or unseen:
+            self._fail("tests", "; ".join([*other, *(f"{f} neither collected nor skipped"
+                                                     for f in sorted(unseen))]))
 
     def gpu_bench(self) -> None:
-        if self.dry_run:
-            self.phase("gpu-bench", [sys.executable, "-c", "import benchmarks.gpu, "
-                                     "tests.gpu.test_gpu_regions, tests.gpu.test_gpu_backends"],
-                       "gpu-bench.log")
-            return
-        path = self.work / "gpu-bench.json"
+        if self.dry_run or not self.ready("gpu-bench"):
+            return  # the dry run reads benchmarks.gpu (it imports torch) in `imports`
+        path = self.out / "gpu-bench.json"
         self.phase("gpu-bench", [sys.executable, "-m", "benchmarks.gpu", "--json", str(path)],
                    "gpu-bench.log")
         if path.exists():
-            self.results["gpu_bench"] = json.loads(path.read_text())
+            with contextlib.suppress(ValueError):
+                self.results["gpu_bench"] = json.loads(path.read_text())
 
     def daemon_bench(self) -> None:
-        path = self.work / "daemon-bench.json"
-        scale = ["--engines", "2", "--seconds", "1"] if self.dry_run else \
-            ["--engines", "8", "16", "--seconds", "10"]
-        self.phase("daemon-bench", [sys.executable, "-m", "benchmarks.concurrency", *scale,
-                                    "--mix", "every step", "--json", str(path)],
-                   "daemon-bench.log")
-        if path.exists():
+        runs = [(2, 1)] if self.dry_run else [(n, 10) for n in DAEMON_ENGINES]
+        for engines, seconds in runs:
+            name = f"daemon-bench-{engines}"
+            if not self.ready("daemon-bench", name):
+                continue
+            path = self.out / f"{name}.json"
+            self.phase(name, [sys.executable, "-m", "benchmarks.concurrency", "--engines",
+                              str(engines), "--seconds", str(seconds), "--mix", "every step",
+                              "--json", str(path)], "daemon-bench.log")
+            if not path.exists():
+                continue
             rows = json.loads(path.read_text())
-            if self.dry_run and not all("event_lag_p99_ms" in r for r in rows):
-                self._fail("daemon-bench", "rows without event_lag_p99_ms")
-            else:
-                self.results["daemon_bench"] = rows
+            if not all("event_lag_p99_ms" in r for r in rows):
+                self._fail(name, "rows without event_lag_p99_ms")
+            elif not self.dry_run:
+                self.results.setdefault("daemon_bench", []).extend(rows)
+                self.save()
 
     def report_writer(self) -> None:
         """Dry run: the writer renders a complete fake result set."""
@@ -239,24 +301,37 @@ class Check:
         if missing or any(t["met"] is None for t in fake["targets"]):
             self._fail("report", f"the report writer lost {missing or 'a target'}")
         else:
-            self.results["phases"].append({"name": "report", "status": "ok", "seconds": 0.0,
-                                           "log": None})
+            self._record("report", "ok", 0.0, None)
+
+    # ---------------------------------------------------------------- report
+
+    def _record(self, name: str, status: str, seconds: float, log: str | None) -> None:
+        self.results["phases"].append({"name": name, "status": status,
+                                       "seconds": round(seconds, 1), "log": log})
+        print(f">> {name}: {status} in {seconds:.0f} s"
+              + (f" (log: {self.out / log})" if log else ""), flush=True)
+        self.save()
 
     def _fail(self, name: str, why: str) -> None:
-        self.results["phases"].append({"name": name, "status": f"failed: {why}",
-                                       "seconds": 0.0, "log": None})
-        print(f">> {name}: failed: {why}", flush=True)
+        self._record(name, f"failed: {why}" if not why.startswith("not run") else why, 0.0,
+                     None)
 
-    def write(self) -> bool:
+    def save(self) -> None:
+        """report.json and report.md as far as measured (rewritten whole:
+        a stop in between leaves the previous pair)."""
         self.results["seconds"] = round(time.monotonic() - self.started, 1)
         self.results["targets"] = gpu_report.targets(self.results)
-        (self.out / "report.json").write_text(json.dumps(self.results, indent=1) + "\n")
-        text = gpu_report.markdown(self.results)
-        (self.out / "report.md").write_text(text)
-        print(text, flush=True)
+        for name, text in (("report.json", json.dumps(self.results, indent=1) + "\n"),
+                           ("report.md", gpu_report.markdown(self.results))):
+            part = self.out / f".{name}.part"
+            part.write_text(text)
+            part.replace(self.out / name)
+
+    def write(self) -> bool:
+        self.save()
+        print((self.out / "report.md").read_text(), flush=True)
         shutil.rmtree(self.work, ignore_errors=True)
-        return all(p["status"] == "ok" for p in self.results["phases"]
-                   if p["name"] != "install" or p["log"])
+        return all(p["status"] == "ok" for p in self.results["phases"])
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -292,15 +367,60 @@ def _group_alive(pgid: int) -> bool:
 
 
 def run(out: Path, dry_run: bool) -> int:
+    if dry_run and os.environ.get(MODEL_ENV) != "1":
+        return _in_model(out)
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, dry_run)
-    check.install()
-    check.tests()
-    check.gpu_bench()
-    check.daemon_bench()
-    if dry_run:
-        check.report_writer()
+    if check.carried():
+        check.install()
+        check.probe()
+        if dry_run:
+            check.imports()
+        check.tests()
+        check.gpu_bench()
+        check.daemon_bench()
+        if dry_run:
+            check.report_writer()
     return 0 if check.write() else 1
+
+
+def _in_model(out: Path) -> int:
+    """The dry run, again, in the model of the device (`gpu_device`)."""
+    python = gpu_device.model_python()
+    print(f">> gpu-check dry run in the device's model ({python})", flush=True)
+    env = dict(gpu_device.model_env(), **{MODEL_ENV: "1"})
+    return subprocess.call([python, "-m", "benchmarks.gpu_check", "run", "--dry-run",
+                            "--out", str(out)], cwd=ROOT, env=env)
+
+
+def check_imports() -> int:
+    """`imports` (the dry run's phase, in the model): every import the device
+    run makes is of a module the device has (read from the source), and every
+    module it loads that does not need torch or CuPy imports here."""
+    from benchmarks import gpu_imports
+
+    allowed = set(gpu_device.DEVICE_MODULES) | gpu_device.carried_modules()
+    missing = gpu_imports.missing(allowed)
+    for m in missing:
+        print(f"MISSING {m}")
+    failed, read = [], []
+    for name in gpu_imports.loadable():
+        if name.endswith("__main__"):
+            continue  # runs its program (the daemon benchmark starts it)
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # pytest.importorskip raises a BaseException
+            if re.search(r"'(torch|cupy)'", str(exc)) or getattr(exc, "name", "") in (
+                    "torch", "cupy"):
+                read.append(name)
+            else:
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    for line in failed:
+        print(f"FAILED {line}")
+    print(f">> {len(gpu_imports.loadable())} modules loaded by the device run; imported here "
+          f"but {len(read)} that need torch or CuPy (read: {', '.join(read)}); "
+          f"{len(missing)} imports of modules the device lacks; {len(failed)} failed")
+    return 1 if missing or failed else 0
 
 
 def test(pytest_args: list[str]) -> int:
@@ -340,20 +460,23 @@ def main() -> None:
     check = commands.add_parser("run", help="run the check, write the report")
     check.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT"),
                        help="the report's folder (default: $GPU_CHECK_OUT)")
-    check.add_argument("--dry-run", action="store_true", help="no GPU: install, collect, "
-                       "import, check the report writer")
+    check.add_argument("--dry-run", action="store_true", help="no GPU: in a model of the "
+                       "device, install, read and import, collect, check the report writer")
+    commands.add_parser("imports", help="(the dry run's phase) what the device run imports")
     commands.add_parser("test", help="the GPU tests, required to run (the arguments "
                         "after `test` go to pytest)")
     if sys.argv[1:2] == ["test"]:
         sys.exit(test(sys.argv[2:]))
     args = parser.parse_args()
     if args.command == "prepare":
-        prepare()
+        gpu_device.prepare()
+    elif args.command == "imports":
+        sys.exit(check_imports())
     else:
         if not args.out:
             parser.error("give the report's folder: --out DIR (make gpu-check OUT=DIR) "
                          "or GPU_CHECK_OUT")
-        sys.exit(run(Path(args.out), args.dry_run))
+        sys.exit(run(Path(args.out).resolve(), args.dry_run))
 
 
 if __name__ == "__main__":

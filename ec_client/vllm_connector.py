@@ -363,7 +363,7 @@ class ECDaemonConnector(ECConnectorBase):
         rank, world = _loading_rank(vllm_config)
         backend = get_backend(self.settings.copy_backend)
         check_backend_device(self.settings.copy_backend, backend.device,
-                             str(vllm_config.device_config.device_type))
+                             _worker_device(str(vllm_config.device_config.device_type)))
         # Loads land in the backend's `empty`: on the worker's device, ordered
         # for the backend's copy stream (the cpu backend's are host arrays).
         return WorkerDelegate(
@@ -560,12 +560,30 @@ class ECDaemonConnector(ECConnectorBase):
 
 def check_backend_device(name: str, backend_device: str, worker_device: str) -> None:
     """Raise ValueError when the copy backend cannot serve this worker's
-    device: its loads would put tensors of another device into vLLM's encoder
-    cache, and its saves would fail on every output."""
-    if backend_device.partition(":")[0] != worker_device.partition(":")[0]:
+    device (`worker_device`: "cuda:1", or the type alone where no index is
+    known): its loads would put tensors of another device, or another GPU,
+    into vLLM's encoder cache, and its saves would fail on every output."""
+    backend_type, _, backend_index = backend_device.partition(":")
+    worker_type, _, worker_index = worker_device.partition(":")
+    if backend_type != worker_type:
         raise ValueError(
             f"ec_daemon_copy_backend {name!r} copies {backend_device} memory, but this vLLM "
             f"worker runs on {worker_device}: use 'auto' (torch or cupy on CUDA, cpu on CPU)")
+    if worker_index and backend_index != worker_index:
+        raise ValueError(
+            f"ec_daemon_copy_backend {name!r} copies on {backend_device}, but this vLLM worker "
+            f"runs on {worker_device}: a backend copies on the device current when it is "
+            "built (vLLM's worker sets its own before it builds the connector)")
+
+
+def _worker_device(device_type: str) -> str:
+    """This worker's device: vLLM's worker makes its GPU current before it
+    builds the connector, so on CUDA the current device names it."""
+    if device_type != "cuda":
+        return device_type
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else device_type
 
 
 def expected_reports(vllm_config: VllmConfig) -> int:

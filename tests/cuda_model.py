@@ -28,18 +28,27 @@ CPU test suite, and records every broken rule in `violations` (and raises
 - host memory is never (un)registered while a queued copy of it is pending;
 - the current stream is per thread: the compute stream on the main thread
   (the engine's), a default stream of its own on every other thread;
-- registration can be refused (`refuse_registration`), and `host_register_calls`
-  counts the attempts.
+- registration can be refused (`refuse_registration`), unregistration can
+  fail (`refuse_unregistration`: CUDA's error, raised), and
+  `host_register_calls` counts the attempts;
+- the caching allocator's per-stream rules (tests/cuda_allocator.py): memory
+  allocated on one stream and written by another that did not wait for it,
+  and a tensor freed while a stream it was never recorded on still has work
+  on it queued, are both broken rules;
+- copies are counted: `copy_calls` (one cudaMemcpyAsync each) and
+  `batch_calls` (one cudaMemcpyBatchAsync each, of registered memory only;
+  `batches=False`: a runtime without it).
 
-It is a model of the documented rules, not CUDA: timing, the caching
-allocator's reuse and real DMA are not modelled, and it is no substitute for
-running tests/gpu on a GPU (`make gpu-test`, `make gpu-check`).
+It is a model of the documented rules, not CUDA: timing and real DMA are not
+modelled, and it is no substitute for running tests/gpu on a GPU (`make
+gpu-test`, `make gpu-check`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,55 +58,42 @@ import torch
 from ec_client.copy.cuda import CudaBackend
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import PinRefused
+from tests.cuda_allocator import Allocator
+from tests.cuda_streams import Event, RuleBroken, Stream, StreamModel
+
+__all__ = ["GARBAGE", "Backend", "EngineBackend", "Event", "ModelRuntime", "RuleBroken",
+           "Stream", "as_host"]
 
 GARBAGE = 0xAB
 
 
-class RuleBroken(RuntimeError):
-    """The copy path broke one of CUDA's rules."""
-
-
-class Stream:
-    def __init__(self, model: ModelRuntime, device: int, name: str) -> None:
-        self.model = model
-        self.device = device
-        self.name = name
-        # ("work", fn, host range or None) or ("wait", Event, None)
-        self.ops: list[tuple[str, Any, tuple[int, int] | None]] = []
-        self.done = 0  # ops[:done] have run
-
-    def __repr__(self) -> str:
-        return f"<stream {self.name} on device {self.device}>"
-
-
-class Event:
-    def __init__(self, stream: Stream, position: int) -> None:
-        self.stream = stream
-        self.position = position
-
-
-class ModelRuntime:
+class ModelRuntime(StreamModel):
     """`CudaRuntime` over CPU memory, checking CUDA's rules."""
 
     name = "cuda-model"
     device = "cpu"  # where its "device" tensors really live (a CPU vLLM engine can use them)
     orders_allocations = True
 
-    def __init__(self, device: int = 1, *, permissive: bool = False) -> None:
+    def __init__(self, device: int = 1, *, permissive: bool = False,
+                 batches: bool = True) -> None:
         self.index = device
         self.permissive = permissive
+        self.batches = batches
         self.violations: list[str] = []
         self.compute_host_waits = 0
         self.compute_host_waits_by_thread: dict[str, int] = {}
         self.host_register_calls = 0
+        self.copy_calls = 0
+        self.batch_calls = 0
+        self.host_waits = 0  # synchronisations of an event or a stream by the host
         self.refuse_registration: Callable[[int, int], bool] = lambda offset, length: False
+        self.refuse_unregistration: Callable[[int], Exception | None] = lambda offset: None
         self._lock = threading.RLock()
         self._thread = threading.local()
         self._registrations: dict[int, int] = {}  # address -> length
         self._hosts: dict[int, int] = {}  # address of a host mapping -> its length
-        # The model's device memory: storage address -> (the tensor, kept
-        # alive so the address is never reused, its device).
-        self._allocations: dict[int, tuple[torch.Tensor, int]] = {}
+        # The model's device memory, and the caching allocator's rules.
+        self.allocator = Allocator(self)
         self.compute = Stream(self, device, "compute")
         self._streams: list[Stream] = []
         self._running: set[str] | None = None
@@ -118,13 +114,12 @@ class ModelRuntime:
         """A copy of `tensor` in the model's device memory (of `device`,
         default the worker's)."""
         copy = tensor.clone()
-        self._allocations[copy.untyped_storage().data_ptr()] = (
-            copy, self.index if device is None else device)
+        self.allocator.place(copy, self.index if device is None else device)
         return copy
 
     def place(self, tensor: torch.Tensor, device: int) -> torch.Tensor:
         """`tensor` as memory of `device` (another GPU)."""
-        self._allocations[tensor.untyped_storage().data_ptr()] = (tensor, device)
+        self.allocator.place(tensor, device)
         return tensor
 
     def _device_of(self, array: Any) -> int:
@@ -135,54 +130,15 @@ class ModelRuntime:
         for address, length in self._hosts.items():
             if address <= pointer < address + length:
                 raise TypeError("a view of the host region is host memory, not a device array")
-        allocated = self._allocations.get(array.untyped_storage().data_ptr())
-        if allocated is not None:
-            return allocated[1]
+        block = self.allocator.block_of(array)
+        if block is not None:
+            return block.device
         if self.permissive:
             return self.index
         raise TypeError("a CPU tensor the model never allocated is host memory, not a device "
                         "array (cupy.asarray would copy it to the device)")
 
-    def _check_stream(self, stream: Stream) -> None:
-        if stream.device != self.index:
-            raise self.broken(f"{stream} used for device {self.index}'s memory: a copy runs "
-                              "on the current stream of its own device")
-
     # ------------------------------------------------------------ streams
-
-    def launch(self, fn: Callable[[], None], stream: Stream | None = None) -> None:
-        """Queue a kernel (the test's producer or consumer) on `stream`."""
-        (stream or self.compute).ops.append(("work", fn, None))
-
-    def _run(self, stream: Stream, upto: int) -> None:
-        while stream.done < upto:
-            kind, what, _ = stream.ops[stream.done]
-            stream.done += 1
-            if self._running is not None:
-                self._running.add(stream.name)
-            if kind == "wait":
-                self._run(what.stream, what.position)
-            else:
-                what()
-
-    def _host_wait(self, stream: Stream, upto: int) -> None:
-        with self._lock:
-            self._running = set()
-            try:
-                self._run(stream, upto)
-                if self.compute.name in self._running:
-                    self.compute_host_waits += 1
-                    thread = threading.current_thread().name
-                    self.compute_host_waits_by_thread[thread] = \
-                        self.compute_host_waits_by_thread.get(thread, 0) + 1
-            finally:
-                self._running = None
-
-    def drain(self) -> None:
-        """Run everything queued (the test's own synchronisation)."""
-        with self._lock:
-            for stream in [self.compute, *self._streams]:
-                self._run(stream, len(stream.ops))
 
     # ------------------------------------------------- CudaRuntime methods
 
@@ -211,11 +167,14 @@ class ModelRuntime:
 
     def unregister(self, host: int, offset: int) -> None:
         self._on_device()
+        error = self.refuse_unregistration(offset)
         with self._lock:
             length = self._registrations.pop(host + offset, None)
             if length is None:
                 raise self.broken("cudaHostUnregister of memory that is not registered")
             self._no_pending_copy(host + offset, host + offset + length, "cudaHostUnregister")
+        if error is not None:  # CUDA refused, after releasing what it could
+            raise error
 
     def _no_pending_copy(self, start: int, end: int, call: str) -> None:
         for stream in [self.compute, *self._streams]:
@@ -246,8 +205,10 @@ class ModelRuntime:
         self._check_stream(stream)
         if array.is_contiguous():
             return array
-        out = self._garbage(tuple(array.shape), array.dtype)
+        out = self._garbage(tuple(array.shape), array.dtype, stream)
         stream.ops.append(("work", lambda: out.copy_(array), None))  # reads when it runs
+        self.allocator.used(array, stream)
+        self.allocator.used(out, stream)
         return out
 
     def new_stream(self) -> Stream:
@@ -267,9 +228,26 @@ class ModelRuntime:
             self._streams.append(stream)
         return stream
 
+    def producer_stream(self, array: Any) -> Stream:
+        return self.current_stream()
+
+    def copy_batch(self, copies: Any, stream: Stream) -> bool:
+        self._on_device()
+        if not self.batches:
+            return False
+        for dst, dst_offset, src, src_offset, length in copies:
+            self._copy(dst, dst_offset, src, src_offset, length, stream, batched=True)
+        self.batch_calls += 1
+        return True
+
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, length: int,
              stream: Stream) -> None:
         self._on_device()
+        self.copy_calls += 1
+        self._copy(dst, dst_offset, src, src_offset, length, stream)
+
+    def _copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, length: int,
+              stream: Stream, batched: bool = False) -> None:
         self._check_stream(stream)
         to_host = isinstance(dst, int)
         host, host_offset = (dst, dst_offset) if to_host else (src, src_offset)
@@ -286,8 +264,12 @@ class ModelRuntime:
         def move() -> None:
             ctypes.memmove(dst_ptr, src_ptr, length)
 
+        if batched and not pinned:
+            raise self.broken("cudaMemcpyBatchAsync of pageable memory (batches are for "
+                              "registered runs, in stream order)")
         if pinned:
             stream.ops.append(("work", move, (start, start + length)))
+            self.allocator.used(device, stream)
             return
         # Pageable: CUDA synchronises the stream, then copies through a
         # staging buffer. To the host: landed on return. To the device: the
@@ -298,6 +280,7 @@ class ModelRuntime:
         else:
             staged = ctypes.string_at(src_ptr, length)
             stream.ops.append(("work", lambda: ctypes.memmove(dst_ptr, staged, length), None))
+        self.allocator.used(device, stream)
 
     def _pinned(self, start: int, length: int) -> bool:
         with self._lock:
@@ -312,60 +295,90 @@ class ModelRuntime:
                                       "cudaErrorInvalidValue")
         return False
 
-    def record(self, stream: Stream) -> Event:
-        self._on_device()
-        self._check_stream(stream)
-        return Event(stream, len(stream.ops))
-
-    def wait(self, stream: Stream, event: Event) -> None:
-        self._on_device()
-        self._check_stream(stream)
-        stream.ops.append(("wait", event, None))
-
-    def synchronize(self, event: Event) -> None:
-        self._on_device()
-        self._host_wait(event.stream, event.position)
-
-    def synchronize_stream(self, stream: Stream) -> None:
-        self._on_device()
-        self._host_wait(stream, len(stream.ops))
-
     def empty(self, shape: tuple[int, ...], dtype: str, stream: Stream) -> torch.Tensor:
         self._on_device()
         self._check_stream(stream)
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
-        return self._garbage(shape, torch_dtype)
+        return self._garbage(shape, torch_dtype, stream)
 
     def used_on(self, array: Any, stream: Stream) -> None:
         self._on_device()
         self._check_stream(stream)
+        self.allocator.record(array, stream)
 
-    def _garbage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Uninitialised device memory of the worker's device."""
+    def _garbage(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 stream: Stream) -> torch.Tensor:
+        """Uninitialised device memory of the worker's device, allocated on `stream`."""
         out = torch.empty(shape, dtype=dtype)
         out.reshape(-1).view(torch.uint8).fill_(GARBAGE)
-        if not self.permissive:  # (a permissive model's outputs go to a real engine)
-            self._allocations[out.untyped_storage().data_ptr()] = (out, self.index)
+        self.allocator.place(out, self.index, stream)
         return out
 
 
 class Backend(CudaBackend):
-    """The CUDA copy path over the model."""
+    """The CUDA copy path over the model. `busy_compute`: as in an engine,
+    the compute stream always has work queued when the worker allocates and
+    loads (the previous step's kernels), and the forward pass reads each
+    loaded output there afterwards (checked against the bytes the load
+    returned when it runs). `wait_pinned`: `attach` returns once the mapping
+    is registered, so copies run pinned and the chunk rules apply."""
 
-    def __init__(self, runtime: ModelRuntime | None = None, chunk_bytes: int = 1 << 30) -> None:
+    def __init__(self, runtime: ModelRuntime | None = None, chunk_bytes: int = 1 << 30, *,
+                 busy_compute: bool = False, wait_pinned: bool = False) -> None:
         super().__init__(runtime or ModelRuntime(), chunk_bytes=chunk_bytes)
         self.model: ModelRuntime = self.runtime  # type: ignore[assignment]
+        self.busy_compute = busy_compute
+        self.wait_pinned = wait_pinned
+        self.consumed = 0  # loaded outputs the forward pass read, as loaded
+
+    def attach(self, mapping: RegionMapping) -> None:
+        super().attach(mapping)
+        if self.wait_pinned:
+            assert self.pinning(mapping).done.wait(30)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        if self.busy_compute:
+            self.model.launch(lambda: None)  # the previous step, still running
+        return super().empty(shape, dtype)
+
+    def load_all(self, loads: Any) -> list[Exception | None]:
+        if self.busy_compute:
+            self.model.launch(lambda: None)
+        errors = super().load_all(loads)
+        if self.busy_compute:
+            for (_, _, out), error in zip(loads, errors, strict=True):
+                if error is None:
+                    self._consume(out)
+        return errors
+
+    def _consume(self, out: torch.Tensor) -> None:
+        """Queue the forward pass's read of `out` on the compute stream."""
+        returned = as_host(out).tobytes()
+        model = self.model
+        # Not held by the kernel: an output freed while it is queued is the
+        # allocator's business (tests/cuda_allocator.py), as on a GPU.
+        ref = weakref.ref(out)
+
+        def forward() -> None:
+            tensor = ref()
+            if tensor is not None and as_host(tensor).tobytes() != returned:
+                model.broken("the compute stream read a loaded output that differs from the "
+                             "bytes its load returned")
+            self.consumed += 1
+
+        model.launch(forward, uses=(out,))
 
 
 class EngineBackend(Backend):
     """The CUDA copy path over a permissive model, for a CPU vLLM engine whose
     encoder outputs stand in for device tensors; selectable by name where a
-    backend is (`ec_daemon_copy_backend: "tests.cuda_model:EngineBackend"`)."""
+    backend is (`ec_daemon_copy_backend: "tests.cuda_model:EngineBackend"`):
+    its compute stream is busy, as an engine's is."""
 
     def __init__(self) -> None:
-        super().__init__(ModelRuntime(permissive=True))
+        super().__init__(ModelRuntime(permissive=True), busy_compute=True)
 
 
 def as_host(array: Any) -> np.ndarray:

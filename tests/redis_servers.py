@@ -4,7 +4,9 @@ or restarting a node on its port. Every server is stopped by its pid when its
 context manager exits, and every wait is bounded by time.
 
 Standard library and redis-py only: the vLLM suites import this from their
-own virtual environment.
+own virtual environment. redis-py is imported where a server is talked to,
+not at import: tests/groups.py imports this module for every suite, the GPU
+suite on a machine without redis-py included.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import redis
+if TYPE_CHECKING:
+    import redis
 
 REDIS_SERVER = shutil.which("redis-server")
 OPENSSL = shutil.which("openssl")
@@ -145,6 +149,8 @@ class RedisServer:
             if self.tls_auth_clients:
                 options.update(ssl_certfile=self.tls.cert, ssl_keyfile=self.tls.key)
         options.update(kwargs)
+        import redis
+
         return redis.Redis(**options)  # type: ignore[arg-type]
 
     def start(self, timeout_s: float = 15.0) -> None:
@@ -166,6 +172,8 @@ class RedisServer:
             raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}")
 
     def _wait_ready(self, deadline: float) -> bool:
+        import redis
+
         assert self.process is not None
         client = self.client(socket_timeout=1, socket_connect_timeout=1)
         try:
@@ -285,6 +293,8 @@ def _ranges(masters: int) -> list[tuple[int, int]]:
 
 def _cluster_info(node: RedisServer) -> dict[str, str]:
     """CLUSTER INFO as a dict ({} when the node does not answer)."""
+    import redis
+
     try:
         client = node.client(socket_timeout=1, socket_connect_timeout=1)
         try:

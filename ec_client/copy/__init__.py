@@ -1,7 +1,9 @@
 """Copy backends: move payload bytes between a process's memory and the region.
 
-A backend copies one call per extent (split at pinned-memory chunks on
-CUDA) and returns only once the bytes have landed. Backends are loaded by
+A backend copies one call per contiguous run of extents (split at
+pinned-memory chunks on CUDA, and batched where CUDA can) and returns only
+once the bytes have landed; a step's loads go together (`load_all`: one
+wait for all of them). Backends are loaded by
 name on first use, so importing this package costs nothing: `cpu` (memcpy;
 CI and CPU-only vLLM), and the CUDA backends (`torch`, `cupy`), which share
 one copy path over a narrow seam to the CUDA runtime (`ec_client.copy.cuda`).
@@ -28,10 +30,11 @@ from typing import Any, Protocol
 from ec_client.copy.mapping import RegionMapping
 
 Extents = Sequence[tuple[int, int]]
+Load = tuple[RegionMapping, Extents, Any]  # a load: the mapping, its extents, the output
 BACKENDS = ("auto", "cpu", "torch", "cupy")
 # What every backend has: `CopyBackend`'s members, checked on custom ones.
 INTERFACE = ("name", "device", "stats", "attach", "detach", "pinned", "empty", "prepare_save",
-             "save", "load")
+             "save", "load", "load_all")
 
 
 class CopyBackend(Protocol):
@@ -67,6 +70,12 @@ class CopyBackend(Protocol):
         """Copy `extents` into `out` (contiguous, on `device`, whose byte size
         is their total; best made by `empty`); return `out` once the bytes
         landed. Raises TypeError for a non-contiguous `out` or one elsewhere."""
+
+    def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
+        """Each load of a step, as `load` does it, returning once every copy
+        that was made landed: per load None (its `out` holds the bytes) or
+        the TypeError or ValueError that refused it (nothing was copied for
+        it; the others go on)."""
 
 
 def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:

@@ -11,9 +11,10 @@ output must be contiguous.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
-from ec_client.copy import Extents, check_extents, empty_host, spans
+from ec_client.copy import Extents, Load, check_extents, empty_host, spans
 from ec_client.copy.mapping import RegionMapping
 
 
@@ -98,3 +99,13 @@ class Backend:
         for offset, length, done in spans(extents):
             data[done:done + length] = region[offset:offset + length]
         return out
+
+    def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
+        errors: list[Exception | None] = []
+        for mapping, extents, out in loads:
+            try:
+                self.load(mapping, extents, out)
+                errors.append(None)
+            except (TypeError, ValueError) as exc:
+                errors.append(exc)
+        return errors

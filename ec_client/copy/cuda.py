@@ -11,17 +11,26 @@ CuPy document them:
   makes the worker's device current first (`use_device`), else a rank above
   0 would create a context on GPU 0 and copy there;
 - one cudaMemcpyAsync range lies inside one host registration or outside all
-  of them: copies are split at the registration chunks (`pinning.pieces`);
+  of them: copies are split at the registration chunks (`pinning.pieces`),
+  after joining extents that continue each other (one copy per contiguous
+  run); the runs of registered memory go in one cudaMemcpyBatchAsync where
+  the runtime has it (CUDA 12.8+), else one call each (`copy_batch`);
 - host memory is never handed over as a device array (`cupy.asarray` of host
   memory copies it to the device, and the copy would land there), and a
   load's output lives on the worker's device (`device_bytes` refuses both);
 - a save's copy waits, on the copy stream, for the event recorded after the
-  output was produced (`prepare_save`); a non-contiguous output is made
-  contiguous on the copy stream after that wait;
-- a load's output is allocated for the copy stream (`empty`) and recorded on
-  the compute stream, which waits for the copy's event: the compute stream is
-  never synchronised by the host. The host waits for the copy's own event
-  only, because the stamps must be read after the bytes landed;
+  output was produced, on the current stream of the library that made it
+  (`producer_stream`); a non-contiguous output is made contiguous on the copy
+  stream after that wait;
+- a load's output is allocated on the copy stream (`empty`), so nothing the
+  compute stream queued can still be using its memory when the copy writes
+  it (torch's caching allocator hands out a block freed on a stream at once
+  to that stream's next allocation), and it is recorded on the compute
+  stream (`used_on`: record_stream) before the host returns it, so its
+  memory is not handed to the next load while the forward pass still reads
+  it; the compute stream waits for the copy's event and is never
+  synchronised by the host. The host waits once for a step's loads
+  (`load_all`), because the stamps must be read after the bytes landed;
 - a refused registration leaves no CUDA error pending and falls back to
   unpinned copies (`pinning`).
 """
@@ -31,11 +40,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any, Protocol
 
-from ec_client.copy import Extents, check_extents
+from ec_client.copy import Extents, Load, check_extents
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import REGISTER_CHUNK_BYTES, Pinning, pieces
+
+# One copy: (dst, dst_offset, src, src_offset, length); one side is host memory.
+Copy = tuple[Any, int, Any, int, int]
 
 
 class CudaRuntime(Protocol):
@@ -81,11 +95,21 @@ class CudaRuntime(Protocol):
 
     def current_stream(self) -> Any:
         """The calling thread's current stream on the worker's device: the
-        compute stream that produces saves and consumes loads."""
+        compute stream that consumes loads."""
+
+    def producer_stream(self, array: Any) -> Any:
+        """The calling thread's current stream of the library that made
+        `array` (torch's for a tensor, CuPy's for a CuPy array): the one
+        its producer wrote it on."""
 
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, length: int,
              stream: Any) -> None:
         """cudaMemcpyAsync of `length` bytes on `stream`; one side is host."""
+
+    def copy_batch(self, copies: Sequence[Copy], stream: Any) -> bool:
+        """Queue `copies` (independent; host sides registered) on `stream` in
+        one call (cudaMemcpyBatchAsync) and return True, or queue nothing and
+        return False (the runtime has no batch: the caller copies one by one)."""
 
     def record(self, stream: Any) -> Any:
         """A new event recorded on `stream`."""
@@ -182,7 +206,7 @@ class CudaBackend:
         """On the producing thread: the event after which `source` is written."""
         self.runtime.use_device()
         self.runtime.check_device(source)
-        return self.runtime.record(self.runtime.current_stream())
+        return self.runtime.record(self.runtime.producer_stream(source))
 
     def save(self, source: Any, mapping: RegionMapping, extents: Extents,
              ready: Any = None) -> None:
@@ -202,8 +226,9 @@ class CudaBackend:
                 # be handed to a load's output while they still read it.
                 contiguous = rt.contiguous(source, stream)
                 data = rt.device_bytes(contiguous)
-                for offset, length, done in pieces(extents, self.chunk_bytes):
-                    rt.copy(mapped.host, offset, data, done, length, stream)
+                self._queue([((mapped.host, offset, data, done, length), mapped.pinning, offset)
+                             for offset, length, done in pieces(extents, self.chunk_bytes)],
+                            stream)
                 landed = rt.record(stream)
             except BaseException:
                 # What was queued lands before the caller may abort the save
@@ -214,7 +239,7 @@ class CudaBackend:
         del contiguous
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        """A load's output on the worker's device, allocated for the copy
+        """A load's output on the worker's device, allocated on the copy
         stream (so its load waits for nothing on the compute stream)."""
         self.runtime.use_device()
         out = self.runtime.empty(tuple(shape), dtype, self._load_stream)
@@ -232,29 +257,68 @@ class CudaBackend:
         """Copy `extents` into `out` (contiguous, on the worker's device) and
         return it once the bytes landed; the compute stream waits for the copy
         on the device."""
+        error = self.load_all([(mapping, extents, out)])[0]
+        if error is not None:
+            raise error
+        return out
+
+    def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
+        """A step's loads: every copy queued on the copy stream (registered
+        runs in one batch), one host wait for all of them, the compute
+        stream ordered after them on the device."""
         rt = self.runtime
         rt.use_device()
-        data = rt.device_bytes(out)
-        check_extents(mapping, extents, rt.nbytes(out))
-        mapped = self._entry(mapping)
+        errors: list[Exception | None] = [None] * len(loads)
+        queued: list[tuple[_Mapped, Extents, Any, Any]] = []  # mapped, extents, out, bytes
+        for i, (mapping, extents, out) in enumerate(loads):
+            try:
+                data = rt.device_bytes(out)
+                check_extents(mapping, extents, rt.nbytes(out))
+                queued.append((self._entry(mapping), extents, out, data))
+            except (TypeError, ValueError) as exc:
+                errors[i] = exc
+        if not queued:
+            return errors
         stream = self._load_stream
         consumer = rt.current_stream()
-        with mapped.pinning.using(extents):
+        with ExitStack() as held:
+            # One hold per mapping, on all its extents at once: holding one
+            # load's chunks while waiting for another's could wait for the
+            # registrar, which waits for the first hold to end.
+            by_mapping: dict[int, tuple[_Mapped, list[tuple[int, int]]]] = {}
+            for mapped, extents, _, _ in queued:
+                by_mapping.setdefault(id(mapped), (mapped, []))[1].extend(extents)
+            for mapped, extents in by_mapping.values():
+                held.enter_context(mapped.pinning.using(extents))
             try:
-                if not self._take_fresh(out):
+                if not all([self._take_fresh(out) for _, _, out, _ in queued]):
                     # The caller's memory may still be read by queued compute work.
                     rt.wait(stream, rt.record(consumer))
-                for offset, length, done in pieces(extents, self.chunk_bytes):
-                    rt.copy(data, done, mapped.host, offset, length, stream)
+                self._queue([((data, done, mapped.host, offset, length), mapped.pinning, offset)
+                             for mapped, extents, _, data in queued
+                             for offset, length, done in pieces(extents, self.chunk_bytes)],
+                            stream)
                 landed = rt.record(stream)
             except BaseException:
                 # Queued copies land before their chunks may be unregistered.
                 rt.synchronize_stream(stream)
                 raise
-            rt.used_on(out, consumer)
+            for _, _, out, _ in queued:
+                rt.used_on(out, consumer)
             rt.wait(consumer, landed)
             rt.synchronize(landed)  # the stamps are read after the bytes landed
-        return out
+        return errors
+
+    def _queue(self, copies: Sequence[tuple[Copy, Pinning, int]], stream: Any) -> None:
+        """Queue `copies` (each with the pinning of its host side and the
+        offset there) on `stream`: those of registered chunks in one batch
+        where the runtime can, the others (pageable) one call each."""
+        pinned = [copy for copy, pinning, offset in copies if pinning.registered(offset)]
+        rest = [copy for copy, pinning, offset in copies if not pinning.registered(offset)]
+        if len(pinned) < 2 or not self.runtime.copy_batch(pinned, stream):
+            rest += pinned
+        for copy in rest:
+            self.runtime.copy(*copy, stream)
 
     def _take_fresh(self, out: Any) -> bool:
         """Whether `out` came from `empty` and was not loaded into since."""

@@ -13,20 +13,30 @@ and recorded on the compute stream (torch's current stream), as the torch
 backend does. Without torch they are CuPy arrays; CuPy's pool has no
 record_stream, so a CuPy output is allocated on the compute stream and its
 load waits for that stream's queued work (on the device; the host then
-waits for the copy).
+waits for the copy). A save waits for the stream its source's own library
+wrote it on: torch's current stream for a tensor, CuPy's for a CuPy array.
+
+CuPy has no binding of cudaMemcpyBatchAsync, and the process's libcudart
+need not be the runtime CuPy uses (its current device and errors are
+per runtime), so copies are one memcpyAsync per run. An unregistration CuPy
+refuses is logged (`pinning` goes on), as the torch backend does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import cupy
 
-from ec_client.copy.cuda import CudaBackend
+from ec_client.copy.cuda import Copy, CudaBackend
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import PinRefused
+
+log = logging.getLogger(__name__)
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
@@ -73,7 +83,10 @@ class CupyRuntime:
             raise PinRefused(f"cudaHostRegister: {exc}") from None
 
     def unregister(self, host: int, offset: int) -> None:
-        cupy.cuda.runtime.hostUnregister(host + offset)
+        try:
+            cupy.cuda.runtime.hostUnregister(host + offset)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:  # CuPy cleared the error
+            log.warning("ec-daemon: cudaHostUnregister failed (%s)", exc)
 
     def check_device(self, array: Any) -> None:
         if _is_torch(array):
@@ -127,6 +140,14 @@ class CupyRuntime:
             return cupy.cuda.ExternalStream(
                 self._torch.cuda.current_stream(self.index).cuda_stream, self.index)
         return cupy.cuda.get_current_stream()
+
+    def producer_stream(self, array: Any) -> Any:
+        if _is_torch(array):
+            return self.current_stream()
+        return cupy.cuda.get_current_stream()
+
+    def copy_batch(self, copies: Sequence[Copy], stream: cupy.cuda.Stream) -> bool:
+        return False
 
     def copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, length: int,
              stream: cupy.cuda.Stream) -> None:

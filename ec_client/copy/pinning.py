@@ -7,13 +7,15 @@ So a mapping is registered by a thread of its own, in `REGISTER_CHUNK_BYTES`
 chunks, while copies go on: a chunk not registered yet is copied unpinned.
 
 CUDA requires one cudaMemcpyAsync range to lie inside one registration or
-outside all of them, so copies are split at chunk boundaries (`pieces`), and
+outside all of them, so copies are split at chunk boundaries (`pieces`, which
+first joins extents that continue each other: one copy per contiguous run), and
 a chunk is never (un)registered while a copy of it runs (`using`): the
 registrar takes a chunk only when no copy holds it, and new copies of that
 chunk wait the ~0.1 s it takes. A refused registration clears its CUDA error
 and rolls back every chunk of the mapping (copies go on unpinned, as vLLM's
 CPU connector does); that is counted (`pin_refused`) and logged once per
-process.
+process. An unregistration CUDA refuses is logged and the chunk counted as
+released: a mapping is always closed, and the registrar never dies of it.
 """
 
 from __future__ import annotations
@@ -52,13 +54,30 @@ def chunks_of(offset: int, length: int, chunk_bytes: int) -> range:
     return range(offset // chunk_bytes, (offset + length - 1) // chunk_bytes + 1)
 
 
+def runs(extents: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """`extents` with each one that starts where the previous one ended
+    joined to it (the buffer holds them back to back, so it continues too)."""
+    start = end = -1
+    for offset, length in extents:
+        if length <= 0:
+            continue
+        if offset == end:
+            end += length
+            continue
+        if end > start >= 0:
+            yield start, end - start
+        start, end = offset, offset + length
+    if end > start >= 0:
+        yield start, end - start
+
+
 def pieces(extents: Iterable[tuple[int, int]],
            chunk_bytes: int) -> Iterator[tuple[int, int, int]]:
     """(region offset, length, offset in the buffer) of each piece of
-    `extents` (the buffer holds them back to back), split so that no piece
-    crosses a chunk boundary."""
+    `extents` (the buffer holds them back to back): one per contiguous run,
+    split so that no piece crosses a chunk boundary."""
     done = 0
-    for offset, length in extents:
+    for offset, length in runs(extents):
         end = offset + length
         while offset < end:
             cut = min(end, (offset // chunk_bytes + 1) * chunk_bytes)
@@ -95,6 +114,12 @@ class Pinning:
         """Every chunk is registered."""
         with self._cond:
             return all(self._registered)
+
+    def registered(self, offset: int) -> bool:
+        """Whether the chunk holding byte `offset` is registered (stable while
+        a copy holds it: `using`)."""
+        with self._cond:
+            return self._registered[offset // self.chunk_bytes]
 
     @contextmanager
     def using(self, extents: Iterable[tuple[int, int]]) -> Iterator[None]:
@@ -174,8 +199,7 @@ class Pinning:
         for c, registered in enumerate(self._registered):
             if registered and self._take(c):
                 try:
-                    self._runtime.unregister(self._host, c * self.chunk_bytes)
-                    self._registered[c] = False
+                    self._unregister(c)
                 finally:
                     self._give(c)
         if not _refusal_logged:
@@ -188,5 +212,13 @@ class Pinning:
     def _unregister_all(self) -> None:
         for c, registered in enumerate(self._registered):
             if registered:
-                self._runtime.unregister(self._host, c * self.chunk_bytes)
-                self._registered[c] = False
+                self._unregister(c)
+
+    def _unregister(self, chunk: int) -> None:
+        """cudaHostUnregister of `chunk`; a refusal is logged, and the chunk
+        is no longer ours either way (CUDA keeps nothing we could retry)."""
+        try:
+            self._runtime.unregister(self._host, chunk * self.chunk_bytes)
+        except Exception as exc:  # the runtime's error type: CuPy raises its own
+            log.warning("ec-daemon: cudaHostUnregister of chunk %d failed: %s", chunk, exc)
+        self._registered[chunk] = False

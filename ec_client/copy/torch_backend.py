@@ -7,18 +7,20 @@ device, so tensors of another device are refused, never copied there). The
 mapping is registered with `torch.cuda.cudart().cudaHostRegister`, whose
 binding returns the error instead of clearing it: a refusal is cleared with
 cudaGetLastError from the CUDA runtime torch loaded, or it would surface at
-the next unrelated kernel launch on that thread.
+the next unrelated kernel launch on that thread. Runs of registered memory go
+in one cudaMemcpyBatchAsync (`ec_client.copy.batch`) where the runtime has it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ec_client.copy.cuda import CudaBackend
+from ec_client.copy.batch import BatchCopy, loaded_cudart
+from ec_client.copy.cuda import Copy, CudaBackend
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import PinRefused
 
@@ -39,6 +41,7 @@ class TorchRuntime:
         self.index = torch.cuda.current_device() if device is None else device
         self.device = f"cuda:{self.index}"
         self._device = torch.device("cuda", self.index)
+        self.batch = BatchCopy(_loaded_cudart())
 
     def use_device(self) -> None:
         torch.cuda.set_device(self.index)
@@ -84,11 +87,19 @@ class TorchRuntime:
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self._device)
 
+    def producer_stream(self, array: Any) -> torch.cuda.Stream:
+        return self.current_stream()
+
     def copy(self, dst: torch.Tensor, dst_offset: int, src: torch.Tensor, src_offset: int,
              length: int, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
             dst[dst_offset:dst_offset + length].copy_(src[src_offset:src_offset + length],
                                                       non_blocking=True)
+
+    def copy_batch(self, copies: Sequence[Copy], stream: torch.cuda.Stream) -> bool:
+        dsts = [dst.data_ptr() + offset for dst, offset, _, _, _ in copies]
+        srcs = [src.data_ptr() + offset for _, _, src, offset, _ in copies]
+        return self.batch(dsts, srcs, [copy[4] for copy in copies], stream.cuda_stream)
 
     def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -129,29 +140,14 @@ def _clear_error() -> None:
     runtime.cudaGetLastError()
 
 
-_cudart: ctypes.CDLL | None = None
+_cudart: Any = None
 
 
-def _loaded_cudart() -> ctypes.CDLL | None:
-    """The libcudart this process has loaded (torch's), found in /proc/self/maps:
-    another copy would have its own error state."""
+def _loaded_cudart() -> Any:
+    """The libcudart torch loaded (`batch.loaded_cudart`), looked up once."""
     global _cudart
     if _cudart is None:
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        except OSError:
-            paths = set()
-        # torch's own (its wheel's nvidia runtime, or beside libtorch) first.
-        for path in sorted(paths, key=lambda p: ("torch" not in p and "nvidia" not in p, p)):
-            try:
-                _cudart = ctypes.CDLL(path)
-                break
-            except OSError:
-                continue
-        if len(paths) > 1:
-            log.warning("ec-daemon: %d CUDA runtimes are loaded (%s); errors are cleared in %s",
-                        len(paths), ", ".join(sorted(paths)), _cudart and _cudart._name)
+        _cudart = loaded_cudart()
     return _cudart
 
 

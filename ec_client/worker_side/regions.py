@@ -15,12 +15,22 @@ idle between steps for `RETIRE_SECONDS` (an idle engine dispatches nothing,
 and a dead daemon's tmpfs memory is not pinned for long). So a load whose
 copy starts long after the daemon died, behind a slow step, still finds it.
 
+Releasing a mapping is not the caller's work: the copy backend's `detach`
+synchronises its copy streams (a save's may wait for the compute stream),
+joins its registrar and unregisters every chunk, which takes longer the
+larger the region. So `prune`, which the engine's thread calls at every
+load and step boundary, only takes a retired mapping out of use; a thread of
+its own (`ec-regions-release`, started when first needed) detaches and
+unmaps it, and `close` waits for it.
+
 Thread-safe: loads run on the engine's thread, saves on the saver thread,
 attach and detach on the link thread.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +39,8 @@ from contextlib import contextmanager
 from ec_client.common.contract import RegionInfo
 from ec_client.copy.mapping import RegionMapping
 from ec_protocol.stamps import StampTable
+
+log = logging.getLogger(__name__)
 
 # A retired mapping stays at least this long after it was retired (and
 # while any copy uses it), for loads dispatched before the scheduler saw the
@@ -62,6 +74,11 @@ class Regions:
         self._keep: frozenset[int] = frozenset()  # named by the latest step's metadata
         self._in_step = False
         self._idle_since = clock()
+        # Mappings out of use, for the release thread to detach and unmap.
+        self._released: queue.Queue[_Mapped | None] = queue.Queue()
+        self._releaser: threading.Thread | None = None
+        self._releasing_now = threading.Condition()
+        self._to_release = 0
 
     @contextmanager
     def use(self, info: RegionInfo) -> Iterator[tuple[RegionMapping, StampTable]]:
@@ -123,14 +140,46 @@ class Regions:
             for mapped in done:
                 del self._mapped[mapped.info.generation]
         for mapped in done:
-            self._unmap(mapped)
+            self._release(mapped)
 
     def close(self) -> None:
-        """Unmap everything (the worker is shutting down)."""
+        """Unmap everything (the worker is shutting down), once the release
+        thread has finished what it was given."""
         with self._lock:
             mapped, self._mapped = list(self._mapped.values()), {}
+            releaser, self._releaser = self._releaser, None
+        if releaser is not None:
+            self._released.put(None)
+            releaser.join()
         for m in mapped:
             self._unmap(m)
+
+    def _release(self, mapped: _Mapped) -> None:
+        """Detach and unmap `mapped` on the release thread, not this one."""
+        with self._lock:
+            if self._releaser is None:
+                self._releaser = threading.Thread(target=self._releasing, daemon=True,
+                                                  name="ec-regions-release")
+                self._releaser.start()
+        with self._releasing_now:
+            self._to_release += 1
+        self._released.put(mapped)
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Until every mapping taken out of use was detached and unmapped."""
+        with self._releasing_now:
+            return self._releasing_now.wait_for(lambda: self._to_release == 0, timeout)
+
+    def _releasing(self) -> None:
+        while (mapped := self._released.get()) is not None:
+            try:
+                self._unmap(mapped)
+            except Exception:  # the next mapping is still released
+                log.exception("ec-daemon: releasing region generation %016x failed",
+                              mapped.info.generation)
+            with self._releasing_now:
+                self._to_release -= 1
+                self._releasing_now.notify_all()
 
     def generations(self) -> list[int]:
         with self._lock:
@@ -154,11 +203,13 @@ class Regions:
             if info.generation != self.current and mapped.retired_at is None:
                 mapped.retired_at = self._clock()
         if mapped is not fresh:  # another thread mapped it meanwhile
-            self._unmap(fresh)
+            self._release(fresh)
         return mapped
 
     def _unmap(self, mapped: _Mapped, *, registered: bool = True) -> None:
-        if registered:
-            self._on_unmap(mapped.mapping)
-        mapped.stamps.release()
-        mapped.mapping.close()
+        try:
+            if registered:
+                self._on_unmap(mapped.mapping)
+        finally:  # the mapping is closed even when the backend's detach failed
+            mapped.stamps.release()
+            mapped.mapping.close()

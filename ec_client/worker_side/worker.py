@@ -16,9 +16,10 @@ engine id, can count as its ranks.
   already writing is dropped, and a full cache (RESOURCE_EXHAUSTED) just
   means this output is not cached. Only the `save_rank` writes (all TP
   ranks hold identical outputs).
-- `load` makes no call to the daemon: it maps the region generation the
-  load names (`regions`), copies, then checks the pages' stamps against
-  the entry_id. A load either returns exactly the saved bytes or is listed
+- `load` makes no call to the daemon: it maps the region generation each
+  load names (`regions`), copies the step's loads together (one host wait
+  for all of them, `CopyBackend.load_all`), then checks each one's pages'
+  stamps against its entry_id. A load either returns exactly the saved bytes or is listed
   as failed with the reason; the scheduler's view kept the pages from reuse
   until this rank's report reaches it through vLLM's worker metadata.
 """
@@ -29,6 +30,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,10 @@ from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    """A load that cannot be made, with its reason as the message."""
 
 
 @dataclass
@@ -172,10 +178,35 @@ class WorkerDelegate(LinkListener):
 
     def load(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo]) -> LoadResult:
         """Copy each dispatched entry out of the region generation it names
-        (`regions` by generation) and verify its stamps. No daemon call."""
+        (`regions` by generation) and verify its stamps. No daemon call; one
+        wait for all the copies, then the stamps (read after they landed)."""
         result = LoadResult()
-        for spec in specs:
-            reason = self._load_one(spec, regions.get(spec.generation), result)
+        reasons: dict[int, str] = {}
+        with ExitStack() as held:
+            planned = []  # (spec, stamps, output, mapping)
+            for spec in specs:
+                try:
+                    planned.append(self._plan(spec, regions.get(spec.generation), held))
+                except _Refused as exc:
+                    reasons[spec.transfer_id] = str(exc)
+                except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+                    reasons[spec.transfer_id] = f"{type(exc).__name__}: {exc}"
+            try:
+                errors = self.backend.load_all([(m, spec.extents, out)
+                                                for spec, _, out, m in planned])
+            except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+                errors = [exc] * len(planned)
+            for (spec, stamps, out, _), error in zip(planned, errors, strict=True):
+                if error is not None:
+                    reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"
+                elif not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
+                    self.stats["loads_stamp_mismatch"] += 1
+                    reasons[spec.transfer_id] = ("its pages were reused (stamp mismatch): "
+                                                 "the bytes are not the entry's")
+                else:
+                    result.loaded[spec.mm_hash] = out
+        for spec in specs:  # in the step's order
+            reason = reasons.get(spec.transfer_id)
             if reason is None:
                 result.done.append(spec.transfer_id)
                 self.stats["loads_done"] += 1
@@ -186,22 +217,15 @@ class WorkerDelegate(LinkListener):
                 self.stats["loads_failed"] += 1
         return result
 
-    def _load_one(self, spec: LoadSpec, info: RegionInfo | None, result: LoadResult) -> str | None:
+    def _plan(self, spec: LoadSpec, info: RegionInfo | None,
+              held: ExitStack) -> tuple[LoadSpec, Any, Any, RegionMapping]:
+        """A load's region (kept mapped by `held`), its stamps and its output."""
         if info is None:
-            return f"no region of generation {spec.generation:016x} came with the load"
+            raise _Refused(f"no region of generation {spec.generation:016x} came with the load")
         if spec.entry_id == FREE:
-            return "entry id 0 names no entry (it is the stamp of free pages)"
-        try:
-            with self.regions.use(info) as (mapping, stamps):
-                out = self.allocate_out(spec.shape, spec.dtype)
-                self.backend.load(mapping, spec.extents, out)
-                if not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
-                    self.stats["loads_stamp_mismatch"] += 1
-                    return "its pages were reused (stamp mismatch): the bytes are not the entry's"
-        except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        result.loaded[spec.mm_hash] = out
-        return None
+            raise _Refused("entry id 0 names no entry (it is the stamp of free pages)")
+        mapping, stamps = held.enter_context(self.regions.use(info))
+        return spec, stamps, self.allocate_out(spec.shape, spec.dtype), mapping
 
     def take_stats(self, load_seconds: list[float] | None = None) -> dict[str, Any]:
         """Counters that moved since the previous call, plus `load_seconds`

@@ -6,6 +6,7 @@ Skipped without CUDA (`make gpu-test` fails instead)."""
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -310,5 +311,62 @@ def test_a_load_on_a_device_that_is_not_device_0(mapping, name):
         assert out.device == torch.device("cuda", 1)
         backend.load(mapping, extents, out)
         assert torch.equal(out, source)
+    finally:
+        backend.detach(mapping)
+
+
+def test_a_steps_fragmented_loads_land_bit_exact_with_one_wait(backend, mapping):
+    """Three loads of one step, each over shuffled 64 KiB pages (some
+    adjacent: joined), queued together (`load_all`: registered runs in one
+    cudaMemcpyBatchAsync where CUDA has it) and waited for once: each
+    bit-exact, and the compute stream, busy meanwhile, is not waited for."""
+    page = 64 << 10
+    pages = random.Random(5).sample(range(512), 3 * 96)
+    extents = [[(p * page, page) for p in pages[i * 96:(i + 1) * 96]] for i in range(3)]
+    sources = [torch.randint(0, 255, (96 * page,), dtype=torch.uint8, device=backend.device)
+               for _ in range(3)]
+    for source, where in zip(sources, extents, strict=True):
+        backend.save(source, mapping, where, backend.prepare_save(source))
+    outs = [backend.empty((96 * page,), "uint8") for _ in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(COMPUTE_CYCLES)
+    errors = backend.load_all([(mapping, where, out) for where, out in
+                               zip(extents, outs, strict=True)])
+    still_busy = not torch.cuda.current_stream(outs[0].device).query()
+    loaded = [out.clone() for out in outs]  # on the compute stream, after the loads
+    torch.cuda.synchronize()
+    assert errors == [None, None, None]
+    assert still_busy, "the loads waited for the compute stream (a host synchronisation)"
+    for got, source in zip(loaded, sources, strict=True):
+        assert torch.equal(got, source)
+
+
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+def test_the_cupy_backend_saves_a_cupy_array_after_cupys_stream(mapping):
+    """A CuPy array written on a CuPy stream (not torch's current stream):
+    its save waits for that stream, so the saved bytes are the final ones."""
+    backend = get_backend_or_skip("cupy")
+    import cupy
+
+    backend.attach(mapping)
+    try:
+        final = cupy.arange(1 << 20, dtype=cupy.uint8)
+        source = cupy.zeros(1 << 20, dtype=cupy.uint8)
+        cupy.cuda.get_current_stream().synchronize()
+        producer = cupy.cuda.Stream(non_blocking=True)
+        with producer:
+            cupy.RawKernel(SPIN, "spin")((1,), (1,), (cupy.int64(PRODUCER_DELAY_CYCLES),))
+            source[...] = final
+            ready = backend.prepare_save(source)
+        extents = [(6 * MiB, 1 << 20)]
+        backend.save(source, mapping, extents, ready)
+        assert stored_bytes(mapping, extents) == final.get().tobytes()
     finally:
         backend.detach(mapping)

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from benchmarks.gpu_device import TEST_REGION_BYTES  # noqa: E402
 from ec_client.copy.mapping import RegionMapping  # noqa: E402
 from ec_client.copy.pinning import REGISTER_CHUNK_BYTES as CHUNK  # noqa: E402
 from ec_client.copy.pinning import PinRefused  # noqa: E402
@@ -62,7 +63,7 @@ def test_entries_across_registration_chunks_of_a_region_over_2_gib(name):
     entries = _entries()
     sources = [pattern(i, shape, torch.bfloat16, backend.device)
                for i, (_, shape, _) in enumerate(entries)]
-    with shm_region(2 * CHUNK + CHUNK // 4) as mapping:
+    with shm_region(TEST_REGION_BYTES) as mapping:  # 2.25 GiB: gpu-check checks /dev/shm for it
         backend.attach(mapping)
         try:
             first, *rest = zip(entries, sources, strict=True)

@@ -6,6 +6,7 @@ work for tools and old clients."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Iterator
@@ -47,7 +48,11 @@ def test_saves_land_and_are_served_by_either_path(daemon, stream, backend):
     CUDA's rules (tests/cuda_model.py: outputs are its device tensors)."""
     engine = f"engine-{stream}-{backend}"
     scheduler = SchedulerDelegate(daemon.socket, engine_id=engine, layout=engines.LAYOUT)
-    copies = cuda_model.Backend() if backend == "cuda-model" else "cpu"
+    # The model as an engine runs it: chunks of a page and a half (the saves'
+    # and loads' copies are split at them), registered before the copies, and
+    # the compute stream busy around every load (its forward pass reads them).
+    copies = cuda_model.Backend(chunk_bytes=96 << 10, busy_compute=True, wait_pinned=True) \
+        if backend == "cuda-model" else "cpu"
     worker = worker_on(daemon, engine, role="both", stream_saves=stream, backend=copies)
     outputs = {f"{stream}-{backend}-{i}": np.full(300_000 + i, i, np.uint8) for i in range(40)}
     try:
@@ -73,11 +78,15 @@ def test_saves_land_and_are_served_by_either_path(daemon, stream, backend):
         assert result.failed == {}
         for mm_hash, output in outputs.items():
             assert np.array_equal(np.asarray(result.loaded[mm_hash]), output)
+        del result
     finally:
         worker.close()
         scheduler.close()
     if not isinstance(copies, str):
-        assert copies.model.violations == []
+        gc.collect()
+        copies.model.drain()
+        assert copies.model.violations == [] and copies.model.compute_host_waits == 0
+        assert copies.consumed == len(outputs)
     stats = daemon.stats()
     assert stats["pending_bytes"] == 0 and stats["saves"] == len(outputs)
 

@@ -109,6 +109,7 @@ def test_a_retired_mapping_is_unmapped_after_the_grace(tmp_path, regions, hooks,
     clock.now += 1
     regions.prune()
     assert regions.generations() == [2]
+    assert regions.wait_released(10)
     assert hooks.mapped == [1, 2] and hooks.unmapped == [1]
 
 
@@ -118,6 +119,7 @@ def test_a_detach_retires_every_mapping(tmp_path, regions, hooks, clock):
     assert regions.current is None
     clock.now += RETIRE_SECONDS
     regions.prune()
+    assert regions.wait_released(10)
     assert regions.generations() == [] and hooks.unmapped == [1]
 
 
@@ -134,6 +136,7 @@ def test_an_old_generation_used_after_it_was_unmapped_is_mapped_again_and_retire
     clock.now += RETIRE_SECONDS
     regions.prune()
     assert regions.generations() == [2]
+    assert regions.wait_released(10)
     assert hooks.mapped == [1, 2, 1] and hooks.unmapped == [1, 1]
 
 
@@ -163,6 +166,7 @@ def test_a_mapping_in_use_by_a_copy_is_never_unmapped(tmp_path, regions, hooks, 
         copier.join(10)
     assert seen == [b"\x01" * (SIZE - PAGE)]
     regions.prune()
+    assert regions.wait_released(10)
     assert regions.generations() == [2] and hooks.unmapped == [1]
 
 
@@ -216,6 +220,7 @@ def test_a_region_the_scheduler_may_still_load_from_stays_while_the_engine_works
     regions.step_done()
     regions.step(frozenset({2}))
     regions.step_done()
+    assert regions.wait_released(10)
     assert regions.generations() == [2] and hooks.unmapped == [1]
 
 
@@ -231,4 +236,44 @@ def test_an_idle_worker_unmaps_a_retired_region_after_the_grace(tmp_path, region
     assert regions.generations() == [1, 2]
     clock.now += RETIRE_SECONDS
     regions.prune()
+    assert regions.wait_released(10)
     assert regions.generations() == [2] and hooks.unmapped == [1]
+
+
+def test_a_step_after_a_daemon_restart_never_waits_for_the_old_regions_release(tmp_path, clock):
+    """Releasing a retired mapping (a CUDA backend's detach synchronises its
+    copy streams, joins its registrar and unregisters every chunk) is the
+    release thread's work: the engine thread's step, whose boundaries prune,
+    goes on while it is still under way."""
+    releasing, finish = threading.Event(), threading.Event()
+    released: list[int] = []
+
+    def slow_detach(mapping: RegionMapping) -> None:
+        releasing.set()
+        finish.wait(30)
+        released.append(mapping.generation)
+
+    regions = Regions(on_unmap=slow_detach, clock=clock)
+    old, new = region_file(tmp_path, 1), region_file(tmp_path, 2)
+    regions.make_current(old)
+    regions.make_current(new)  # the daemon restarted with a fresh region
+    clock.now += RETIRE_SECONDS
+
+    def engine_step() -> None:
+        regions.step(frozenset({2}))
+        with regions.use(new):  # a load
+            pass
+        regions.step_done()
+
+    engine = threading.Thread(target=engine_step, name="engine")
+    try:
+        engine.start()
+        assert releasing.wait(10)  # the old mapping is being released...
+        engine.join(10)
+        assert not engine.is_alive()  # ...and the step did not wait for it
+        assert regions.generations() == [2] and released == []
+    finally:
+        finish.set()
+        engine.join(10)
+    assert regions.wait_released(10) and released == [1]
+    regions.close()

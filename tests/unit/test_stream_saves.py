@@ -226,7 +226,8 @@ def stream_worker(tmp_path, request) -> Iterator[tuple[WorkerDelegate, Region]]:
                            start=False, deadline_seconds=1.0)
     else:
         w = CudaModelWorker("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
-                            start=False, deadline_seconds=1.0, backend=cuda_model.Backend())
+                            start=False, deadline_seconds=1.0, backend=cuda_model.Backend(
+                                chunk_bytes=3 * PAGE // 2, wait_pinned=True))
     region = Region(tmp_path, 0xA)
     w.on_attached(attachment_of(region))
     yield w, region

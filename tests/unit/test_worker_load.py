@@ -3,6 +3,7 @@ stamp table, then the payload), and the byte bound of the save queue."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import threading
@@ -18,7 +19,6 @@ import torch
 from ec_client.common.contract import LoadSpec, RegionInfo
 from ec_client.common.session import Attachment
 from ec_client.copy import empty_host, get_backend
-from ec_client.copy.mapping import RegionMapping
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from ec_protocol.stamps import StampTable, table_bytes
@@ -93,17 +93,41 @@ def payload(seed: int, nbytes: int = 3 * PAGE - 100) -> np.ndarray:
 EXTENTS = ((page(5), PAGE), (page(2), PAGE), (page(9), PAGE - 100))
 
 
-@pytest.fixture(params=["cpu", "cuda-model"])
+# Registration chunks of a page and a half: pinned copies of EXTENTS cross
+# their boundaries (a copy must be split there).
+CHUNK = 3 * PAGE // 2
+
+
+def model_backend(**options: Any) -> cuda_model.Backend:
+    """The CUDA copy path under the model, as an engine runs it: small
+    registration chunks, registered before copies, the compute stream busy
+    before every allocation and load, and reading every loaded output."""
+    return cuda_model.Backend(chunk_bytes=CHUNK, busy_compute=True, wait_pinned=True, **options)
+
+
+def check_model(backend: cuda_model.Backend) -> None:
+    """After a test: the outputs it dropped are freed, the forward passes
+    queued on the compute stream run, and no rule was broken on the way; the
+    host never waited for the compute stream."""
+    gc.collect()
+    backend.model.drain()
+    assert backend.model.violations == []
+    assert backend.model.compute_host_waits == 0
+
+
+@pytest.fixture(params=["cpu", "cuda-model", "cuda-model-no-batch"])
 def worker(request) -> Iterator[WorkerDelegate]:
     """A worker copying with the cpu backend, and with the CUDA copy path
-    under the model of CUDA's rules (tests/cuda_model.py)."""
-    backend = get_backend("cpu") if request.param == "cpu" else cuda_model.Backend()
+    under the model of CUDA's rules (tests/cuda_model.py), with and without
+    cudaMemcpyBatchAsync."""
+    backend: Any = get_backend("cpu") if request.param == "cpu" else model_backend(
+        runtime=cuda_model.ModelRuntime(batches=request.param == "cuda-model"))
     w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
                        backend=backend, start=False)
     yield w
     w.close()
     if request.param != "cpu":
-        assert backend.model.violations == []
+        check_model(backend)
 
 
 def raw(out: Any) -> bytes:
@@ -164,11 +188,11 @@ def test_pages_reused_during_the_copy_fail_the_load(tmp_path, worker):
         def __getattr__(self, attr: str) -> Any:
             return getattr(self._cpu, attr)
 
-        def load(self, mapping: RegionMapping, extents: Any, out: Any) -> Any:
-            self._cpu.load(mapping, extents, out)
+        def load_all(self, loads: Any) -> list[Exception | None]:
+            errors = self._cpu.load_all(loads)
             self.copies += 1
             region.stamp(EXTENTS, 8)  # the bytes it read may be half new
-            return out
+            return errors
 
     backend = ReusedDuringTheCopy()
     worker.backend = backend
@@ -330,7 +354,7 @@ def test_a_cuda_worker_never_loads_into_host_memory(tmp_path):
     """A host array as a CUDA load's output (the old default) fails the load
     instead of returning it unwritten: cupy.asarray would have copied it to a
     temporary device array, the copy landed there, and the stamps passed."""
-    backend = cuda_model.Backend()
+    backend = model_backend()
     worker = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
                             backend=backend, allocate_out=empty_host, start=False)
     region = Region(tmp_path, 0xA)

@@ -4,6 +4,7 @@ with its stats fed to vLLM's own logger and Prometheus classes."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 from collections.abc import Iterator
 from typing import Any
@@ -158,23 +159,48 @@ def test_a_copy_backend_is_chosen_by_class_name(tiny_model, tmp_path):
         h.connector(malformed, ECConnectorRole.WORKER)
 
 
-def test_the_worker_half_keeps_cudas_rules_under_the_model(tiny_model, daemon):
-    """The connector's worker half on the CUDA copy path (the torch and cupy
-    backends' one path) under the model of CUDA's rules: saves, then a hit
-    whose tensor comes from the backend's `empty` and lands bit-exact, with
-    no rule broken and the compute stream never waited for by the host."""
+def _model_step(tiny_model: Any, daemon: Any, old_pattern: bool = False) -> Any:
+    """A save and a hit through the connector's worker half on the CUDA copy
+    path (the torch and cupy backends' one path) under the model of CUDA's
+    rules, whose compute stream has the engine's work queued around every
+    load (tests.cuda_model:EngineBackend). `old_pattern`: the load made the
+    host wait for the compute stream, as it once did. Returns the model."""
     name = "tests.cuda_model:EngineBackend"
     scheduler, worker = h.start_engine(str(tiny_model), daemon.socket, "ec_both", "model",
                                        ec_daemon_copy_backend=name)
     try:
         backend = worker.worker_delegate.backend
         assert isinstance(backend, cuda_model.Backend)
+        model = backend.model
+        if old_pattern:
+            wait = model.wait
+            model.wait = lambda stream, event: (  # type: ignore[method-assign]
+                wait(stream, event),
+                stream is model.compute and model.synchronize_stream(stream))
         cache = hit_cycle(scheduler, worker, "img-m", 11)
         assert torch.equal(cache["img-m"], h.encoder_output(11))
-        assert backend.model.violations == [] and backend.model.compute_host_waits == 0
+        del cache
     finally:
         scheduler.shutdown()
         worker.shutdown()
+    gc.collect()
+    model.drain()
+    assert backend.consumed == 1  # the forward pass read the loaded output
+    return model
+
+
+def test_the_worker_half_keeps_cudas_rules_under_the_model(tiny_model, daemon):
+    """Saves, then a hit whose tensor comes from the backend's `empty` and
+    lands bit-exact, with no rule broken and the compute stream, busy with
+    the engine's work, never waited for by the host."""
+    model = _model_step(tiny_model, daemon)
+    assert model.violations == [] and model.compute_host_waits == 0
+
+
+def test_the_host_wait_check_fails_with_the_old_pattern_put_back(tiny_model, daemon):
+    """The check above can fail: a load that makes the host wait for the
+    compute stream is counted, since the engine's work is queued there."""
+    assert _model_step(tiny_model, daemon, old_pattern=True).compute_host_waits > 0
 
 
 def test_a_copy_backend_for_another_device_is_refused_at_start():
@@ -188,7 +214,11 @@ def test_a_copy_backend_for_another_device_is_refused_at_start():
         check_backend_device("cpu", "cpu", "cuda")
     with pytest.raises(ValueError, match="use 'auto'"):
         check_backend_device("torch", "cuda:1", "cpu")
-    check_backend_device("cupy", "cuda:1", "cuda")
+    check_backend_device("cupy", "cuda:1", "cuda")  # no index known: the type matches
+    # A backend built on another GPU than the worker's (checked by index too).
+    with pytest.raises(ValueError, match="copies on cuda:0, but this vLLM worker runs on cuda:1"):
+        check_backend_device("torch", "cuda:0", "cuda:1")
+    check_backend_device("cupy", "cuda:1", "cuda:1")
 
 
 # ----------------------------------------------------------------- stats
