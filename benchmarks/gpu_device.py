@@ -54,9 +54,12 @@ DEVICE_MODULES = ("torch", "cupy", "cupyx", "cupy_backends", "numpy", "grpc", "g
 # What travels as wheels, at the project venv's versions: the daemon's gRPC
 # and protobuf at the versions the generated stubs need (the image's may be
 # older), grpcio's one dependency, and what the tests' conftest and the
-# daemon benchmark import beyond the image (psutil).
+# daemon benchmark import beyond the image (psutil), and pytest-timeout, so
+# the per-test timeouts of pyproject.toml bound a GPU test that hangs (the
+# image's pytest alone warns the option unknown, and only the phase's cap
+# would stop it).
 CARRIED = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-           "prometheus-client", "typing-extensions", "psutil")
+           "prometheus-client", "typing-extensions", "psutil", "pytest-timeout")
 DEVICE_TAGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                                  "manylinux_2_17_x86_64", "manylinux2014_x86_64",
