@@ -3,7 +3,8 @@
 A thin role-routed shell, as vLLM's own connectors are: the SCHEDULER role
 (in EngineCore) builds a `SchedulerDelegate`, the WORKER role (in each worker
 process) a `WorkerDelegate`; each forwards vLLM's calls with plain values.
-vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`).
+vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`,
+`vllm_plugin`, `vllm_names`: every vLLM name they use is listed there).
 
     vllm serve MODEL --ec-transfer-config '{
       "ec_connector": "ECDaemonConnector",
