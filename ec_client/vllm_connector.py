@@ -81,6 +81,7 @@ from ec_client.identity import (
 from ec_client.ranks import LoadingRank, loading_rank, loading_world
 from ec_client.vllm_items import RequestItems
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
+from ec_client.vllm_names import multimodal_config_hash
 from ec_protocol.protocol import (
     BOTH,
     CONSUMER,
@@ -224,7 +225,7 @@ def store_namespace(vllm_config: VllmConfig, weights: str, variant: str,
     attach (`store_namespace_problem`)."""
     model = vllm_config.model_config
     mm = model.multimodal_config
-    encoder_hash = mm.compute_hash() if mm is not None else "encoder:default"
+    encoder_hash = multimodal_config_hash(mm) if mm is not None else "encoder:default"
     identity = settings.store_model_identity or (
         f"{quote(str(model.model), safe=MODEL_NAME_SAFE)}#weights={weights}"
         f"#layout={layout_digest(variant)}")
@@ -257,7 +258,7 @@ def encoder_config_of(vllm_config: VllmConfig) -> str:
     processor = {k: v for k, v in ((mm.mm_processor_kwargs if mm is not None else None)
                                    or {}).items() if k != "device"}
     factors = {
-        "encoder": mm.compute_hash() if mm is not None else "",
+        "encoder": multimodal_config_hash(mm) if mm is not None else "",
         "mm_processor_kwargs": processor,
         "media_io_kwargs": (mm.media_io_kwargs if mm is not None else None) or {},
         # A callable is named by its qualified name: its repr holds an address.

@@ -17,8 +17,9 @@ attribute, a method, a dataclass or pydantic field, or an attribute a class
 assigns to `self` in its source (vLLM's `Request`). `call` is how ec_client
 calls it: parameter names, `name=` for a keyword (checked by binding them
 to its signature). `alternatives` are other names that serve instead where
-a release has them (the connector chooses at run time); `optional` marks a
-name read with a default (`getattr`), whose absence changes nothing.
+a release has them (the connector chooses at run time, as
+`multimodal_config_hash` does); `optional` marks a name read with a default
+(`getattr`), whose absence changes nothing.
 """
 
 from __future__ import annotations
@@ -79,9 +80,13 @@ USES: tuple[Use, ...] = (
              "layout_of, encoder_config_of, store_namespace"),
     Use("vllm.config:ModelConfig.get_inputs_embeds_size", "layout_of (the row width)",
         call=("self",)),
-    Use("vllm.config:MultiModalConfig.compute_hash",
-        "encoder_config_of, store_namespace (vLLM's hash of the encoder settings)",
-        call=("self",)),
+    Use("vllm.config:MultiModalConfig.compile_factors", "multimodal_config_hash",
+        call=("self",), alternatives=(
+            Use("vllm.config:MultiModalConfig.compute_hash", "multimodal_config_hash (< 0.34)",
+                call=("self",)),)),
+    Use("vllm.config.utils:hash_config", "multimodal_config_hash", call=("config",),
+        alternatives=(Use("vllm.config:MultiModalConfig.compute_hash",
+                          "multimodal_config_hash (< 0.34)", call=("self",)),)),
     *_fields("vllm.config:MultiModalConfig", "mm_processor_kwargs media_io_kwargs",
              "encoder_config_of"),
     Use("vllm.config:MultiModalConfig.mm_encoder_fp8_scale_path", "encoder_config_of",
@@ -129,6 +134,18 @@ USES: tuple[Use, ...] = (
         call=("name", "module_path", "class_name")),
     Use(f"{FACTORY}:ECConnectorFactory._registry", "vllm_plugin.register"),
 )
+
+
+def multimodal_config_hash(multimodal_config: Any) -> str:
+    """vLLM's hash of the encoder settings, as its Mooncake embedding
+    namespace names the encoder: `hash_config` of the config's
+    `compile_factors` where vLLM has them (0.34), else its `compute_hash`
+    (0.32, 0.33). Used for the local layout and the store namespace alike."""
+    if hasattr(multimodal_config, "compile_factors"):
+        from vllm.config.utils import hash_config
+
+        return str(hash_config(multimodal_config))
+    return str(multimodal_config.compute_hash())
 
 
 def problems(uses: tuple[Use, ...] = USES) -> list[str]:

@@ -35,6 +35,9 @@ allow_configs_without_triton_cpu()
 
 IMAGE_TOKENS = 16
 HIDDEN = 128
+NOWHERE = "unix:///nonexistent/ec.sock"  # a socket no daemon listens on
+# vLLM's `embedding_model_identity`: with it, the store keys are vLLM's own.
+STORE_IDENTITY = {"embedding_model_identity": "tiny-paligemma@release-1"}
 
 
 def make_config(model: Path, socket: str, role: str = "ec_both", instance_id: str = "",
