@@ -311,6 +311,9 @@ class ECDaemonConnector(ECConnectorBase):
         self._worker: WorkerDelegate | None = None
         self._worker_stats: dict[str, Any] = {}
         self._next_stats = 0.0
+        # Requests with items from when vLLM first asks about them until they
+        # finish: when none is left, the stats go out (get_ec_connector_stats).
+        self._active: set[str] = set()
         self._done: list[int] = []
         self._load_seconds: list[float] = []
         lora = vllm_config.lora_config
@@ -461,6 +464,7 @@ class ECDaemonConnector(ECConnectorBase):
         not asked about (vLLM asks every step, decodes included)."""
         if self._scheduler is None:
             return True
+        self._active.add(request.request_id)
         items = self._items
         needed = [f for f in request.mm_features
                   if f.mm_position.offset + f.mm_position.length > num_computed_tokens
@@ -476,6 +480,7 @@ class ECDaemonConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
+        self._active.add(request.request_id)
         mm_hash = request.mm_features[index].identifier
         self._items.allocated(mm_hash)
         self._scheduler.after_alloc(request.request_id, mm_hash)
@@ -507,6 +512,7 @@ class ECDaemonConnector(ECConnectorBase):
         A producer reports vLLM's `ec_transfer_params` for its items
         (`RequestItems.transfer_params`): a consumer given them with
         metadata-only items loads those from the cache."""
+        self._active.discard(request.request_id)
         if self._scheduler is None or not request.mm_features:
             return False, None
         self._scheduler.request_finished(request.request_id,
@@ -523,13 +529,20 @@ class ECDaemonConnector(ECConnectorBase):
     def get_ec_connector_stats(self) -> ECDaemonStats | None:
         """This engine's EC counters since the previous call (scheduler side:
         lookups, hits, loads; workers' saves and load times arrive through
-        their metadata)."""
+        their metadata).
+
+        vLLM asks in every step's `update_from_output`, and only there (its
+        Scheduler, 0.32-0.34), after the step's finished requests and worker
+        output; its logger and Prometheus sum what they get. A summary every
+        STATS_INTERVAL_SECONDS keeps this off the hot path while requests
+        with items run; the step in which the last of them finishes hands
+        out all that is pending, since an engine that then idles is not
+        asked again until its next request, and /metrics would lag by the
+        last interval's counts meanwhile."""
         if self._scheduler is None:
             return None
-        # vLLM asks every step; its logger and Prometheus sum what they get,
-        # so a summary every STATS_INTERVAL_SECONDS keeps this off the hot path.
         now = time.monotonic()
-        if now < self._next_stats:
+        if now < self._next_stats and self._active:
             return None
         data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
         self._worker_stats = {}

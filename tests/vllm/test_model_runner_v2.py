@@ -4,7 +4,8 @@ CPU tensors, and from 0.34 the CPU class) beside vLLM's own Scheduler, with
 a real daemon (tests.vllm.runner_v2). Across steps: new keys saved once,
 loads bit-exact and never saved back, `start_save_caches` and `get_finished`,
 a load that fails, a request finished mid-load; audio and video items as
-images."""
+images; and the stats of the step that ends activity reaching vLLM's stat
+loggers (what /metrics shows) while the engine then idles."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from ec_client import vllm_connector
 from tests import groups
 from tests.vllm import runner_v2 as r2
 from tests.vllm import scheduler_harness as sh
@@ -189,3 +191,31 @@ def test_audio_and_video_items_are_saved_and_loaded_like_images(engines, modalit
     loaded = consumer.encoder_cache["clip-1"]
     assert loaded.shape == (embeds, h.HIDDEN) and torch.equal(loaded, encode("clip-1", embeds))
     assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
+
+
+# ------------------------------------------------------------------ stats
+
+
+def loads_reported(steps: list[sh.Step]) -> list[int]:
+    """The loads each step handed vLLM's stat loggers."""
+    return [(s.ec_stats or {}).get("loads", 0) for s in steps]
+
+
+def test_the_step_that_ends_activity_hands_vllm_every_count(engines, monkeypatch):
+    """vLLM asks for connector stats only in a step's update_from_output: a
+    count held back for the interval would reach /metrics only at the next
+    request, however long the engine idles. The step in which the last
+    request finishes hands out all that is pending; while requests run, the
+    interval still paces the handouts."""
+    produce(engines, "img-a", "img-b", "img-c")
+    engine = engines("ec_consumer", "idles")
+    published(engine, "img-a", "img-b", "img-c")
+    monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
+
+    assert loads_reported(r2.run_to_end(engine, r2.request("r1", "img-a"))) == [1]
+    # Within the interval, and the engine then idles: handed out all the same.
+    assert loads_reported(r2.run_to_end(engine, r2.request("r2", "img-b"))) == [1]
+    # A request still decoding after its load: paced until the step it ends.
+    steps = r2.run_to_end(engine, r2.request("r3", "img-c", max_tokens=3))
+    assert loads_reported(steps) == [0, 0, 1]
+    assert steps[-1].ec_stats is not None and steps[-1].ec_stats["lookups"] == 1
