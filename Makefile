@@ -19,18 +19,22 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM's vision helpers import torchvision; PyPI's wheel is installed here
 # without dependencies and patched to import beside CPU torch.
 TORCHVISION_DIR := $(VLLM_VENV)/torchvision
-# The next vLLM release: a CUDA wheel only, so installed without dependencies
-# into a venv that reuses every package of $(VLLM_VENV) (CPU torch, vLLM
-# 0.32's requirements, this package) through a .pth file. Its scheduler side
-# imports with VLLM_TARGET_DEVICE=cpu (its engine cannot start here): CI runs
-# the connector's contract and interface tests on it (VLLM_NEXT_TESTS).
+# vLLM releases after 0.32 are CUDA wheels only: each is installed without
+# dependencies into a venv of its own (.venv-vllm-<version>) that reuses every
+# package of $(VLLM_VENV) (CPU torch, vLLM 0.32's requirements, this package)
+# through a .pth file. With VLLM_TARGET_DEVICE=cpu its scheduler and worker
+# classes import and its configs build (tests/vllm/cpu_platform.py: 0.34
+# wants triton-cpu), but no engine starts: CI runs the connector suites on
+# them (VLLM_CONNECTOR_TESTS: no real engine), 0.33 and 0.34, and `make
+# vllm-compat VLLM=<version>` on any release.
 VLLM_NEXT_VERSION ?= 0.33.0
-VLLM_NEXT_VENV ?= .venv-vllm033
-VLLM_NEXT_BIN := $(VLLM_NEXT_VENV)/bin
-VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
-VLLM_NEXT_TESTS := tests/vllm/test_connector_interface.py tests/vllm/test_connector_contract.py \
-	tests/vllm/test_scheduler_contract.py \
+VLLM_LATEST_VERSION ?= 0.34.0
+VLLM_CONNECTOR_TESTS := tests/vllm/test_vllm_names.py tests/vllm/test_connector_interface.py \
+	tests/vllm/test_connector_contract.py tests/vllm/test_scheduler_contract.py \
+	tests/vllm/test_model_runner_v2.py tests/vllm/test_store_namespace.py \
 	tests/vllm/test_vllm_plugin.py::test_the_entry_point_registers_the_connector_by_name_once_or_many_times
+VLLM ?=
+VLLM_WHEEL_VENV = .venv-vllm-$(VLLM)
 
 # `make fuzz`: each fuzz test stops at FUZZ_EXAMPLES cases or after FUZZ_SECONDS
 # (whole seconds), whichever comes first; `make test` uses the tests' own caps.
@@ -57,7 +61,8 @@ REDIS_SERVER ?= redis-server
 MOONCAKE_WHEEL := $(shell grep -m1 '^mooncake-transfer-engine' requirements-dev.txt)
 
 .PHONY: help redis mooncake-deps test-deps install proto run test test-unit test-integration test-vllm \
-	install-vllm install-vllm-next test-vllm-next lint clean \
+	install-vllm install-vllm-wheel test-vllm-wheel test-vllm-next test-vllm-latest vllm-compat \
+	lint clean \
 	docker-check docker-base docker-images docker-test docker-clean docker-gpu-test wheelhouse \
 	fuzz soak bench bench-serve gpu-bench gpu-bench-serve gpu-test gpu-check gpu-check-prepare
 
@@ -170,26 +175,48 @@ $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvisi
 test-vllm: $(VLLM_STAMP) proto
 	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
-## create .venv-vllm033: vLLM 0.33 over .venv-vllm's packages
-install-vllm-next: $(VLLM_NEXT_STAMP)
+## create .venv-vllm-VLLM: that vLLM wheel (--no-deps) over .venv-vllm's packages
+install-vllm-wheel:
+	@test -n "$(VLLM)" || { echo "usage: make $@ VLLM=<version>, e.g. VLLM=$(VLLM_LATEST_VERSION)" >&2; exit 2; }
+	@$(MAKE) --no-print-directory $(VLLM_WHEEL_VENV)/.installed
 
-$(VLLM_NEXT_STAMP): $(VLLM_STAMP)
-	@echo ">> creating $(VLLM_NEXT_VENV): vllm==$(VLLM_NEXT_VERSION) (--no-deps) over $(VLLM_VENV)'s packages"
-	rm -rf $(VLLM_NEXT_VENV)
-	$(PYTHON) -m venv $(VLLM_NEXT_VENV)
+.venv-vllm-%/.installed: $(VLLM_STAMP)
+	@echo ">> creating .venv-vllm-$*: vllm==$* (--no-deps) over $(VLLM_VENV)'s packages"
+	rm -rf .venv-vllm-$*
+	$(PYTHON) -m venv .venv-vllm-$*
 	echo "import site; site.addsitedir('$$($(VLLM_BIN)/python -c \
 		"import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
-		> "$$($(VLLM_NEXT_BIN)/python -c \
+		> "$$(.venv-vllm-$*/bin/python -c \
 		"import sysconfig; print(sysconfig.get_paths()['purelib'])")/_vllm_base_packages.pth"
-	$(VLLM_NEXT_BIN)/pip install --quiet --no-deps vllm==$(VLLM_NEXT_VERSION)
-	VLLM_TARGET_DEVICE=cpu $(VLLM_NEXT_BIN)/python -c \
-		"import vllm; assert vllm.__version__ == '$(VLLM_NEXT_VERSION)', vllm.__version__"
+	.venv-vllm-$*/bin/pip install --quiet --no-deps vllm==$*
+	VLLM_TARGET_DEVICE=cpu .venv-vllm-$*/bin/python -c \
+		"import vllm; assert vllm.__version__ == '$*', vllm.__version__"
 	touch $@
 
-## the connector's contract and interface tests on vLLM 0.33
-test-vllm-next: $(VLLM_NEXT_STAMP) proto
-	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_NEXT_BIN)/python -m pytest \
-		$(VLLM_NEXT_TESTS) $(PYTEST_ARGS)
+## the connector suites (no engine) on vLLM VLLM, installed by install-vllm-wheel
+test-vllm-wheel: install-vllm-wheel proto
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR):$(abspath $(TORCHVISION_DIR)) $(VLLM_WHEEL_VENV)/bin/python \
+		-m pytest $(VLLM_CONNECTOR_TESTS) $(PYTEST_ARGS)
+
+## the connector suites on vLLM 0.33
+test-vllm-next:
+	@$(MAKE) --no-print-directory test-vllm-wheel VLLM=$(VLLM_NEXT_VERSION)
+
+## the connector suites on vLLM 0.34
+test-vllm-latest:
+	@$(MAKE) --no-print-directory test-vllm-wheel VLLM=$(VLLM_LATEST_VERSION)
+
+# Run it the day vLLM releases (docs/vllm.md, "A new vLLM release"): the names
+# ec_client uses (ec_client/vllm_names.py), then the connector suites; the last
+# line says whether that vLLM works or what broke (tests/vllm/compat.py).
+## install vLLM VLLM beside the CPU stack; check names and run the connector suites; one line: works or what broke
+vllm-compat:
+	@test -n "$(VLLM)" || { echo "usage: make vllm-compat VLLM=<version>, e.g. VLLM=$(VLLM_LATEST_VERSION)" >&2; exit 2; }
+	@$(MAKE) --no-print-directory proto
+	@$(MAKE) --no-print-directory $(VLLM_WHEEL_VENV)/.installed || { \
+		echo "vllm-compat: vLLM $(VLLM) broke: its wheel did not install or import over $(VLLM_VENV) (above)"; exit 1; }
+	@VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR):$(abspath $(TORCHVISION_DIR)) $(VLLM_WHEEL_VENV)/bin/python \
+		-m tests.vllm.compat --version $(VLLM) -- $(VLLM_CONNECTOR_TESTS) $(PYTEST_ARGS)
 
 ## ruff and mypy
 lint: $(STAMP) proto
@@ -330,5 +357,5 @@ help:
 
 ## remove the venvs, stubs, caches and wheelhouse
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache \
+	rm -rf $(VENV) $(VLLM_VENV) .venv-vllm-* ec_protocol/_proto build *.egg-info .pytest_cache .mypy_cache \
 		.ruff_cache $(WHEELHOUSE_DIR) .gpu-check .venv-gpu-check

@@ -3,7 +3,8 @@
 A thin role-routed shell, as vLLM's own connectors are: the SCHEDULER role
 (in EngineCore) builds a `SchedulerDelegate`, the WORKER role (in each worker
 process) a `WorkerDelegate`; each forwards vLLM's calls with plain values.
-vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`).
+vLLM is imported only in this module (and `vllm_metrics`, `vllm_items`,
+`vllm_plugin`, `vllm_names`: every vLLM name they use is listed there).
 
     vllm serve MODEL --ec-transfer-config '{
       "ec_connector": "ECDaemonConnector",
@@ -81,6 +82,7 @@ from ec_client.identity import (
 from ec_client.ranks import LoadingRank, loading_rank, loading_world
 from ec_client.vllm_items import RequestItems
 from ec_client.vllm_metrics import ECDaemonPromMetrics, ECDaemonStats, merge_stats
+from ec_client.vllm_names import multimodal_config_hash
 from ec_protocol.protocol import (
     BOTH,
     CONSUMER,
@@ -224,7 +226,7 @@ def store_namespace(vllm_config: VllmConfig, weights: str, variant: str,
     attach (`store_namespace_problem`)."""
     model = vllm_config.model_config
     mm = model.multimodal_config
-    encoder_hash = mm.compute_hash() if mm is not None else "encoder:default"
+    encoder_hash = multimodal_config_hash(mm) if mm is not None else "encoder:default"
     identity = settings.store_model_identity or (
         f"{quote(str(model.model), safe=MODEL_NAME_SAFE)}#weights={weights}"
         f"#layout={layout_digest(variant)}")
@@ -257,7 +259,7 @@ def encoder_config_of(vllm_config: VllmConfig) -> str:
     processor = {k: v for k, v in ((mm.mm_processor_kwargs if mm is not None else None)
                                    or {}).items() if k != "device"}
     factors = {
-        "encoder": mm.compute_hash() if mm is not None else "",
+        "encoder": multimodal_config_hash(mm) if mm is not None else "",
         "mm_processor_kwargs": processor,
         "media_io_kwargs": (mm.media_io_kwargs if mm is not None else None) or {},
         # A callable is named by its qualified name: its repr holds an address.
@@ -310,6 +312,9 @@ class ECDaemonConnector(ECConnectorBase):
         self._worker: WorkerDelegate | None = None
         self._worker_stats: dict[str, Any] = {}
         self._next_stats = 0.0
+        # Requests with items from when vLLM first asks about them until they
+        # finish: when none is left, the stats go out (get_ec_connector_stats).
+        self._active: set[str] = set()
         self._done: list[int] = []
         self._load_seconds: list[float] = []
         lora = vllm_config.lora_config
@@ -460,6 +465,7 @@ class ECDaemonConnector(ECConnectorBase):
         not asked about (vLLM asks every step, decodes included)."""
         if self._scheduler is None:
             return True
+        self._active.add(request.request_id)
         items = self._items
         needed = [f for f in request.mm_features
                   if f.mm_position.offset + f.mm_position.length > num_computed_tokens
@@ -475,6 +481,7 @@ class ECDaemonConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
+        self._active.add(request.request_id)
         mm_hash = request.mm_features[index].identifier
         self._items.allocated(mm_hash)
         self._scheduler.after_alloc(request.request_id, mm_hash)
@@ -506,6 +513,7 @@ class ECDaemonConnector(ECConnectorBase):
         A producer reports vLLM's `ec_transfer_params` for its items
         (`RequestItems.transfer_params`): a consumer given them with
         metadata-only items loads those from the cache."""
+        self._active.discard(request.request_id)
         if self._scheduler is None or not request.mm_features:
             return False, None
         self._scheduler.request_finished(request.request_id,
@@ -522,13 +530,20 @@ class ECDaemonConnector(ECConnectorBase):
     def get_ec_connector_stats(self) -> ECDaemonStats | None:
         """This engine's EC counters since the previous call (scheduler side:
         lookups, hits, loads; workers' saves and load times arrive through
-        their metadata)."""
+        their metadata).
+
+        vLLM asks in every step's `update_from_output`, and only there (its
+        Scheduler, 0.32-0.34), after the step's finished requests and worker
+        output; its logger and Prometheus sum what they get. A summary every
+        STATS_INTERVAL_SECONDS keeps this off the hot path while requests
+        with items run; the step in which the last of them finishes hands
+        out all that is pending, since an engine that then idles is not
+        asked again until its next request, and /metrics would lag by the
+        last interval's counts meanwhile."""
         if self._scheduler is None:
             return None
-        # vLLM asks every step; its logger and Prometheus sum what they get,
-        # so a summary every STATS_INTERVAL_SECONDS keeps this off the hot path.
         now = time.monotonic()
-        if now < self._next_stats:
+        if now < self._next_stats and self._active:
             return None
         data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
         self._worker_stats = {}

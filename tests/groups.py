@@ -53,7 +53,9 @@ MOONCAKE = Group("second tier on Mooncake", "make mooncake-deps test")
 DOCKER = Group("Docker", "make docker-test", "tests/docker/")
 GPU = Group("GPU", "make gpu-test", "tests/gpu/", " on a CUDA host")
 VLLM = Group("vLLM", "make test-vllm", "tests/vllm/")
-GROUPS = (REDIS, MOONCAKE, DOCKER, GPU, VLLM)
+# What only the latest vLLM has (a wheel without a CPU build: its connector suites).
+VLLM_LATEST = Group("vLLM 0.34", "make test-vllm-latest")
+GROUPS = (REDIS, MOONCAKE, DOCKER, GPU, VLLM_LATEST, VLLM)
 
 
 def redis_missing() -> str | None:

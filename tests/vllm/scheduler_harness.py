@@ -5,7 +5,8 @@ factory, keeps vLLM's encoder cache manager, calls `ensure_cache_available`,
 `has_cache_item`, `update_state_after_alloc`, `build_connector_meta`,
 `request_finished` and `take_unavailable_requests` where vLLM calls them).
 The model runner is stood in for by `RunnerStandIn`, which does what vLLM's
-GPU model runner does with the connector each step, in its order: drop the
+V1 GPU model runner (its EC mixin, removed in 0.34; `runner_v2` drives Model
+Runner V2's own class) does with the connector each step, in its order: drop the
 encoder outputs the scheduler freed, bind the metadata, `start_load_caches`,
 run the encoder for the scheduled inputs and `save_caches` each, then the
 worker metadata into `ModelRunnerOutput.ec_connector_output`. Every request
@@ -38,9 +39,11 @@ KV_BLOCKS = 64
 TOKEN = 5
 
 
-def make_scheduler(config: VllmConfig, encoder_cache_items: int = 0) -> Scheduler:
+def make_scheduler(config: VllmConfig, encoder_cache_items: int = 0,
+                   log_stats: bool = False) -> Scheduler:
     """vLLM's Scheduler on `config`; `encoder_cache_items`: an encoder cache
-    that holds that many images (0: vLLM's default size)."""
+    that holds that many images (0: vLLM's default size); `log_stats`: its
+    steps' outputs carry SchedulerStats (what reaches vLLM's /metrics)."""
     if encoder_cache_items:
         embeds = encoder_cache_items * h.IMAGE_TOKENS
         config.scheduler_config.encoder_cache_size = embeds
@@ -50,7 +53,8 @@ def make_scheduler(config: VllmConfig, encoder_cache_items: int = 0) -> Schedule
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
                                                       head_size=32, dtype=torch.float32))])
     return Scheduler(vllm_config=config, kv_cache_config=kv, block_size=BLOCK,
-                     structured_output_manager=StructuredOutputManager(config))
+                     structured_output_manager=StructuredOutputManager(config),
+                     log_stats=log_stats)
 
 
 def request(request_id: str, mm_hash: str, data: Any = None,
@@ -79,6 +83,32 @@ class Step:
     output: SchedulerOutput
     encoded: list[str] = field(default_factory=list)  # mm_hashes the encoder ran for
     finished: dict[str, EngineCoreOutput] = field(default_factory=dict)  # by request id
+    # What this step handed vLLM's stat loggers (SchedulerStats.ec_connector_stats).
+    ec_stats: dict[str, Any] | None = None
+
+
+def finish(scheduler: Scheduler, step: Step, ec_output: ECConnectorOutput | None) -> None:
+    """The model runner's output for `step` (one token for each request whose
+    prompt is done) into vLLM's `update_from_output`; `step` takes what it
+    returned."""
+    req_ids = list(step.output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        req = scheduler.requests.get(req_id)  # (schedule() counted its tokens)
+        done = req is not None and req.num_computed_tokens >= req.num_prompt_tokens
+        sampled.append([TOKEN] if done else [])  # (none for a request aborted meanwhile)
+    fields: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled,
+                              "ec_connector_output": ec_output}
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # (gone in vLLM 0.34)
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    for outputs in scheduler.update_from_output(step.output,
+                                                ModelRunnerOutput(**fields)).values():
+        for out in outputs.outputs:
+            if out.finish_reason is not None:
+                step.finished[out.request_id] = out
+        stats = outputs.scheduler_stats
+        if stats is not None and stats.ec_connector_stats:
+            step.ec_stats = stats.ec_connector_stats
 
 
 class RunnerStandIn:
@@ -111,18 +141,7 @@ class RunnerStandIn:
                 worker.save_caches(self.encoder_cache, mm_hash)
         ec_output = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
         worker.clear_connector_metadata()
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            req = self.scheduler.requests[req_id]  # (schedule() counted its tokens)
-            sampled.append([TOKEN] if req.num_computed_tokens >= req.num_prompt_tokens else [])
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, ec_connector_output=ec_output)
-        for outputs in self.scheduler.update_from_output(output, runner_output).values():
-            for out in outputs.outputs:
-                if out.finish_reason is not None:
-                    step.finished[out.request_id] = out
+        finish(self.scheduler, step, ec_output)
         return step
 
     def shutdown(self) -> None:

@@ -28,9 +28,16 @@ from ec_client.common.contract import RegionInfo
 from ec_client.copy.mapping import RegionMapping
 from ec_client.ranks import LoadingRank
 from ec_protocol.stamps import StampTable
+from tests.vllm.cpu_platform import allow_configs_without_triton_cpu
+
+# vLLM 0.34 builds no config on an x86 CPU without triton-cpu (the module says why).
+allow_configs_without_triton_cpu()
 
 IMAGE_TOKENS = 16
 HIDDEN = 128
+NOWHERE = "unix:///nonexistent/ec.sock"  # a socket no daemon listens on
+# vLLM's `embedding_model_identity`: with it, the store keys are vLLM's own.
+STORE_IDENTITY = {"embedding_model_identity": "tiny-paligemma@release-1"}
 
 
 def make_config(model: Path, socket: str, role: str = "ec_both", instance_id: str = "",
