@@ -10,7 +10,8 @@ Three facts the daemon cannot tell it, kept on vLLM's scheduling thread:
   `ec_transfer_params` and carrying no media of their own (vLLM's
   token-in-token-out serving accepts such items only with those params). This
   engine cannot encode them, so they are loaded from the daemon or the request
-  fails cleanly (`take_unavailable_requests`) after `max_defer_seconds`.
+  fails cleanly (`take_unavailable_requests`): after `max_defer_seconds`
+  without the item in the cache, or at once when its load failed.
 - What a producer reports when a request finishes: vLLM's per-item
   `ec_transfer_params` (`collect_ec_item_metadata`), so a consumer can skip
   media preprocessing. Nothing of ec-daemon's goes inside `metadata`; an item
@@ -30,6 +31,8 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
     PlaceholderMetadataResolver,
     collect_ec_item_metadata,
 )
+
+from ec_client.scheduler_side.staging import Stage
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -83,18 +86,25 @@ class RequestItems:
                        if key not in metadata)
 
     def fetched(self, request_id: str, mm_hashes: list[str],
-                loadable: Callable[[str], bool]) -> bool:
+                stage: Callable[[str], Stage]) -> bool:
         """May the request go ahead as far as these metadata-only items go?
-        Each must be `loadable` now (which claims it for this step). One not
-        loadable defers the request, for `max_defer_seconds` at most: then the
-        request is failed (`take_unavailable`), since this engine has no media
-        to encode it from."""
-        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
-        for mm_hash in mm_hashes:
-            if mm_hash not in missing:
+        Each must be staged (`stage`: the item's load, planned now if the
+        cache has it). One still staging defers the request; one the cache
+        lacks defers it for `max_defer_seconds` at most; then, or at once
+        when its load failed, the request is failed (`take_unavailable`),
+        since this engine has no media to encode it from."""
+        states = {mm_hash: stage(mm_hash) for mm_hash in mm_hashes}
+        for mm_hash, state in states.items():
+            if state is not Stage.ABSENT:
                 self._fetch_since.pop((request_id, mm_hash), None)
+            if state is Stage.FAILED and request_id not in self._unobtainable:
+                log.error("ec-daemon: request %s needs %s, which came without media, and its "
+                          "load from the cache failed: failing the request", request_id,
+                          mm_hash)
+                self._unobtainable.add(request_id)
+        missing = [h for h, state in states.items() if state is Stage.ABSENT]
         if not missing:
-            return True
+            return all(state is Stage.STAGED for state in states.values())
         now = time.monotonic()
         for mm_hash in missing:
             since = self._fetch_since.setdefault((request_id, mm_hash), now)

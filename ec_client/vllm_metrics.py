@@ -25,7 +25,12 @@ COUNTERS = {
     "hits": ("vllm:ec_daemon_hits", "Lookups answered from the ec-daemon cache"),
     "loads": ("vllm:ec_daemon_loads", "Loads dispatched to the workers"),
     "load_bytes": ("vllm:ec_daemon_load_bytes", "Bytes of dispatched loads"),
-    "load_failures": ("vllm:ec_daemon_load_failures", "Loads a worker found unusable"),
+    "load_failures": ("vllm:ec_daemon_load_failures",
+                      "Loads a worker found unusable: their requests encoded the item, or "
+                      "failed without its media"),
+    "loads_inline": ("vllm:ec_daemon_loads_inline",
+                     "Loads the scheduler's process staged itself (a step its workers did "
+                     "not run)"),
     "saves_done": ("vllm:ec_daemon_saves", "Encoder outputs saved to the cache"),
     "saves_already_cached": ("vllm:ec_daemon_saves_already_cached",
                              "Saves dropped: the key was cached or being saved"),

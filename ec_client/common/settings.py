@@ -21,6 +21,9 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
 PREFIX = "ec_daemon_"
 MAX_WEIGHTS_ID_CHARS = 128
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
+# Loads staged a step before their use, per worker rank (on its device,
+# outside vLLM's encoder budget): docs/architecture.md, "Staged loads".
+DEFAULT_STAGING_BYTES = 256 << 20
 # How long a request is deferred at most for another engine's encode or a
 # promotion.
 DEFAULT_MAX_DEFER_SECONDS = 10.0
@@ -83,6 +86,11 @@ KEYS: tuple[Key, ...] = (
         f"`{DEFAULT_SAVE_QUEUE_BYTES}` ({DEFAULT_SAVE_QUEUE_BYTES >> 20} MiB)",
         "memory held by encoder outputs waiting to be saved (outside vLLM's encoder budget); "
         "a full queue skips the save"),
+    Key("ec_daemon_staging_bytes", "staging_bytes", int, DEFAULT_STAGING_BYTES,
+        f"`{DEFAULT_STAGING_BYTES}` ({DEFAULT_STAGING_BYTES >> 20} MiB)",
+        "memory each worker rank holds for loads copied and verified a step before the step "
+        "that uses them (on its device, outside vLLM's encoder budget); a hit that finds it "
+        "full is encoded instead"),
     Key("ec_daemon_max_defer_s", "max_defer_seconds", _non_negative("ec_daemon_max_defer_s"),
         DEFAULT_MAX_DEFER_SECONDS, f"`{DEFAULT_MAX_DEFER_SECONDS:g}`",
         "how long a request is deferred at most while another engine of this host encodes "
@@ -130,6 +138,7 @@ class ConnectorSettings:
     deadline_seconds: float
     namespace: str
     save_queue_bytes: int
+    staging_bytes: int
     max_defer_seconds: float
     answer_wait_seconds: float
     weights_id: str

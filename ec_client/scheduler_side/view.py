@@ -8,10 +8,11 @@ acknowledged the eviction. So the view acknowledges an eviction only when
 engine dispatched is still in flight: that is what keeps the bytes under
 a running copy, without any pin message.
 
-- Claims: between `has_item` saying yes and the engine dispatching that
-  load later in the same step, an eviction must not be acknowledged.
-  Entries looked up since the last step boundary are claimed; `end_step`
-  turns the dispatched ones into loads in flight and releases the rest.
+- Claims: between the scheduler choosing an entry to load (`claim`, from
+  `SchedulerDelegate.stage`) and the step's end, when the load goes out, an
+  eviction must not be acknowledged. Entries claimed since the last step
+  boundary stay loadable; `end_step` turns the dispatched ones into loads in
+  flight and releases the rest.
 - Loads in flight: counted per (mm_hash, entry_id) from `end_step` until
   `finish` (every rank reported, through vLLM's worker metadata). An
   eviction of an entry in flight is withheld until its last load finished.
@@ -65,6 +66,7 @@ class ViewEntry:
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[tuple[int, int], ...]
+    checksum: int = 0  # xxh3-64 of its bytes, as its writer recorded it (0: none)
 
 
 class ReadyView:
@@ -89,19 +91,22 @@ class ReadyView:
 
     def claim(self, mm_hash: str, epoch: int | None = None,
               serve: bool = True) -> ViewEntry | None:
-        """A lookup: the entry if it is ready, `serve` and the view is still
-        at `epoch` (None: any), counted a hit; it then stays loadable until
-        `end_step`. Otherwise None, a miss (a ready entry not served: the
-        ranks still map). Lock-free (see the module docstring); the epoch is
-        read after the entry (see `SchedulerDelegate.has_item`)."""
+        """The entry if it is ready, `serve` and the view is still at `epoch`
+        (None: any); it then stays loadable until `end_step`. Otherwise None
+        (a ready entry not served: the ranks still map). Lock-free (see the
+        module docstring); the epoch is read after the entry (see
+        `SchedulerDelegate.stage`)."""
         self._claimed.add(mm_hash)
         entry = self._entries.get(mm_hash)
-        lookups, hits = self._counts
         if entry is None or not serve or (epoch is not None and self.epoch != epoch):
-            self._counts = (lookups + 1, hits)
             return None
-        self._counts = (lookups + 1, hits + 1)  # the daemon's hit counters follow these
         return entry
+
+    def count(self, hit: bool) -> None:
+        """One lookup by vLLM (`has_cache_item`), a hit or not: the daemon's
+        hit counters follow these."""
+        lookups, hits = self._counts
+        self._counts = (lookups + 1, hits + hit)
 
     def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are
@@ -182,7 +187,8 @@ class ReadyView:
         for info in infos:
             entries[info.mm_hash] = ViewEntry(
                 info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
-                tuple((e.offset, e.length) for e in info.extents))
+                tuple((e.offset, e.length) for e in info.extents),
+                getattr(info, "checksum", 0))
 
     def _apply_evicted(self, refs: Any, acks: Refs) -> None:
         for ref in refs:

@@ -27,6 +27,7 @@ import psutil
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
+from tests import staged
 from tests.integration.daemon import Daemon
 
 LAYOUT = Layout("soak-model", "uint8", {"image": 1024})
@@ -61,19 +62,14 @@ def engine_main(socket: str, index: int, seconds: float, conn: Any) -> None:
     while time.monotonic() < deadline:
         keys = rng.sample(range(KEYS), rng.randint(1, 4))
         started = time.perf_counter()
-        misses = []
-        for key in keys:
-            request += 1
-            if scheduler.has_item(f"k{key}"):
-                stats["hits"] += 1
-            else:
-                misses.append(key)
-            scheduler.after_alloc(f"r{request}", f"k{key}")
-        meta = scheduler.build_step_metadata()
+        request += 1
+        hits, meta = staged.plan(scheduler, [f"k{key}" for key in keys], f"r{request}")
+        misses = [key for key, hit in zip(keys, hits, strict=True) if not hit]
+        stats["hits"] += sum(hits)
         stats["step_us"].append((time.perf_counter() - started) * 1e6)
         stats["loads"] += len(meta.loads)
         result = worker.load(meta.loads, meta.regions)
-        scheduler.apply_worker_output(result.done, result.failed)
+        staged.report(scheduler, result)
         stats["loads_failed"] += len(result.failed)
         for mm_hash, array in result.loaded.items():
             key = int(mm_hash[1:])
@@ -85,7 +81,6 @@ def engine_main(socket: str, index: int, seconds: float, conn: Any) -> None:
         for key in misses:
             stats["saves_queued"] += worker.save(f"k{key}", payload(key))
         stats["steps"] += 1
-        scheduler.take_unavailable_requests()
     worker.flush(30)
     stats["saves_done"] = worker.stats["saves_done"]
     scheduler.close()

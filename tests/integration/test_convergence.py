@@ -19,6 +19,7 @@ import pytest
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import pb
+from tests import staged
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc, ensure_within, wait_until
@@ -79,15 +80,15 @@ def test_engines_that_miss_one_item_at_once_encode_it_once(daemon):
         assert len(through) == 1, through
         encoder = through[0]
         waiters = [s for e, s in views.items() if e != encoder]
-        assert not any(s.has_item("img") for s in waiters)
+        assert not any(staged.servable(s, "img") for s in waiters)
         for s in views.values():
             s.build_step_metadata()
-        # The encoder's worker saves: the waiters hit, nobody else encodes.
+        # The encoder's worker saves: the waiters load it, nobody else encodes.
         save(daemon, encoder, "img")
         for s in waiters:
-            ok, _ = ensure_within(s, ["img"], WAIT)
-            assert ok and s.has_item("img")
-            s.build_step_metadata()
+            wait_until(lambda s=s: s.view.get("img") is not None, "the save never landed")
+            assert not s.ensure(["img"])  # its load is staged, a hit next step
+            assert [spec.mm_hash for spec in s.build_step_metadata().loads] == ["img"]
         stats = daemon.stats()
         assert stats["convergence"]["claims"] == 1
         assert stats["convergence"]["waits"] >= 2
@@ -112,7 +113,7 @@ def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
         assert not b.ensure(["img"]), "B did not wait for A's encode"
         a.signal(signal.SIGKILL)
         ok, _ = ensure_within(b, ["img"], WAIT)
-        assert ok and not b.has_item("img")  # B encodes now ...
+        assert ok and not staged.servable(b, "img")  # B encodes now ...
         assert b.take_stats()["defer_timeouts"] == 0  # ... told to, not timed out
         assert daemon.stats()["convergence"]["handovers"] == 1
     finally:
@@ -136,7 +137,7 @@ def test_a_claim_whose_request_does_not_run_passes_on_at_once(daemon):
         assert not b.ensure(["img"]), "B did not wait for A"
         a.build_step_metadata(scheduled=set())  # A's request found no room this step
         ok, _ = ensure_within(b, ["img"], WAIT)
-        assert ok and not b.has_item("img")  # B encodes, told to at once
+        assert ok and not staged.servable(b, "img")  # B encodes, told to at once
         assert not b.after_alloc("req-b", "img")  # (vLLM: its encoder output is allocated)
         b.build_step_metadata()
         assert daemon.stats()["convergence"]["releases"] == 1
@@ -227,7 +228,7 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
             else:  # larger than the whole queue, with nothing queued: reported at once
                 assert not writer.save(mm_hash, np.concatenate([DATA, DATA]))
             ok, _ = ensure_within(b, [mm_hash], WAIT)
-            assert ok and not b.has_item(mm_hash)  # B encodes, told to at once
+            assert ok and not staged.servable(b, mm_hash)  # B encodes, told to at once
             b.build_step_metadata()
         assert b.take_stats().get("defer_timeouts", 0) == 0
         assert daemon.stats()["convergence"]["handovers"] == 3

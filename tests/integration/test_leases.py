@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.common.contract import LoadSpec
+from ec_client.common.contract import STAMP_MISMATCH, LoadSpec
 from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
@@ -93,8 +93,8 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
     worker = world.start(engines.worker_main, daemon.socket, "S", 0, 1, True)
     old = world.dispatch(scheduler)
     done, failed, loaded = worker.call("load", (old.loads, old.regions))
-    assert failed == {} and loaded == {KEY: engines.describe(DATA)}
-    assert scheduler.call("report", (done, [])) == (0, set())
+    assert failed == [] and loaded == {KEY: engines.describe(DATA)}
+    assert scheduler.call("report", (done, [])) == 0
 
     scheduler.send("watch", ([KEY, "other"], 60.0))  # an engine stepping, hitting KEY
     time.sleep(0.5)
@@ -138,7 +138,7 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
                       spec.nbytes, spec.shape, spec.dtype, spec.extents)
     done, failed, loaded = worker.call("load", ([forced], old.regions))
     assert done == [] and loaded == {}
-    assert "stamp mismatch" in failed[forced.transfer_id]
+    assert failed == [(forced.transfer_id, STAMP_MISMATCH)]
 
 
 # Protects: an engine that cannot use its attachment (a region it cannot map)
