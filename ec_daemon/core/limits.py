@@ -15,11 +15,13 @@ from __future__ import annotations
 import re
 
 from ec_daemon.errors import InvalidArgument
+from ec_protocol.dtypes import entry_problem
 
-# Entries: a key (vLLM's mm_hash), its shape and its element type.
+# Entries: a key (vLLM's mm_hash) and its shape; its element type is one of
+# ec_protocol.dtypes (the loaders' table).
 MAX_KEY_BYTES = 512
 MAX_DIMS = 8
-MAX_ELEMENT_BYTES = 16
+# A layout's dtype (the model's, in its namespace).
 DTYPE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 
 # Attach: who the client is, and the layout its namespace is made of.
@@ -58,20 +60,17 @@ def validate_mm_hash(mm_hash: str) -> None:
 
 
 def validate_save(mm_hash: str, nbytes: int, shape: tuple[int, ...], dtype: str) -> None:
-    """Raise unless an entry described so may be saved."""
+    """Raise unless an entry described so may be saved: one a loader can read
+    back (a dtype of `ec_protocol.dtypes`, bytes exactly its shape's elements
+    times the element's size). Adoption refuses records that fail it too."""
     validate_mm_hash(mm_hash)
     if nbytes <= 0:
         raise InvalidArgument(f"nbytes must be positive, got {nbytes}")
     if not shape or len(shape) > MAX_DIMS or any(d <= 0 for d in shape):
         raise InvalidArgument(f"shape must have 1..{MAX_DIMS} positive dims, got {shape}")
-    elements = 1
-    for d in shape:
-        elements *= d
-    if nbytes % elements or nbytes // elements > MAX_ELEMENT_BYTES:
-        raise InvalidArgument(
-            f"nbytes {nbytes} does not match shape {shape} (1..16 bytes per element)")
-    if not DTYPE_RE.match(dtype):
-        raise InvalidArgument(f"dtype must be 1..32 letters, digits or _, got {dtype!r}")
+    problem = entry_problem(nbytes, shape, dtype)
+    if problem is not None:
+        raise InvalidArgument(problem)
 
 
 def validate_layout_namespace(namespace: str) -> str:
@@ -80,3 +79,4 @@ def validate_layout_namespace(namespace: str) -> str:
         raise InvalidArgument(f"the layout makes a namespace longer than {MAX_NAMESPACE_BYTES} "
                               "bytes (model, modalities and variant together)")
     return namespace
+

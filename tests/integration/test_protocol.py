@@ -152,6 +152,42 @@ def test_bad_saves_get_precise_codes_and_change_nothing(daemon):
     assert after["pending_bytes"] == 0
 
 
+def test_a_save_no_loader_could_read_back_is_refused_on_both_paths(daemon):
+    """Issue 40, finding 5: an entry saved with dtype `notadtype`, or as
+    float32 [1024] in 1024 bytes, was accepted, and every engine that hit it
+    failed its load. The daemon refuses both (INVALID_ARGUMENT naming the
+    problem), on the unary Allocate and on the stream alike, and nothing
+    is allocated; a right one is taken."""
+    stub = daemon.stub
+    writer = attach(stub).session_id
+    bogus = [("notadtype", 1024, [1024], "dtype 'notadtype' is not one loaders make"),
+             ("float32", 1024, [1024], "nbytes 1024 is not shape (1024,) x 4 bytes of float32")]
+    for dtype, nbytes, shape, message in bogus:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Allocate(pb.AllocateRequest(session_id=writer, mm_hash=f"u-{dtype}",
+                                             nbytes=nbytes, shape=shape, dtype=dtype))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in info.value.details()
+    stream = RawStream(stub, writer)
+    stream.send(allocations=[pb.SaveAllocate(request_id=i + 1, mm_hash=f"s-{dtype}",
+                                             nbytes=nbytes, shape=shape, dtype=dtype)
+                             for i, (dtype, nbytes, shape, _) in enumerate(bogus)]
+                + [pb.SaveAllocate(request_id=3, mm_hash="fine", nbytes=4096, shape=[1024],
+                                   dtype="float32")])
+    answers: dict[int, Any] = {}
+    while len(answers) < 3:
+        for answer in stream.next().allocations:
+            answers[answer.request_id] = answer
+    for i, (_, _, _, message) in enumerate(bogus):
+        assert answers[i + 1].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert message in answers[i + 1].error
+    assert answers[3].status == pb.ALLOCATED
+    assert daemon.stats()["pending_bytes"] == 64 << 10  # "fine" alone: one page
+    stream.close()
+    assert all(r.state == pb.ABSENT for r in daemon.lookup(
+        LAYOUT, "u-notadtype", "u-float32", "s-notadtype", "s-float32"))
+
+
 def test_duplicate_allocation_is_told_not_duplicated(daemon):
     stub = daemon.stub
     a, b = attach(stub, engine="A").session_id, attach(stub, engine="B").session_id

@@ -145,11 +145,18 @@ def test_a_report_with_one_bad_key_changes_nothing(cache):
     ("h", PAGE, (3,), "uint8", InvalidArgument),  # not a multiple of the shape
     ("h", 32 * PAGE, (PAGE,), "uint8", InvalidArgument),  # 32 bytes per element
     ("h", PAGE, (PAGE,), "bad dtype!", InvalidArgument),
+    ("h", PAGE, (PAGE,), "notadtype", InvalidArgument),  # no loader makes it
+    ("h", PAGE, (PAGE,), "float32", InvalidArgument),  # 4 bytes an element: 4x too few
+    ("h", 2 * PAGE, (PAGE,), "float16", None),  # exactly right: allocated
     ("h", 100 * PAGE, (100 * PAGE,), "uint8", ResourceExhausted),  # larger than the cache
 ])
 def test_bad_saves_raise_precise_errors_and_change_nothing(cache, mm_hash, nbytes, shape,
                                                            dtype, error):
     w = worker(cache)
+    if error is None:
+        assert cache.allocate(w, mm_hash, nbytes, shape, dtype).outcome \
+            is AllocOutcome.ALLOCATED
+        return
     with pytest.raises(error):
         cache.allocate(w, mm_hash, nbytes, shape, dtype)
     assert cache.allocator.free_pages == 8 and not w.pending and not list(cache.entries())
