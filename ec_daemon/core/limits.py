@@ -47,9 +47,12 @@ WATCH_BUFFER_EVENTS = 1 << 16
 MAX_WATCHERS = 64
 MAX_WATCHERS_PER_PEER = 16
 
-# Items being made at once (claims, promotions); beyond, wants are answered
-# ENCODE unrecorded.
+# Items being made at once (claims, promotions), those one engine instance's
+# views take part in (claim or wait for), and all tokenless views' together;
+# beyond, wants are answered ENCODE unrecorded.
 MAX_ITEMS_MAKING = 1 << 16
+MAX_ITEMS_PER_INSTANCE = 1 << 12
+MAX_ITEMS_TOKENLESS = 1 << 14
 
 
 def validate_mm_hash(mm_hash: str) -> None:

@@ -71,6 +71,11 @@ def engine_key(engine_id: str, token: str) -> str:
     return f"{digest}/{engine_id}"
 
 
+def tokenless(key: str) -> bool:
+    """Is `key` (`engine_key`) the bucket of clients that presented no token?"""
+    return key.startswith("-/")
+
+
 def engine_of(key: str) -> str:
     """The engine id of an `engine_key` (a key of an older journal is one)."""
     return key.partition("/")[2] or key

@@ -70,7 +70,7 @@ class Saves:
         except ResourceExhausted:
             session = self.cache.sessions.find(session_id)
             if session is not None:
-                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
             raise
 
     async def allocate_waiting(self, session_of: Callable[[], Session], mm_hash: str,
@@ -108,7 +108,7 @@ class Saves:
         statuses = self.cache.commit(session, saved)  # validates all before changing any
         aborts = self.cache.abort(session, aborted)
         for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
-            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
         return statuses, aborts
 
     # ------------------------------------------------------------- stream
@@ -186,5 +186,5 @@ class Saves:
                           exc: Exception) -> None:
         if isinstance(exc, ResourceExhausted):  # an engine waiting for it encodes it
             self.convergence.save_given_up((session.namespace, asked.mm_hash),
-                                           session.engine_id)
+                                           session.engine_key)
         session.send(AllocationAnswer(asked.request_id, None, exc))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,15 +19,29 @@ MiB = 1 << 20
 
 def attach(stub: Any, layout: Layout, *, engine: str = "E", role: int = pb.ROLE_BOTH,
            rank: int | None = 0, world: int = 1, version: int = PROTOCOL_VERSION,
-           store_namespace: str = "") -> Any:
-    """Attach a worker rank (or, with rank=None, a scheduler side)."""
+           store_namespace: str = "", token: str = "") -> Any:
+    """Attach a worker rank (or, with rank=None, a scheduler side), presenting
+    engine token `token` if given (32 hex digits)."""
     request = pb.AttachRequest(protocol_version=version, engine_id=engine, role=role,
                                layout=layout.to_pb(), store_namespace=store_namespace)
     if rank is None:
         request.scheduler.SetInParent()
+        request.scheduler.engine_token = token
     else:
         request.worker.rank, request.worker.world_size = rank, world
+        request.worker.engine_token = token
     return stub.Attach(request, timeout=5)
+
+
+def answers_of(stream: RawStream, wanted: int, timeout: float = 10) -> dict[str, int]:
+    """The verdicts of the next `wanted` answers on `stream` (by mm_hash)."""
+    got: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < wanted:
+        message = stream.next(max(0.1, deadline - time.monotonic()))
+        assert message is not None, stream.error
+        got.update((a.mm_hash, a.verdict) for a in message.answers)
+    return got
 
 
 class RawStream:
