@@ -47,6 +47,12 @@ WATCH_BUFFER_EVENTS = 1 << 16
 MAX_WATCHERS = 64
 MAX_WATCHERS_PER_PEER = 16
 
+# Saves waiting for pages at once (Allocate calls and stream allocations),
+# of all tokenless clients together, and in all (per session:
+# ec_daemon.plane.saves.WAITING_PER_SESSION); one more is refused at once.
+MAX_WAITING_SAVES_TOKENLESS = 256
+MAX_WAITING_SAVES = 1024
+
 # Items being made at once (claims, promotions), those one engine instance's
 # views take part in (claim or wait for), and all tokenless views' together;
 # beyond, wants are answered ENCODE unrecorded.

@@ -122,6 +122,34 @@ def test_stream_allocations_past_the_cap_are_refused_answers():
             stream.close()
 
 
+def test_unary_allocations_waiting_for_pages_are_bounded_like_the_streams():
+    """Issue 40, finding 9: unary Allocate calls waiting for pages were
+    uncapped (the stream's were 64 a session), and every page coming back
+    woke them all: 8,000 parked by one client cost everyone 763 ms. Now a
+    session parks at most 64, on either path; the rest are refused at once."""
+    with Daemon(cpu_bytes="8MiB", extra=("--alloc-wait-seconds", "3")) as daemon:
+        writer = attach(daemon.stub, LAYOUT, engine="writer").session_id
+        for i in range(8):
+            save(daemon.stub, writer, f"ready-{i}", MiB)
+        view = RawStream(daemon.stub, attach(daemon.stub, LAYOUT, engine="viewer",
+                                             rank=None).session_id)  # never acknowledges
+        assert view.next() is not None  # its snapshot: every eviction awaits it
+        parker = attach(daemon.stub, LAYOUT, engine="parker").session_id
+        calls = [daemon.stub.Allocate.future(pb.AllocateRequest(
+            session_id=parker, mm_hash=f"park-{i}", nbytes=MiB, shape=[MiB], dtype="uint8"),
+            timeout=30) for i in range(100)]
+        at_once = []
+        for call in calls:
+            error = call.exception(timeout=30)
+            assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if "already wait for pages" in error.details():
+                at_once.append(call)
+            else:
+                assert "not acknowledged in time" in error.details(), error.details()
+        assert len(at_once) == 100 - 64
+        view.close()
+
+
 def test_an_ended_sessions_quarantine_counts_against_its_engine():
     """Ending and re-attaching gives no fresh allowance while the pages the
     ended session left are quarantined: one engine id holds at most one cap
