@@ -285,6 +285,8 @@ class Cache:
         session.pending.add(entry.key)
         session.pending_pages += entry.pages
         self.pending_pages += entry.pages
+        if session.session_id:  # (the daemon's own writer is bounded by its budget)
+            self.quota.take(session.engine_key, entry.pages)
         return AllocResult(AllocOutcome.ALLOCATED, entry.entry_id, self.extents(entry))
 
     def refuse_waited_save(self, nbytes: int) -> ResourceExhausted:
@@ -485,6 +487,8 @@ class Cache:
         session.pending.discard(entry.key)
         session.pending_pages -= entry.pages
         self.pending_pages -= entry.pages
+        if session.session_id:
+            self.quota.settle(session.engine_key, entry.pages)
         self.policy.add(entry.key, entry.pages)
         self.ready_entries += 1
         usage = self.namespace_usage.setdefault(entry.key[0], [0, 0])
@@ -510,12 +514,15 @@ class Cache:
         owner.pending_pages -= entry.pages
         entry.owner = None
         self.pending_pages -= entry.pages
+        if owner.session_id:
+            self.quota.settle(owner.engine_key, entry.pages)
         self._forget(entry)
         if not quarantine:
             self._free_runs(entry.runs)
             return
         until = self.sessions.clock() + self.quarantine_seconds
-        self.quota.charge(owner.engine_key, entry.pages, until)  # its engine's cap holds them
+        if owner.session_id:
+            self.quota.charge(owner.engine_key, entry.pages, until)  # its instance holds them
         self.quarantine.append((until, entry.runs, entry.pages))
         self.quarantined_pages += entry.pages
 
@@ -583,6 +590,7 @@ class Cache:
         counts toward that instance's views only (both instances' views are
         told their count)."""
         before = self.sessions.join(worker, key)
+        self.quota.move(before, key, worker.pending_pages)  # its saves are the instance's
         if before != key and worker.streaming:
             self._tell_ranks(before)
             self._tell_ranks(key)

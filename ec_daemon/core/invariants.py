@@ -40,6 +40,10 @@ def check(cache: Cache) -> None:
         owned = [cache.get(*key) for key in session.pending]
         assert session.pending_pages == sum(e.pages for e in owned if e is not None), \
             "a session's pending pages drifted"
+    clients = sum(e.pages for e in cache.entries()
+                  if e.state is State.PENDING and e.owner is not None and e.owner.session_id)
+    assert cache.quota.held_pages == clients + cache.quota.charged_pages(), \
+        "the pending-save quota drifted"
     for session in [*cache.sessions, *cache.sessions.ghosts()]:
         for entry in session.awaiting:
             assert entry.state is State.HIDDEN and session in entry.awaiting

@@ -27,6 +27,11 @@ def _positive_size(text: str) -> int:
     return value
 
 
+def _derived_size(text: str) -> int:
+    """A positive size, or "" for the default derived from --cpu-bytes (0 here)."""
+    return _positive_size(text) if text.strip() else 0
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -150,12 +155,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quarantine_seconds", _positive_float, lambda: "300",
             "pages of a save whose writer vanished stay unused this long (a frozen writer "
             "that wakes up must not overwrite a newer entry)", "S"),
-    Setting("session_pending_bytes", _positive_size, lambda: "512MiB",
-            "bytes one session may hold as saves allocated and not yet reported, counting "
-            "the saves of its engine's ended sessions still in quarantine; one more is refused "
-            "(RESOURCE_EXHAUSTED): a worker's saver has at most two batches in flight, each "
-            "within its save queue (256 MiB by default), so one session cannot take the cache",
-            "SIZE"),
+    Setting("session_pending_bytes", _derived_size, lambda: "",
+            "bytes one engine instance (its id and token) may hold as saves allocated and not "
+            "yet reported, in all its sessions, counting those its ended sessions left in "
+            "quarantine; one more is refused (RESOURCE_EXHAUSTED): a worker's saver has at most "
+            "two batches in flight, each within its save queue (256 MiB by default)", "SIZE",
+            shown="a quarter of `--cpu-bytes`, at most `512MiB`"),
+    Setting("total_pending_bytes", _derived_size, lambda: "",
+            "bytes all sessions together may hold as saves allocated and not yet reported or "
+            "left in quarantine (clients without an engine token: a quarter of it together); "
+            "one more is refused (RESOURCE_EXHAUSTED), so the rest of the cache stays the "
+            "ready entries'", "SIZE", shown="half of `--cpu-bytes`"),
     Setting("session_pending_entries", _positive_int, lambda: "128",
             "saves one session may hold allocated and not yet reported (a saver asks for 16 "
             "at a time); one more is refused (RESOURCE_EXHAUSTED)", "N"),
@@ -261,6 +271,7 @@ class DaemonConfig:
     alloc_wait_seconds: float
     quarantine_seconds: float
     session_pending_bytes: int
+    total_pending_bytes: int
     session_pending_entries: int
     max_sessions: int
     max_sessions_per_engine: int
@@ -292,6 +303,12 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             values[setting.name] = setting.parse(raw) if isinstance(raw, str) else raw
         except ValueError as exc:
             raise ValueError(f"{setting.flag}: {exc}") from None
+    # Defaults that scale with the cache (`core.quotas`): an instance a
+    # quarter of it (at most 512 MiB, two save queues' worth), all sessions half.
+    if not values["session_pending_bytes"]:
+        values["session_pending_bytes"] = min(values["cpu_bytes"] // 4, 512 << 20)
+    if not values["total_pending_bytes"]:
+        values["total_pending_bytes"] = values["cpu_bytes"] // 2
     config = DaemonConfig(**values)
     if config.cpu_bytes < config.page_bytes:
         raise ValueError(

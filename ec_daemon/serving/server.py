@@ -269,7 +269,8 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                   data_offset=data_offset, stamps=table, index=region.index,
                   quarantine_seconds=config.quarantine_seconds,
                   pending_caps=PendingCaps(config.session_pending_bytes,
-                                           config.session_pending_entries))
+                                           config.session_pending_entries,
+                                           config.total_pending_bytes))
     if region.index is not None:
         region.index.flush_with(asyncio.get_running_loop().call_soon)
     if adoption is not None:

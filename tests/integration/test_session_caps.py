@@ -47,10 +47,10 @@ def test_a_session_that_never_reports_cannot_take_the_cache():
     and another engine still saves."""
     with Daemon(cpu_bytes="8MiB", extra=("--session-pending-bytes", "1MiB",
                                          "--session-pending-entries", "64")) as daemon:
-        victim = attach(daemon.stub, LAYOUT, engine="victim").session_id
+        victim = attach(daemon.stub, LAYOUT, engine="victim", token="1" * 32).session_id
         for i in range(4):
             save(daemon.stub, victim, f"ready-{i}", MiB)
-        hostile = attach(daemon.stub, LAYOUT, engine="hostile").session_id
+        hostile = attach(daemon.stub, LAYOUT, engine="hostile", token="2" * 32).session_id
         for i in range(16):  # 16 x 64 KiB: exactly the cap
             assert allocate(daemon.stub, hostile, f"p-{i}", 64 * KiB).status == pb.ALLOCATED
         before = daemon.stats()
@@ -67,6 +67,41 @@ def test_a_session_that_never_reports_cannot_take_the_cache():
         assert [r.state for r in daemon.lookup(LAYOUT, *(f"ready-{i}" for i in range(4)))] \
             == [pb.READY] * 4
         save(daemon.stub, victim, "later", MiB)  # another engine's save is taken
+
+
+def test_pending_saves_are_bounded_in_all_and_scale_with_the_cache():
+    """Issue 40, finding 2: two sessions under engine ids x1 and x2 took
+    512 MiB each, the whole default cache: every ready entry evicted, the
+    victim refused "cache full", a gigabyte in quarantine after they left,
+    `capped_saves` 0. With default flags the bounds scale with --cpu-bytes
+    (an instance a quarter, all sessions half, the tokenless clients together
+    a quarter of that): the two hold 4 MiB of a 32 MiB cache between them,
+    nothing is evicted for them, and an engine presenting its token saves."""
+    with Daemon(cpu_bytes="32MiB") as daemon:
+        token = "e" * 32
+        victim = attach(daemon.stub, LAYOUT, engine="victim", token=token).session_id
+        for i in range(8):
+            save(daemon.stub, victim, f"ready-{i}", MiB)
+        taken = {}
+        for engine in ("x1", "x2"):
+            hostile = attach(daemon.stub, LAYOUT, engine=engine).session_id
+            taken[engine] = 0
+            for i in range(16):
+                try:
+                    allocate(daemon.stub, hostile, f"{engine}-{i}", MiB)
+                    taken[engine] += 1
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "without an engine token" in exc.details(), exc.details()
+            daemon.stub.Detach(pb.DetachRequest(session_id=hostile), timeout=5)
+        assert sum(taken.values()) == 4  # 32 MiB / 2 / 4
+        stats = daemon.stats()
+        assert stats["capped_saves"] == 32 - 4
+        assert stats["evictions"] == 0 and stats["entries"] == 8
+        assert stats["quarantined_bytes"] == 4 * MiB
+        for i in range(8):  # the engine's saves land: 4 MiB free, the rest evicted for them
+            save(daemon.stub, victim, f"later-{i}", MiB)
+        assert daemon.stats()["refused_saves"] == 0
 
 
 def test_the_entry_cap_refuses_precisely():
@@ -152,12 +187,12 @@ def test_unary_allocations_waiting_for_pages_are_bounded_like_the_streams():
 
 def test_an_ended_sessions_quarantine_counts_against_its_engine():
     """Ending and re-attaching gives no fresh allowance while the pages the
-    ended session left are quarantined: one engine id holds at most one cap
-    of the cache, pending and quarantined together."""
+    ended session left are quarantined: one engine instance holds at most one
+    cap of the cache, pending and quarantined together."""
     with Daemon(cpu_bytes="8MiB", extra=("--session-pending-bytes", "1MiB",
                                          "--quarantine-seconds", "600")) as daemon:
         for round_ in range(3):
-            session = attach(daemon.stub, LAYOUT, engine="churner").session_id
+            session = attach(daemon.stub, LAYOUT, engine="churner", token="3" * 32).session_id
             taken = 0
             for i in range(32):
                 try:
@@ -172,7 +207,7 @@ def test_an_ended_sessions_quarantine_counts_against_its_engine():
         stats = daemon.stats()
         assert stats["quarantined_bytes"] == MiB
         # Another engine is not charged for it.
-        other = attach(daemon.stub, LAYOUT, engine="other").session_id
+        other = attach(daemon.stub, LAYOUT, engine="other", token="4" * 32).session_id
         save(daemon.stub, other, "fine", MiB)
 
 
