@@ -62,7 +62,9 @@ EVICTION_BATCH_DIVISOR = 64
 # DMA in flight): its pages are reused only after this, by default.
 DEFAULT_QUARANTINE_SECONDS = 300.0
 COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
-            "bytes_loaded", "capped_saves", "refused_attaches")
+            "bytes_loaded", "capped_saves", "refused_attaches", "preempted_sessions",
+            "ack_timeouts", "stalled_streams", "mismatch_reports", "checksum_mismatches",
+            "region_truncations")
 
 
 class Stamps:

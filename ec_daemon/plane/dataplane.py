@@ -114,7 +114,16 @@ class DataPlane:
     def attach(self, **fields: Any) -> Session:
         """A new session (`Cache.attach`); it takes part once its stream opens."""
         store_namespace = fields.pop("store_namespace", "")
-        session = self.cache.attach(**fields)
+        victim = self.cache.sessions.victim_for(fields["engine_id"],
+                                                fields.get("engine_token", ""))
+        if victim is not None:  # an attach that never became anything makes room
+            log.warning("session %d (engine %r %s) ended: its stream never opened in %.0fs, and "
+                        "an engine presenting its token needs the place", victim.index,
+                        victim.engine_id, victim.component,
+                        self.cache.sessions.clock() - victim.created)
+            self.cache.counters["preempted_sessions"] += 1
+            self.end_session(victim, detached=True)
+        session = self.cache.attach(**fields, in_place_of=victim)
         if self.tier is not None:
             self.tier.follow(session.namespace, store_namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
@@ -269,10 +278,16 @@ class DataPlane:
 
     # -------------------------------------------------------------- watch
 
-    def open_watcher(self, namespace: str, peer: str) -> watch.Watcher:
+    def open_watcher(self, namespace: str, peer: str, engine_id: str = "",
+                     token: str = "") -> watch.Watcher:
         """A router's watcher of `namespace` (`watch.Watchers.open`); close
-        it (`close_watcher`) when its call ends, however it ends."""
-        return self.watchers.open(namespace, self.cache.entries(), peer)
+        it (`close_watcher`) when its call ends, however it ends. One that
+        presents a running engine instance's id and token counts in that
+        instance's bucket; any other, in its peer's."""
+        key = engine_key(engine_id, token) if engine_id and token else ""
+        running = bool(key) and self.cache.sessions.running(key)
+        return self.watchers.open(namespace, self.cache.entries(), peer,
+                                  engine=key if running else "")
 
     def close_watcher(self, watcher: watch.Watcher) -> None:
         self.watchers.close(watcher)

@@ -171,12 +171,19 @@ SETTINGS: tuple[Setting, ...] = (
             "at a time); one more is refused (RESOURCE_EXHAUSTED)", "N"),
     Setting("max_sessions", _positive_int, lambda: "1024",
             "sessions attached at once (an attach that never opens its stream counts for "
-            "60 s); one more Attach is refused (RESOURCE_EXHAUSTED)", "N"),
+            "60 s, or until an engine presenting its token needs the place after 10 s); the "
+            "last quarter is kept for engine instances already running; one more Attach is "
+            "refused (RESOURCE_EXHAUSTED)", "N"),
     Setting("max_sessions_per_engine", _positive_int, lambda: "64",
             "sessions of one engine instance (its id and token) attached at once (its "
             "scheduler and one per worker rank, with room for re-attaches); one more Attach "
             "is refused (RESOURCE_EXHAUSTED)",
             "N"),
+    Setting("max_tokenless_sessions", _positive_int, lambda: "64",
+            "sessions of clients that present no engine token, together, whatever engine ids "
+            "they name (tools, older clients); one more Attach is refused "
+            "(RESOURCE_EXHAUSTED), and engines presenting their token never compete for "
+            "these", "N"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
     Setting("max_watchers", _positive_int, lambda: "64",
@@ -275,6 +282,7 @@ class DaemonConfig:
     session_pending_entries: int
     max_sessions: int
     max_sessions_per_engine: int
+    max_tokenless_sessions: int
     check_invariants: bool
     max_watchers: int
     max_watchers_per_peer: int

@@ -265,7 +265,8 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                               data_offset)
     cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
                   sessions=SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
-                                        max_per_engine=config.max_sessions_per_engine),
+                                        max_per_engine=config.max_sessions_per_engine,
+                                        max_tokenless=config.max_tokenless_sessions),
                   data_offset=data_offset, stamps=table, index=region.index,
                   quarantine_seconds=config.quarantine_seconds,
                   pending_caps=PendingCaps(config.session_pending_bytes,

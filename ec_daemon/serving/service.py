@@ -201,7 +201,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
         ready entries, its end, then live events. A watcher that reads too
         slowly is dropped (RESOURCE_EXHAUSTED), never waited for."""
         try:
-            watcher = self.plane.open_watcher(request.namespace, watch.peer_of(context.peer()))
+            engine_id, token = wire.watch_engine(request)
+            watcher = self.plane.open_watcher(request.namespace, watch.peer_of(context.peer()),
+                                              engine_id, token)
         except Exception as exc:
             await _abort(context, exc)
         try:

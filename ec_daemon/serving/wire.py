@@ -133,6 +133,15 @@ def attach_fields(request: Any) -> dict[str, Any]:
     }
 
 
+def watch_engine(request: Any) -> tuple[str, str]:
+    """The engine id and token a WatchRequest presents (both or none)."""
+    engine_id = _text(request.engine_id, "engine_id", MAX_ID_CHARS, required=False)
+    token = _engine_token(request.engine_token, "engine_token")
+    if bool(engine_id) != bool(token):
+        raise InvalidArgument("a watch presents an engine's id and token together, or neither")
+    return engine_id, token
+
+
 def _engine_token(token: str, what: str) -> str:
     problem = engine_token_problem(token)
     if problem is not None:

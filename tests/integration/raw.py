@@ -15,6 +15,9 @@ import grpc
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 
 MiB = 1 << 20
+# Flags lifting the pending-save caps (a quarter and half of --cpu-bytes by
+# default) for tests whose `Filler` asks for a whole test-sized cache at once.
+UNCAPPED = ("--session-pending-bytes", "1TiB", "--total-pending-bytes", "1TiB")
 
 
 def attach(stub: Any, layout: Layout, *, engine: str = "E", role: int = pb.ROLE_BOTH,

@@ -22,7 +22,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc
-from tests.integration.raw import Filler, MiB, attach
+from tests.integration.raw import UNCAPPED, Filler, MiB, attach
 
 pytestmark = pytest.mark.integration
 LEASE = 2.0
@@ -33,7 +33,8 @@ DATA = np.random.default_rng(5).integers(0, 256, (MiB // 1024, 1024), dtype=np.u
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="4MiB", extra=("--lease-seconds", str(LEASE), "--quarantine-seconds",
-                                         str(LEASE), "--alloc-wait-seconds", "0.2")) as d:
+                                         str(LEASE), "--alloc-wait-seconds", "0.2",
+                                         *UNCAPPED)) as d:
         yield d
 
 

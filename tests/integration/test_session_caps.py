@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.core.sessions import PREEMPTIBLE_SECONDS
 from ec_daemon.core.stats import LISTED_NAMESPACES
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration import engines
@@ -244,13 +245,15 @@ def test_thousands_of_attaches_leave_stats_working():
     """4,000 attaches that never open a stream (each lives 60 s), with long
     names, used to all succeed and grow the Stats reply past gRPC's default
     4 MiB: a plain client (a router, grpcurl) could no longer read it. With
-    the default flags the daemon holds --max-sessions of them, refuses the
-    rest precisely, and lists the first sessions, counting the others. Each
-    attach names a model of its own, so each holds a namespace of its own:
-    namespaces are listed the same way, the largest first."""
+    the default flags the daemon holds what --max-sessions leaves to attaches
+    of no running engine (three quarters), refuses the rest precisely, and
+    lists the first sessions, counting the others. Each attach names a model
+    of its own, so each holds a namespace of its own: namespaces are listed
+    the same way, the largest first. (Tokenless attaches are capped far
+    lower by default: lifted here to reach the total.)"""
     layout = Layout("m" * 500, "bfloat16", {"image": 8192}, variant="v" * 250)
-    count, cap = 4000, 1024  # cap: the default --max-sessions
-    with Daemon(cpu_bytes="8MiB") as daemon:
+    count, cap = 4000, 768  # cap: the default --max-sessions (1024) less the running share
+    with Daemon(cpu_bytes="8MiB", extra=("--max-tokenless-sessions", "4096")) as daemon:
         request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, role=pb.ROLE_BOTH,
                                    layout=layout.to_pb(), client_name="c" * 250)
         request.scheduler.SetInParent()
@@ -267,7 +270,8 @@ def test_thousands_of_attaches_leave_stats_working():
         assert len(errors) == count - cap
         for error in errors:
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"--max-sessions {cap}" in error.details()
+            assert "the last 256 of --max-sessions 1024 are kept for engine instances already " \
+                "running" in error.details()
         stats = daemon.stats()  # a plain channel: gRPC's default 4 MiB receive limit
         assert stats["sessions"] == cap and stats["refused_attaches"] == count - cap
         assert 0 < len(stats["session_list"]) < cap
@@ -284,9 +288,51 @@ def test_thousands_of_attaches_leave_stats_working():
         assert f"{count - cap} attaches refused" in table.stdout
 
 
+def test_attaches_that_never_open_cannot_lock_an_engine_out():
+    """Issue 40, finding 6: 1,024 attaches under 16 engine ids that never
+    opened a stream (0.9 s) locked every engine out for a minute, and again
+    each time the client re-attached. Now clients without a token share one
+    bucket; attaches of instances that run nothing stop short of the places
+    kept for running engines; and a new engine presenting its token takes the
+    place of an attach that never opened its stream in PREEMPTIBLE_SECONDS."""
+    flags = ("--max-sessions", "32", "--max-sessions-per-engine", "8",
+             "--max-tokenless-sessions", "8")
+    with Daemon(cpu_bytes="8MiB", extra=flags) as daemon:
+        refusals = []
+        for engine in range(16):  # the reproduction, scaled: 16 ids x 8 tokenless attaches
+            for _ in range(8):
+                try:
+                    attach(daemon.stub, LAYOUT, engine=f"hog-{engine}", rank=None)
+                except grpc.RpcError as exc:
+                    refusals.append(exc)
+        assert len(refusals) == 16 * 8 - 8
+        assert all("--max-tokenless-sessions 8" in e.details() for e in refusals)
+        running = attach(daemon.stub, LAYOUT, engine="running", rank=None, token="9" * 32)
+        view = RawStream(daemon.stub, running.session_id)  # it runs: its stream is open
+        for n in range(32):  # invented tokens, never opening: up to 24 places (3/4)
+            try:
+                attach(daemon.stub, LAYOUT, engine="hog", rank=None, token=f"{n:032x}")
+            except grpc.RpcError as exc:
+                assert "kept for engine instances already running" in exc.details()
+        assert daemon.stats()["sessions"] == 24
+        for rank in range(7):  # the running engine's ranks find the kept places
+            attach(daemon.stub, LAYOUT, engine="running", rank=rank, world=7, token="9" * 32)
+        assert daemon.stats()["sessions"] == 31
+        # A new engine presenting its token: the attaches that never opened
+        # are taken once PREEMPTIBLE_SECONDS old (tokenless ones first).
+        new_token = "a" * 32
+        time.sleep(PREEMPTIBLE_SECONDS + 0.5)
+        for rank in range(4):
+            attach(daemon.stub, LAYOUT, engine="new", rank=rank, world=4, token=new_token)
+        stats = daemon.stats()
+        assert stats["preempted_sessions"] >= 4 and stats["sessions"] <= 32
+        assert sum(s["engine_id"] == "new" for s in stats["session_list"]) == 4
+        view.close()
+
+
 def test_session_caps_refuse_precisely_and_free_up_as_sessions_expire():
     lease = 1.0
-    with Daemon(cpu_bytes="8MiB", extra=("--max-sessions", "12", "--max-sessions-per-engine",
+    with Daemon(cpu_bytes="8MiB", extra=("--max-sessions", "16", "--max-sessions-per-engine",
                                          "5", "--lease-seconds", str(lease),
                                          "--quarantine-seconds", "5")) as daemon:
         streams = []
@@ -304,7 +350,8 @@ def test_session_caps_refuse_precisely_and_free_up_as_sessions_expire():
         daemon.wait_for(lambda: daemon.stats()["sessions"] == 12, what="12 sessions")
         error = refused(lambda: attach(daemon.stub, LAYOUT, engine="legit", rank=None))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "12 sessions attached (--max-sessions 12)" in error.details()
+        assert "12 sessions attached; the last 4 of --max-sessions 16 are kept for engine " \
+            "instances already running" in error.details()
         stats = daemon.stats()
         assert stats["sessions"] == 12 and stats["refused_attaches"] == 2
         # The attackers' sessions expire (silent for a lease): the legit engine

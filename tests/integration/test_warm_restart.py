@@ -20,7 +20,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.engines import Proc
-from tests.integration.raw import Filler
+from tests.integration.raw import UNCAPPED, Filler
 
 pytestmark = pytest.mark.integration
 LAYOUT = engines.LAYOUT
@@ -36,7 +36,7 @@ def data(i: int) -> np.ndarray:
 
 
 FLAGS = ("--lease-seconds", str(LEASE), "--quarantine-seconds", str(LEASE),
-         "--alloc-wait-seconds", "0.5")
+         "--alloc-wait-seconds", "0.5", *UNCAPPED)
 
 
 class Host:
