@@ -43,6 +43,7 @@ from ec_daemon.core.events import (
     RanksEvent,
     ReadyEvent,
     ReportStatus,
+    Snapshot,
     SnapshotDoneEvent,
 )
 from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
@@ -151,10 +152,11 @@ class Cache:
             self._tell_ranks(session.engine_key)
             return
         self.index.view_on(session.engine_key, session.namespace)  # before it sees anything
-        for entry in self._namespaces.get(session.namespace, {}).values():
-            if entry.state is State.READY:
-                session.outbox.append(self._ready_event(entry))
-                session.seen_upto = max(session.seen_upto, entry.entry_id)
+        ready = [e for e in self._namespaces.get(session.namespace, {}).values()
+                 if e.state is State.READY]
+        if ready:
+            session.outbox.append(Snapshot(ready, self._ready_event))  # events made as sent
+            session.seen_upto = max(session.seen_upto, max(e.entry_id for e in ready))
         session.outbox.append(SnapshotDoneEvent())
         session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_key)))
         session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
@@ -189,6 +191,7 @@ class Cache:
         """End every session whose lease ran out; returns them."""
         expired = self.sessions.expired()
         for session in expired:
+            session.ended_why = f"no message for {self.sessions.lease_seconds:.1f}s (its lease)"
             self.end_session(session)
         return expired
 

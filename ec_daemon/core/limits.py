@@ -36,10 +36,13 @@ MAX_ROW_BYTES = 1 << 32
 MAX_NAMESPACE_BYTES = 4096
 
 # Streams: one message carries at most this many events and bytes, well
-# under gRPC's default 4 MiB receive limit whatever the events hold.
+# under gRPC's default 4 MiB receive limit whatever the events hold. The
+# bytes also bound what a call whose client stopped reading holds: gRPC
+# cannot end a call with a write in flight, so the message it is blocked
+# writing stays until the client reads or disconnects (`serving.streams`).
 MAX_SESSION_EVENTS_PER_MESSAGE = 4096
 MAX_WATCH_EVENTS_PER_MESSAGE = 1024
-MAX_MESSAGE_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 64 << 10
 
 # Watch: events a watcher may have waiting past its snapshot (one more drops
 # it), and Watch calls at once, in all and from one peer.

@@ -82,6 +82,8 @@ class Session:
     created: float
     lease_deadline: float
     alive: bool = True
+    # Why it ended, when the daemon ended it (its stream's last status says so).
+    ended_why: str = ""
     # The engine instance it belongs to (`sessions.engine_key`): views count
     # the worker ranks of their own instance only, and it counts under it for
     # --max-sessions-per-engine and the pending-save quota.

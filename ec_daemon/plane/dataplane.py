@@ -265,6 +265,23 @@ class DataPlane:
                      session.index, session.engine_id, session.component)
         self.end_session(session)
 
+    def stalled(self, what: Session | watch.Watcher) -> str:
+        """A session or watcher whose client has not taken a message for
+        the stall bound (`serving.streams`): ended as a reader too slow (a
+        session becomes a ghost: its engine may still be loading), counted.
+        Returns what its client is told."""
+        self.cache.counters["stalled_streams"] += 1
+        if isinstance(what, watch.Watcher):
+            self.watchers.drop(what, stalled=True)
+            return str(what.error)
+        log.warning("session %d (engine %r %s) detached: its client has not read a message "
+                    "for %.0fs", what.index, what.engine_id, what.component,
+                    self.lease_seconds)
+        what.ended_why = f"its client read nothing for {self.lease_seconds:.0f}s"
+        if what.alive:
+            self.end_session(what)
+        return f"session detached: {what.ended_why}"
+
     def drop_slow_reader(self, session: Session) -> None:
         """End a session whose outbox overflowed (it becomes a ghost). Its
         stream may still be blocked writing to a client that stopped reading:
@@ -274,6 +291,7 @@ class DataPlane:
         log.warning("session %d (engine %r %s) detached: it read events too slowly "
                     "(%d queued); it re-attaches with a fresh snapshot", session.index,
                     session.engine_id, session.component, len(session.outbox))
+        session.ended_why = "events were read too slowly"
         self.end_session(session)
 
     # -------------------------------------------------------------- watch

@@ -294,17 +294,20 @@ class Watchers:
             for watcher in feed.append(event, self.limit):
                 self.drop(watcher)
 
-    def drop(self, watcher: Watcher) -> None:
-        """A watcher that reads too slowly: ended at once, what it held freed.
-        Its call keeps its place in the caps until it ends."""
+    def drop(self, watcher: Watcher, *, stalled: bool = False) -> None:
+        """A watcher that reads too slowly (`stalled`: whose client took no
+        message for a while): ended at once, what it held freed. Its call
+        keeps its place in the caps until it ends (the service cuts it)."""
         if watcher.error is not None:
             return
         waiting = watcher.waiting()
         self.count -= 1
         self.dropped += 1
+        why = "its client stopped reading" if stalled else \
+            f"more than {watcher.limit} events were waiting"
         watcher.end(ResourceExhausted(
-            f"watch dropped: more than {watcher.limit} events were waiting (this watcher "
-            "read too slowly); watch again for a fresh snapshot"))
+            f"watch dropped: {why} (this watcher read too slowly); watch again for a fresh "
+            "snapshot"))
         log.warning("watcher %d (%s, %s) dropped: it read events too slowly (%d waiting)",
                     watcher.index, _describe(watcher.namespace), watcher.peer or "local",
                     waiting)

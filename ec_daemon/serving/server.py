@@ -308,6 +308,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     expiry = asyncio.ensure_future(plane.upkeep())
+    cutting = asyncio.ensure_future(service.streams.upkeep())
     exporter = None
     if config.metrics_port:
         try:
@@ -329,6 +330,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         sd_notify("STOPPING=1")
         log.info("shutting down: draining calls, ending %d sessions", len(cache.sessions))
         expiry.cancel()
+        cutting.cancel()
         if exporter is not None:
             exporter.shutdown()
         await health_service.enter_graceful_shutdown()

@@ -73,14 +73,23 @@ class RawStream:
             self.error = exc
         self.messages.put(None)
 
-    def drain(self) -> int:
-        """Read everything until the stream ends; returns how many messages came."""
+    def drain(self, timeout: float | None = None) -> int:
+        """Read everything until the stream ends; returns how many messages
+        came. With `timeout`, a stream the daemon has not ended by then is
+        cancelled here (its `error` then says CANCELLED)."""
+        timer = None
+        if timeout is not None:
+            timer = threading.Timer(timeout, self.responses.cancel)
+            timer.start()
         count = 0
         try:
             for _ in self.responses:
                 count += 1
         except grpc.RpcError as exc:
             self.error = exc
+        finally:
+            if timer is not None:
+                timer.cancel()
         return count
 
     def send(self, **fields: Any) -> None:

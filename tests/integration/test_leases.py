@@ -157,7 +157,8 @@ def test_an_engine_that_cannot_map_the_region_never_holds_back_evictions(world):
         while time.monotonic() < deadline:
             # never streams; an engine id a round (one engine holds at most
             # --max-sessions-per-engine sessions, and each lives 60 s)
-            attach(daemon.stub, LAYOUT, engine=f"abandoned-{rounds}", rank=None)
+            attach(daemon.stub, LAYOUT, engine=f"abandoned-{rounds}", rank=None,
+                   token=f"{rounds:032x}")  # (tokenless ones share 64 places)
             world.save(f"k{rounds}", DATA)
             assert world.filler.evict_all(daemon.stats()), f"round {rounds}: eviction held back"
             assert daemon.stats()["ghost_sessions"] == 0

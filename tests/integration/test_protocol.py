@@ -369,7 +369,7 @@ def test_detach_drops_pending_saves_into_quarantine(daemon):
 
 @pytest.fixture
 def small_daemon() -> Iterator[Daemon]:
-    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5")) as d:
+    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5", *raw.UNCAPPED)) as d:
         yield d
 
 
@@ -445,7 +445,7 @@ def test_lookup_never_shows_pending_entries(daemon):
 
 
 def test_sigterm_lets_in_flight_calls_finish():
-    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "1"))
+    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "1", *raw.UNCAPPED))
     d.start()
     region_path = d.stats()["region_path"]
     stub = d.stub
@@ -530,8 +530,12 @@ def test_a_session_that_stops_reading_is_detached_and_others_carry_on():
             beating.start()
             daemon.wait_for(lambda: daemon.components("slow") == [], timeout=30,
                             what="the slow reader to be detached")
-            assert "(engine 'slow' scheduler) detached: it read events too slowly" \
-                in daemon.log()
+            # Whichever comes first: its outbox overflows, or its blocked write
+            # outlasts a lease (issue 40: its call is cut, not left blocked).
+            log = daemon.log()
+            assert "(engine 'slow' scheduler) detached: it read events too slowly" in log \
+                or "(engine 'slow' scheduler) detached: its client has not read a message" \
+                in log
             assert daemon.stats()["ghost_sessions"] == 1  # its engine may still be loading
             daemon.wait_for(lambda: daemon.stats()["ghost_sessions"] == 0, timeout=10,
                             what="the ghost's lease")

@@ -288,7 +288,7 @@ def test_the_same_socket_through_a_linked_folder_adopts_the_region(shm_folder):
 # refused, and the cache loses only what the saves need.
 def test_saves_into_a_full_cache_go_on_right_after_a_warm_restart(shm_folder):
     host = Host(shm_folder, ("--lease-seconds", "60", "--quarantine-seconds", "60",
-                             "--alloc-wait-seconds", "1"))
+                             "--alloc-wait-seconds", "1", *UNCAPPED))
     try:
         host.start()
         scheduler, other, worker = host.scheduler(), host.scheduler("F"), host.worker()

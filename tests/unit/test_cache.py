@@ -647,15 +647,15 @@ def test_a_view_whose_outbox_passes_its_limit_is_marked_overflowed(cache, monkey
     w = worker(cache)
     for h in "abc":
         save(cache, w, h)
-    view = scheduler(cache)  # a snapshot of 3 + done + ranks: the limit counts them
+    view = scheduler(cache)  # a snapshot (of 3, one item) + done + ranks: the limit counts them
     wakes = []
     view.wake = lambda: wakes.append(1)
-    assert not view.overflowed and len(view.outbox) == 5
+    assert not view.overflowed and len(view.outbox) == 3
     save(cache, w, "d")
-    assert not view.overflowed and len(view.outbox) == 6
+    assert not view.overflowed and len(view.outbox) == 4
     save(cache, w, "e")
-    assert not view.overflowed and len(view.outbox) == 7
-    save(cache, w, "f")  # past the snapshot's 5 + 2
+    assert not view.overflowed and len(view.outbox) == 5
+    save(cache, w, "f")  # past the snapshot's 3 + 2
     assert view.overflowed and wakes == [1, 1, 1]  # the stream writer is told to look
     save(cache, w, "g")
     events = drain(view)
