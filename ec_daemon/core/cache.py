@@ -18,6 +18,18 @@ RCU). A view that ends without detaching stays awaited as a ghost for one
 lease (`sessions`). Each allocation's entry_id is written into the region's
 stamp table before its writer gets the extents, so a reader can verify.
 
+An acknowledgement is waited for --ack-wait-seconds at most (`overdue_views`):
+a live view that withholds one longer is ended by the data plane, and its
+ghost is awaited one lease more, so one client that never acknowledges
+cannot pin the cache. Why an honest engine in a step longer than that still
+reads only the saved bytes: its engine's view stops answering hits once its
+session ends (the client-side lease, and the stream's end), its loads in
+flight keep their pages for the bound and a lease (at least two leases, what
+a frozen scheduler's loads already had), a re-attached view's `holds` cannot
+extend an entry past its bound, and a load that outlasts all of it is
+refused by the stamp check (docs/architecture.md, "Why the bytes cannot
+change under a load").
+
 Durability (`index`): a READY record is journaled before an entry becomes
 visible, a GONE record before its pages are freed, and ids are reserved
 before use, so a restarted daemon adopts the ready entries (`restore`) and
@@ -87,11 +99,14 @@ class Cache:
                  policy: EvictionPolicy | None = None, data_offset: int = 0,
                  stamps: Any = None, index: Any = None,
                  quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS,
-                 pending_caps: PendingCaps | None = None) -> None:
+                 pending_caps: PendingCaps | None = None,
+                 ack_wait_seconds: float | None = None) -> None:
         """`capacity_bytes` of payload pages starting at byte `data_offset` of
         the region; `stamps` is the region's StampTable (or a `Stamps`),
         `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
-        bound each session's pending saves (`quotas`; None: unbounded)."""
+        bound each session's pending saves (`quotas`; None: unbounded);
+        `ack_wait_seconds` bounds how long an eviction waits on a live view
+        (`overdue_views`; None: the lease)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -103,6 +118,10 @@ class Cache:
         self.stamps = stamps if stamps is not None else Stamps()
         self.index = index if index is not None else NoIndex()
         self.quarantine_seconds = quarantine_seconds
+        self.ack_wait_seconds = sessions.lease_seconds if ack_wait_seconds is None \
+            else ack_wait_seconds
+        # (ack_by, entry) of hidden entries live views await, in order of ack_by
+        self._ack_due: deque[tuple[float, Entry]] = deque()
         self.quota = PendingQuota(pending_caps, self.page_bytes)
         self._namespaces: dict[str, dict[str, Entry]] = {}
         self._next_entry_id = 1
@@ -345,14 +364,19 @@ class Cache:
         to an adopted region): a hidden one awaits this session too and is
         announced to it as evicted; unknown or stale refs are ignored."""
         namespace = self._namespaces.get(session.namespace, {})
+        now = self.sessions.clock()
         for mm_hash, entry_id in refs:
             entry = namespace.get(mm_hash)
             if entry is None or entry.entry_id != entry_id or entry.state is not State.HIDDEN \
                     or session in entry.awaiting:
                 continue
+            if entry.ack_by and entry.ack_by <= now:
+                continue  # past its bound: the ghost of the view ended for it covers the rest
             entry.awaiting.add(session)
             session.awaiting.add(entry)
             session.send(EvictedEvent(mm_hash, entry_id))
+            if not entry.ack_by:  # (an adopted hidden entry: awaited by ghosts until now)
+                self._due_by(entry, now)
 
     def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
         """Loads `session`'s view dispatched: recency for eviction, and the
@@ -551,6 +575,28 @@ class Cache:
         for view in awaiting:
             view.awaiting.add(entry)
             view.send(event)  # ghosts send nothing
+        if any(view.alive for view in awaiting):
+            self._due_by(entry, self.sessions.clock())
+
+    def _due_by(self, entry: Entry, now: float) -> None:
+        """Live views must acknowledge `entry`'s eviction by `now` + the bound."""
+        entry.ack_by = now + self.ack_wait_seconds
+        self._ack_due.append((entry.ack_by, entry))
+
+    def overdue_views(self) -> list[Session]:
+        """Live scheduler sessions that have not acknowledged an eviction
+        within --ack-wait-seconds: the caller ends them (each then a ghost for
+        one lease, whose clock acknowledges for it). Why that is safe for an
+        honest engine in a long step: docs/architecture.md, "Why the bytes
+        cannot change under a load"."""
+        now = self.sessions.clock()
+        due = self._ack_due
+        overdue: dict[Session, None] = {}
+        while due and due[0][0] <= now:
+            _, entry = due.popleft()
+            if entry.state is State.HIDDEN:
+                overdue.update((view, None) for view in entry.awaiting if view.alive)
+        return list(overdue)
 
     def _acknowledge(self, entry: Entry, session: Session) -> None:
         entry.awaiting.discard(session)
@@ -560,6 +606,7 @@ class Cache:
 
     def _reclaim(self, entry: Entry) -> None:
         assert entry.state is State.HIDDEN and not entry.awaiting
+        entry.ack_by = 0.0
         self.hidden_pages -= entry.pages
         self.hidden_entries -= 1
         usage = self.namespace_usage[entry.key[0]]

@@ -357,6 +357,13 @@ class DataPlane:
         for session in self.cache.sessions:
             if session.overflowed:
                 self.drop_slow_reader(session)
+        for view in self.cache.overdue_views():
+            self.cache.counters["ack_timeouts"] += 1
+            view.ended_why = (f"it did not acknowledge an eviction within "
+                              f"{self.cache.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
+            log.warning("session %d (engine %r %s) ended: %s; awaited as a ghost for one lease "
+                        "more", view.index, view.engine_id, view.component, view.ended_why)
+            self.end_session(view)  # a ghost: its engine may still be loading
         for session in self.cache.expire_sessions():
             self._ended(session)
             log.warning("session %d expired (engine %r %s): no message for %.1fs",

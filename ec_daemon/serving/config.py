@@ -32,6 +32,11 @@ def _derived_size(text: str) -> int:
     return _positive_size(text) if text.strip() else 0
 
 
+def _derived_seconds(text: str) -> float:
+    """Positive seconds, or "" for the default derived from another flag (0 here)."""
+    return _positive_float(text) if text.strip() else 0.0
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -150,6 +155,11 @@ SETTINGS: tuple[Setting, ...] = (
             "allocation granularity; an entry spans whole pages", "SIZE"),
     Setting("lease_seconds", _positive_float, lambda: "10",
             "a session whose stream is silent this long is ended", "S"),
+    Setting("ack_wait_seconds", _derived_seconds, lambda: "",
+            "how long an eviction waits for a live scheduler view's acknowledgement; a view "
+            "that withholds it longer is ended (its engine re-attaches) and awaited one lease "
+            "more as a ghost, so a view that never acknowledges cannot pin the cache (at least "
+            "--lease-seconds)", "S", shown="`--lease-seconds`"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
     Setting("quarantine_seconds", _positive_float, lambda: "300",
@@ -275,6 +285,7 @@ class DaemonConfig:
     shm_dir: str
     page_bytes: int
     lease_seconds: float
+    ack_wait_seconds: float
     alloc_wait_seconds: float
     quarantine_seconds: float
     session_pending_bytes: int
@@ -317,12 +328,18 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
         values["session_pending_bytes"] = min(values["cpu_bytes"] // 4, 512 << 20)
     if not values["total_pending_bytes"]:
         values["total_pending_bytes"] = values["cpu_bytes"] // 2
+    if not values["ack_wait_seconds"]:
+        values["ack_wait_seconds"] = values["lease_seconds"]
     config = DaemonConfig(**values)
     if config.cpu_bytes < config.page_bytes:
         raise ValueError(
             f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
             f"(--page-bytes {format_size(config.page_bytes)})"
         )
+    if config.ack_wait_seconds < config.lease_seconds:
+        raise ValueError("--ack-wait-seconds must be at least --lease-seconds (a load in "
+                         "flight is protected for the wait and one lease more: less would "
+                         "cut an engine's steps shorter than its lease allows)")
     if config.quarantine_seconds < config.lease_seconds:
         raise ValueError("--quarantine-seconds must be at least --lease-seconds (a vanished "
                          "writer is noticed only after its lease)")

@@ -269,6 +269,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                                         max_tokenless=config.max_tokenless_sessions),
                   data_offset=data_offset, stamps=table, index=region.index,
                   quarantine_seconds=config.quarantine_seconds,
+                  ack_wait_seconds=config.ack_wait_seconds,
                   pending_caps=PendingCaps(config.session_pending_bytes,
                                            config.session_pending_entries,
                                            config.total_pending_bytes))

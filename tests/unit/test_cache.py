@@ -671,3 +671,29 @@ def test_an_ended_session_is_sent_nothing(cache):
     cache.end_session(view, detached=True)
     save(cache, w, "a")
     assert not view.outbox and not view.overflowed
+
+
+def test_an_eviction_waits_on_a_live_view_for_the_bound_only():
+    """Issue 40, finding 1, on the core: an eviction awaits a live view for
+    --ack-wait-seconds (the lease here); then the view is overdue (the data
+    plane ends it: a ghost for a lease), and a view re-attaching with the
+    entry in its loads cannot make it await it again."""
+    clock = FakeClock()
+    cache = make_cache(pages=4, clock=clock)
+    view, w = scheduler(cache), worker(cache)
+    save(cache, w, "a", pages=4)
+    drain(view)
+    assert allocate(cache, w, "b", pages=4).outcome is AllocOutcome.WAIT  # "a" hidden
+    entry = cache.get("ns", "a")
+    assert entry.state is State.HIDDEN and entry.awaiting == {view}
+    clock.now += 9.9
+    assert cache.overdue_views() == []
+    clock.now += 0.1
+    assert cache.overdue_views() == [view]
+    cache.end_session(view)  # a ghost: it still awaits "a" for a lease
+    again = scheduler(cache, engine="E")
+    cache.hold(again, [("a", entry.entry_id)])
+    assert again not in entry.awaiting and entry.awaiting == {view}
+    clock.now += 10
+    cache.release_ghosts()
+    assert cache.get("ns", "a") is None  # the pages came back
