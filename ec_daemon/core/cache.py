@@ -65,6 +65,7 @@ from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, 
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.index import ID_BLOCK, NoIndex
 from ec_daemon.durable.journal import Record
+from ec_daemon.durable.stamp_file import LOST
 from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 # Evict at least 1/64 of the cache at a time: each eviction round costs one
@@ -106,7 +107,7 @@ class Cache:
         `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
         bound each session's pending saves (`quotas`; None: unbounded);
         `ack_wait_seconds` bounds how long an eviction waits on a live view
-        (`overdue_views`; None: the lease)."""
+        (`overdue_views`; None: three leases, the daemon's default)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -118,10 +119,13 @@ class Cache:
         self.stamps = stamps if stamps is not None else Stamps()
         self.index = index if index is not None else NoIndex()
         self.quarantine_seconds = quarantine_seconds
-        self.ack_wait_seconds = sessions.lease_seconds if ack_wait_seconds is None \
+        self.ack_wait_seconds = 3 * sessions.lease_seconds if ack_wait_seconds is None \
             else ack_wait_seconds
         # (ack_by, entry) of hidden entries live views await, in order of ack_by
         self._ack_due: deque[tuple[float, Entry]] = deque()
+        # Ids of hidden entries whose pages were cut off the region file
+        # (`cut_off`): stamped LOST until they are reclaimed.
+        self.lost: set[int] = set()
         self.quota = PendingQuota(pending_caps, self.page_bytes)
         self._namespaces: dict[str, dict[str, Entry]] = {}
         self._next_entry_id = 1
@@ -319,9 +323,15 @@ class Cache:
         return ResourceExhausted(self._full_message(nbytes) + " (evicted entries were not "
                                  "acknowledged in time)")
 
-    def commit(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
-        """Make `session`'s pending entries ready (their copies landed)."""
-        return [self._commit_one(session, h) for h in _valid(mm_hashes)]
+    def commit(self, session: Session, mm_hashes: Iterable[str],
+               checksums: Iterable[int] = ()) -> list[ReportStatus]:
+        """Make `session`'s pending entries ready (their copies landed), each
+        with the checksum of its bytes its writer reported (`checksums`, in
+        order; missing or 0: none)."""
+        hashes = _valid(mm_hashes)
+        sums = list(checksums)
+        return [self._commit_one(session, h, sums[i] if i < len(sums) else 0)
+                for i, h in enumerate(hashes)]
 
     def abort(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
         """Discard `session`'s pending entries (their copies will not land)."""
@@ -451,6 +461,7 @@ class Cache:
             key = (record.namespace, record.mm_hash)
             entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
                           record.runs, None)
+            entry.checksum = record.checksum
             self._namespaces.setdefault(key[0], {})[key[1]] = entry
             usage = self.namespace_usage.setdefault(key[0], [0, 0])
             usage[0] += 1
@@ -475,6 +486,30 @@ class Cache:
         for entry in hidden:
             if not entry.awaiting:  # no view was attached: nobody can be loading it
                 self._reclaim(entry)
+
+    def cut_off(self, first: int) -> list[Entry]:
+        """The region file lost every payload page from `first` on (a client
+        truncated it; the file was given its size back, zeros there). Every
+        entry with a page there is lost, and none may be read or completed:
+        its pages, and quarantined ones there, are stamped LOST (no reader's
+        or writer's check passes on it); a ready one is hidden (its views
+        told; reclaimed once they acknowledge), a hidden one goes as it would,
+        a pending one is dropped into quarantine (its writer may still be
+        copying). Returns the entries lost."""
+        lost = [e for e in self.entries() if any(p + n > first for p, n in e.runs)]
+        for entry in lost:
+            self.stamps.write(entry.runs, LOST)
+            if entry.state is State.PENDING:
+                self._discard_pending(entry, quarantine=True)
+                continue
+            self.lost.add(entry.entry_id)
+            if entry.state is State.READY:
+                self._hide(entry)  # (reclaimed at once when nobody awaits it)
+        for _, runs, _ in self.quarantine:
+            cut = [(p, n) for p, n in runs if p + n > first]
+            if cut:
+                self.stamps.write(cut, LOST)
+        return lost
 
     def compact_index(self) -> bool:
         """Rewrite the journal when it holds mostly dead records, live entries
@@ -503,14 +538,15 @@ class Cache:
                 self._hide(self._namespaces[namespace][mm_hash])
         return self.allocator.allocate(pages)
 
-    def _commit_one(self, session: Session, mm_hash: str) -> ReportStatus:
+    def _commit_one(self, session: Session, mm_hash: str, checksum: int = 0) -> ReportStatus:
         entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
         if entry is None or (entry.state is State.PENDING and entry.owner is not session):
             return ReportStatus.UNKNOWN
         if entry.state is not State.PENDING:
             return ReportStatus.DUPLICATE
+        entry.checksum = checksum
         self.index.ready(entry.entry_id, entry.key[0], entry.key[1], entry.nbytes, entry.shape,
-                         entry.dtype, entry.runs)  # durable before it is visible
+                         entry.dtype, entry.runs, checksum)  # durable before it is visible
         entry.state = State.READY
         entry.owner = None
         session.pending.discard(entry.key)
@@ -607,6 +643,7 @@ class Cache:
     def _reclaim(self, entry: Entry) -> None:
         assert entry.state is State.HIDDEN and not entry.awaiting
         entry.ack_by = 0.0
+        self.lost.discard(entry.entry_id)
         self.hidden_pages -= entry.pages
         self.hidden_entries -= 1
         usage = self.namespace_usage[entry.key[0]]
@@ -655,7 +692,7 @@ class Cache:
 
     def _ready_event(self, entry: Entry) -> ReadyEvent:
         return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,
-                          entry.dtype, self.extents(entry))
+                          entry.dtype, self.extents(entry), entry.checksum)
 
     def _full_message(self, nbytes: int) -> str:
         pb = self.page_bytes

@@ -24,6 +24,7 @@ class ReadyEvent(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[Extent, ...]
+    checksum: int = 0  # its writer's xxh3-64 of the bytes (0: none)
 
 
 class EvictedEvent(NamedTuple):
@@ -146,6 +147,7 @@ class SaveReport(NamedTuple):
     request_id: int
     mm_hash: str
     saved: bool
+    checksum: int = 0  # with saved: the bytes' xxh3-64 its writer read back (0: none)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,9 @@ class ClientMessage:
     allocations: list[SaveAllocate] = field(default_factory=list)
     reports: list[SaveReport] = field(default_factory=list)
     engine_token: str = ""  # a worker joins its engine instance (`Cache.join`)
+    # A view's report: these entries' bytes did not match their checksum
+    # when its engine loaded them (`plane.verify`).
+    mismatches: list[tuple[str, int]] = field(default_factory=list)
 
 
 class ReportStatus(enum.Enum):

@@ -336,8 +336,7 @@ class DataPlane:
 
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
-                          lambda: region_file.view(extents),
-                          release=lambda: region_file.unview(extents), current=current,
+                          lambda: region_file.read(extents), current=current,
                           extents=list(extents))
 
     # ------------------------------------------------------------ upkeep
@@ -372,10 +371,34 @@ class DataPlane:
         for ghost in self.cache.release_ghosts():
             log.info("session %d (engine %r) no longer awaited: its lease ran out",
                      ghost.index, ghost.engine_id)
+        self._check_region()
         self.cache.release_quarantine()
         self.cache.compact_index()
         self.convergence.expire()
         self.verify()
+
+    def _check_region(self) -> None:
+        """A region file a client truncated (every engine worker opens it
+        read-write): give it its size back and drop what was cut, so nothing
+        is served from a short file (`Cache.cut_off`)."""
+        if self.region_file is None:
+            return
+        size = self.region_file.shortfall()
+        if size is None:
+            return
+        cache = self.cache
+        cache.counters["region_truncations"] += 1
+        first = max(0, (size - cache.data_offset) // cache.page_bytes)
+        try:
+            self.region_file.restore()
+        except OSError as exc:
+            log.error("the region %s was truncated to %d bytes by a client, and cannot be "
+                      "given its size back (%s): trying again", self.region_path, size, exc)
+            return
+        lost = cache.cut_off(first)
+        log.error("the region %s was truncated to %d bytes by a client of the socket: its size "
+                  "is restored, and the %d entries it cut are dropped (never served)",
+                  self.region_path, size, len(lost))
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

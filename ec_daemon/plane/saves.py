@@ -143,17 +143,18 @@ class Saves:
         self._waiting_tokenless -= tokenless(instance)
         self._waiting_total -= 1
 
-    def report(self, session: Session, saved: list[str],
-               aborted: list[str]) -> tuple[list[ReportStatus], list[ReportStatus]]:
-        """A worker's saves landed (`saved` become ready) or were given up
-        (`aborted`, allocated or not: a waiting engine encodes them); the
-        status of each. Raises FailedPrecondition or InvalidArgument, having
-        changed nothing."""
+    def report(self, session: Session, saved: list[str], aborted: list[str],
+               checksums: list[int] | None = None) -> tuple[list[ReportStatus],
+                                                           list[ReportStatus]]:
+        """A worker's saves landed (`saved` become ready, each with its
+        checksum from `checksums` if given) or were given up (`aborted`,
+        allocated or not: a waiting engine encodes them); the status of each.
+        Raises FailedPrecondition or InvalidArgument, having changed nothing."""
         if session.rank is None:
             raise FailedPrecondition("only worker sessions report saves")
         for mm_hash in aborted:  # before any save is applied: an error changes nothing
             validate_mm_hash(mm_hash)
-        statuses = self.cache.commit(session, saved)  # validates all before changing any
+        statuses = self.cache.commit(session, saved, checksums or ())  # validates all first
         aborts = self.cache.abort(session, aborted)
         for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
             self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
@@ -181,7 +182,8 @@ class Saves:
         saved = [r for r in reports if r.saved]
         aborted = [r for r in reports if not r.saved]
         statuses, aborts = self.report(session, [r.mm_hash for r in saved],
-                                       [r.mm_hash for r in aborted])
+                                       [r.mm_hash for r in aborted],
+                                       [r.checksum for r in saved])
         for report, status in (*zip(saved, statuses, strict=True),
                                *zip(aborted, aborts, strict=True)):
             if report.request_id:

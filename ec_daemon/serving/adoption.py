@@ -233,7 +233,7 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     try:  # ids continuing above every old one; a torn tail cut
         index = Index.reopen(path, dataclasses.replace(
             header, ids_reserved=verified.next_entry_id), journal, verified.records,
-            verified.views)
+            verified.views, fd=dead.take_index_fd())
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
     return Adoption(dead.take(index), verified, time.perf_counter() - started)

@@ -158,8 +158,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ack_wait_seconds", _derived_seconds, lambda: "",
             "how long an eviction waits for a live scheduler view's acknowledgement; a view "
             "that withholds it longer is ended (its engine re-attaches) and awaited one lease "
-            "more as a ghost, so a view that never acknowledges cannot pin the cache (at least "
-            "--lease-seconds)", "S", shown="`--lease-seconds`"),
+            "more as a ghost, so a view that never acknowledges cannot pin the cache; a load "
+            "in flight keeps its pages this long and a lease more (at least --lease-seconds)",
+            "S", shown="3 x `--lease-seconds`"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
     Setting("quarantine_seconds", _positive_float, lambda: "300",
@@ -328,8 +329,8 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
         values["session_pending_bytes"] = min(values["cpu_bytes"] // 4, 512 << 20)
     if not values["total_pending_bytes"]:
         values["total_pending_bytes"] = values["cpu_bytes"] // 2
-    if not values["ack_wait_seconds"]:
-        values["ack_wait_seconds"] = values["lease_seconds"]
+    if not values["ack_wait_seconds"]:  # an engine's step keeps its loads' pages 4 leases
+        values["ack_wait_seconds"] = 3 * values["lease_seconds"]
     config = DaemonConfig(**values)
     if config.cpu_bytes < config.page_bytes:
         raise ValueError(

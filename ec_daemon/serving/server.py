@@ -261,8 +261,7 @@ def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,
                         data_offset: int, stop: asyncio.Event,
                         adoption: Adoption | None, adoption_counters: dict[str, int]) -> None:
-    table = stamps.StampTable(memoryview(region.map_front(data_offset)), config.page_bytes,
-                              data_offset)
+    table = region.stamps(config.page_bytes, data_offset)  # never mapped: `stamp_file`
     cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
                   sessions=SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
                                         max_per_engine=config.max_sessions_per_engine,

@@ -133,7 +133,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session = self.plane.session(request.session_id)
         saved = wire.batch(request.saved, "saved")
         aborted = wire.batch(request.aborted, "aborted")
-        statuses, aborts = self.plane.saves.report(session, saved, aborted)
+        statuses, aborts = self.plane.saves.report(session, saved, aborted,
+                                                   wire.saved_checksums(request))
         return pb.ReportReply(saved=[wire.REPORT_STATUS[s] for s in statuses],
                               aborted=[wire.REPORT_STATUS[s] for s in aborts])
 

@@ -36,7 +36,7 @@ DATA = np.random.default_rng(5).integers(0, 256, (MiB // 1024, 1024), dtype=np.u
 def daemon() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="4MiB", extra=("--lease-seconds", str(LEASE), "--quarantine-seconds",
                                          str(LEASE), "--alloc-wait-seconds", "0.2",
-                                         *UNCAPPED)) as d:
+                                         "--ack-wait-seconds", str(LEASE), *UNCAPPED)) as d:
         yield d
 
 
@@ -228,8 +228,9 @@ def test_a_view_that_never_acknowledges_cannot_pin_the_cache(world):
     """Finding 1: a client attached a view to a victim's namespace, read its
     events and heartbeated, and never acknowledged: every later save was
     refused, the whole cache hidden, until the view left. The eviction now
-    waits --ack-wait-seconds (the lease by default) for it; then its session
-    is ended, awaited as a ghost for one lease, and the pages come back."""
+    waits --ack-wait-seconds (three leases by default, one here) for it; then
+    its session is ended, awaited as a ghost for one lease, and the pages
+    come back."""
     daemon = world.daemon
     session = attach(daemon.stub, LAYOUT, engine="withholder", rank=None)
     view = RawStream(daemon.stub, session.session_id)  # reads; never acknowledges

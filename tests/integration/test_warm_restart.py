@@ -35,8 +35,10 @@ def data(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, (40, 4096), dtype=np.uint8)
 
 
+# A slow step keeps its loads' pages --ack-wait-seconds and a lease: well
+# past SLOW_STEP_SECONDS here (tests/integration/test_leases.py: past it).
 FLAGS = ("--lease-seconds", str(LEASE), "--quarantine-seconds", str(LEASE),
-         "--alloc-wait-seconds", "0.5", *UNCAPPED)
+         "--alloc-wait-seconds", "0.5", "--ack-wait-seconds", str(10 * LEASE), *UNCAPPED)
 
 
 class Host:

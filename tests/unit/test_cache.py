@@ -675,8 +675,8 @@ def test_an_ended_session_is_sent_nothing(cache):
 
 def test_an_eviction_waits_on_a_live_view_for_the_bound_only():
     """Issue 40, finding 1, on the core: an eviction awaits a live view for
-    --ack-wait-seconds (the lease here); then the view is overdue (the data
-    plane ends it: a ghost for a lease), and a view re-attaching with the
+    --ack-wait-seconds (3 leases by default); then the view is overdue (the
+    data plane ends it: a ghost for a lease), and a view re-attaching with the
     entry in its loads cannot make it await it again."""
     clock = FakeClock()
     cache = make_cache(pages=4, clock=clock)
@@ -686,7 +686,7 @@ def test_an_eviction_waits_on_a_live_view_for_the_bound_only():
     assert allocate(cache, w, "b", pages=4).outcome is AllocOutcome.WAIT  # "a" hidden
     entry = cache.get("ns", "a")
     assert entry.state is State.HIDDEN and entry.awaiting == {view}
-    clock.now += 9.9
+    clock.now += 29.9
     assert cache.overdue_views() == []
     clock.now += 0.1
     assert cache.overdue_views() == [view]
