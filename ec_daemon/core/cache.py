@@ -369,6 +369,16 @@ class Cache:
             if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
                 self._acknowledge(entry, session)
 
+    def withdraw(self, entry: Entry) -> None:
+        """Ready `entry`'s pages no longer hold what its writer saved (another
+        process wrote them: `plane.verify`): stamped LOST, so no load of it
+        passes its stamp check any more, and hidden as eviction would (its
+        views told; its pages reclaimed once they acknowledge)."""
+        assert entry.state is State.READY
+        self.stamps.write(entry.runs, LOST)
+        self.lost.add(entry.entry_id)
+        self._hide(entry)
+
     def hold(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
         """`session`'s engine is still loading these entries (it re-attached
         to an adopted region): a hidden one awaits this session too and is

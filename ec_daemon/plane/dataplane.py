@@ -45,6 +45,7 @@ from ec_daemon.plane import watch
 from ec_daemon.plane.convergence import Convergence
 from ec_daemon.plane.promotions import Promotions
 from ec_daemon.plane.saves import SPACE, Saves
+from ec_daemon.plane.verify import Verifier
 from ec_daemon.plane.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class DataPlane:
                  adoption: dict[str, int] | None = None) -> None:
         """`generation` and `region_path` name the region in stats, `adoption`
         says what this start found of the previous daemon's (`adoption.Found`);
-        `region_file` (a `region.Region`) and `tier` (a `remote.tier.RemoteTier`)
-        only with a second tier."""
+        `region_file` is the `region.Region` (its size watched, pages read to
+        check reported mismatches), `tier` a `remote.tier.RemoteTier` (only
+        with a second tier)."""
         self.cache = cache
         self.lease_seconds = lease_seconds
         self.alloc_wait_seconds = alloc_wait_seconds
@@ -80,6 +82,7 @@ class DataPlane:
         self.convergence = Convergence(
             cache, remote_available=tier.available if tier is not None else None)
         self.saves = Saves(cache, self.convergence, self.wakeups, alloc_wait_seconds)
+        self.verifier = Verifier(cache, region_file)
         self.promotions: Promotions | None = None
         if tier is not None:
             self.promotions = Promotions(cache, self.convergence, tier, region_file,
@@ -217,10 +220,10 @@ class DataPlane:
         echo follows the lease renewal). Everything is checked before
         anything is applied."""
         m, beat = message, message.heartbeat
-        if (m.acks or m.holds or m.touches or (beat is not None and beat.lookups)) \
-                and not session.is_scheduler:
-            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
-                                     "lookups")
+        if (m.acks or m.holds or m.touches or m.mismatches
+                or (beat is not None and beat.lookups)) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
+                                     "lookups or report mismatches")
         if (m.wants or m.releases or m.yields) and not (session.is_scheduler
                                                          and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
@@ -243,6 +246,8 @@ class DataPlane:
             self.cache.hold(session, m.holds)
         if m.touches:
             self.cache.touch(session, m.touches)
+        if m.mismatches:
+            self.verifier.report(session, m.mismatches)
         if m.releases:
             self.convergence.release(session, m.releases)
         if m.yields:
@@ -409,3 +414,4 @@ class DataPlane:
         if self.promotions is not None:
             self.promotions.cancel()
         self.saves.cancel()
+        self.verifier.cancel()

@@ -17,9 +17,10 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout, pb
 from tests.integration.daemon import Daemon, short_tmpdir
-from tests.integration.raw import allocate, attach, save
+from tests.integration.raw import RawStream, allocate, attach, save
 
 pytestmark = pytest.mark.integration
 LAYOUT = Layout("writers-model", "uint8", {"image": 1024})
@@ -113,3 +114,71 @@ def test_a_client_holding_a_lock_on_the_region_cannot_make_it_look_alive(shm_fol
     finally:
         second.cleanup()
         first.cleanup()
+
+
+def test_a_saved_entrys_checksum_travels_and_a_report_is_checked_against_the_pages():
+    """Writes by another process are detected: the saver reports the checksum
+    of the bytes that landed, the daemon records it and sends it with the
+    entry (a view's LoadSpec carries it). A loader's report that an entry
+    does not match is checked by the daemon against the pages: a report the
+    pages contradict changes nothing (a lying client evicts nothing); one they
+    confirm (64 bytes rewritten, or a stamp) hides the entry, and the next
+    save of the key lands (finding 7's daemon side)."""
+    rng = np.random.default_rng(9)
+    data = {key: rng.integers(0, 256, (256, 1024), dtype=np.uint8)
+            for key in ("intact", "scribbled", "restamped")}
+    # (Without invariant checks after every call: a rewritten stamp is not what
+    # the bookkeeping says, by the attack, until the daemon is told of it.)
+    with Daemon(cpu_bytes="16MiB", check_invariants=False) as daemon:
+        scheduler = SchedulerDelegate(daemon.socket, engine_id="E", layout=LAYOUT)
+        worker = WorkerDelegate(daemon.socket, engine_id="E", layout=LAYOUT)
+        reporter = attach(daemon.stub, LAYOUT, engine="R", rank=None)
+        view = RawStream(daemon.stub, reporter.session_id)
+        try:
+            assert scheduler.link.wait_attached(WAIT) and worker.link.wait_attached(WAIT)
+            for key, array in data.items():
+                assert worker.save(key, array)
+            assert worker.flush(WAIT) and worker.stats["saves_done"] == 3
+            found = dict(zip(data, daemon.lookup(LAYOUT, *data), strict=True))
+            for key, result in found.items():
+                assert result.entry.checksum == checksum([data[key].tobytes()])
+            daemon.wait_for(lambda: scheduler.serving() and scheduler.has_item("intact"),
+                            what="the entries in the view")
+            assert scheduler.view.get("intact").checksum == found["intact"].entry.checksum
+            assert scheduler.after_alloc("r", "intact")
+            (spec,) = scheduler.build_step_metadata().loads
+            assert spec.checksum == found["intact"].entry.checksum
+
+            def ref(key: str) -> pb.EntryRef:
+                return pb.EntryRef(mm_hash=key, entry_id=found[key].entry.entry_id)
+
+            view.send(mismatches=[ref("intact")])  # a lie: the pages say otherwise
+            whole = f"entry {found['intact'].entry.entry_id} (intact) is whole"
+            daemon.wait_for(lambda: whole in daemon.log(), what="the daemon's check of the lie")
+            region = Path(reporter.region.path)
+            (offset, _), *_ = [(e.offset, e.length) for e in found["scribbled"].entry.extents]
+            with open(region, "r+b") as f:  # any region writer: 64 bytes rewritten
+                f.seek(offset + 1000)
+                f.write(bytes(b ^ 0xFF for b in data["scribbled"].tobytes()[1000:1064]))
+                first_page = (found["restamped"].entry.extents[0].offset
+                              - reporter.region.data_offset) // reporter.region.page_bytes
+                f.seek(8 * first_page)  # and one stamp
+                f.write((12345).to_bytes(8, "little"))
+            view.send(mismatches=[ref("scribbled"), ref("restamped")])
+            daemon.wait_for(lambda: daemon.stats()["checksum_mismatches"] == 2,
+                            what="the reported entries to be found changed")
+            stats = daemon.stats()
+            assert stats["mismatch_reports"] == 3
+            states = {key: r.state for key, r in zip(data, daemon.lookup(LAYOUT, *data),
+                                                     strict=True)}
+            assert states["intact"] == pb.READY
+            assert pb.READY not in (states["scribbled"], states["restamped"])
+            daemon.stub.Detach(pb.DetachRequest(session_id=reporter.session_id))  # acks all
+            daemon.wait_for(lambda: all(r.state == pb.ABSENT for r in daemon.lookup(
+                LAYOUT, "scribbled", "restamped")), what="the hidden entries to be reclaimed")
+            assert worker.save("scribbled", data["scribbled"]) and worker.flush(WAIT)
+            assert worker.stats["saves_done"] == 4  # the key saved again
+        finally:
+            view.close()
+            worker.close()
+            scheduler.close()
