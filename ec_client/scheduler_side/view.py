@@ -66,7 +66,7 @@ class ViewEntry:
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[tuple[int, int], ...]
-    checksum: int = 0  # xxh3-64 of its bytes, as its writer recorded it (0: none)
+    checksum: int = 0  # its writer's xxh3-64 of the bytes (`ec_protocol.checksums`; 0: none)
 
 
 class ReadyView:
@@ -187,8 +187,7 @@ class ReadyView:
         for info in infos:
             entries[info.mm_hash] = ViewEntry(
                 info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
-                tuple((e.offset, e.length) for e in info.extents),
-                getattr(info, "checksum", 0))
+                tuple((e.offset, e.length) for e in info.extents), info.checksum)
 
     def _apply_evicted(self, refs: Any, acks: Refs) -> None:
         for ref in refs:
