@@ -347,6 +347,7 @@ class ECDaemonConnector(ECConnectorBase):
                 answer_wait_seconds=self.settings.answer_wait_seconds,
                 staging_bytes=self.settings.staging_bytes,
                 workers_run_idle_steps=workers_run_idle_steps(vllm_config),
+                verify_checksum=self.settings.verify_checksum,
                 metadata_type=ECDaemonConnectorMetadata, **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
@@ -382,7 +383,8 @@ class ECDaemonConnector(ECConnectorBase):
             world_size=world, role=self._ec_role, backend=backend,
             engine_token=derived_engine_token(engine_id, vllm_config.instance_id),
             save_queue_bytes=self.settings.save_queue_bytes, hold_saves=True,
-            staging_bytes=self.settings.staging_bytes, **self.settings.transport)
+            staging_bytes=self.settings.staging_bytes,
+            verify_checksum=self.settings.verify_checksum, **self.settings.transport)
 
     def _private(self, identifier: str) -> bool:
         """An item whose encoder output depends on a LoRA adapter."""

@@ -28,6 +28,11 @@ COUNTERS = {
     "load_failures": ("vllm:ec_daemon_load_failures",
                       "Loads a worker found unusable: their requests encoded the item, or "
                       "failed without its media"),
+    "loads_checksum_mismatch": ("vllm:ec_daemon_loads_checksum_mismatch",
+                                "Loads whose bytes did not match their entry's checksum "
+                                "(another process rewrote them): refused, reported to the daemon"),
+    "loads_stamp_mismatch": ("vllm:ec_daemon_loads_stamp_mismatch",
+                             "Loads whose pages no longer carried their entry's stamp: refused"),
     "loads_inline": ("vllm:ec_daemon_loads_inline",
                      "Loads the scheduler's process staged itself (a step its workers did "
                      "not run)"),

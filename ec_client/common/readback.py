@@ -1,6 +1,7 @@
 """An entry's bytes read from the region on the host, and the checks a
 loader makes of them: every page still carries the entry's stamp, and the
-bytes hash to the checksum its writer recorded (xxh3-64; 0: none recorded).
+bytes hash to the checksum its writer recorded (`ec_protocol.checksums`;
+0: none recorded).
 
 The scheduler's process uses `RegionReader` to stage a load itself when its
 workers will not run the step that would have staged it (vLLM's V1 model
@@ -8,7 +9,7 @@ runner runs no connector in a step that schedules no tokens: see
 `ec_client.scheduler_side.staging`); it copies the entry into private
 memory, then checks the stamps (after the copy: pages reused during it
 carry another stamp by then) and the checksum of the private copy, which is
-what the workers receive. Workers use `checksum_of` over what they loaded.
+what the workers receive.
 
 Both processes import it (`common`): plain host memory, no copy backend.
 """
@@ -20,8 +21,6 @@ import mmap
 import os
 from collections.abc import Iterable
 
-import xxhash
-
 from ec_client.common.contract import (
     CHECKSUM_MISMATCH,
     STAMP_MISMATCH,
@@ -30,6 +29,8 @@ from ec_client.common.contract import (
     RegionInfo,
 )
 from ec_client.common.trust import open_region
+from ec_protocol.checksums import checksum
+from ec_protocol.dtypes import entry_problem
 from ec_protocol.stamps import FREE, StampTable
 
 
@@ -42,23 +43,6 @@ class Refused(Exception):
         self.kind = kind
 
 
-def checksum_of(chunks: Iterable[memoryview | bytes | bytearray]) -> int:
-    """The xxh3-64 of the chunks' bytes back to back (an entry's, extent by
-    extent): the checksum its writer recorded."""
-    digest = xxhash.xxh3_64()
-    for chunk in chunks:
-        digest.update(chunk)
-    return int(digest.intdigest())
-
-
-def check_checksum(spec: LoadSpec, actual: int) -> None:
-    """Raise Refused (CHECKSUM_MISMATCH) unless `actual` is the entry's
-    recorded checksum (none recorded: nothing to check)."""
-    if spec.checksum and actual != spec.checksum:
-        raise Refused(CHECKSUM_MISMATCH,
-                      f"its bytes do not match the checksum its writer recorded "
-                      f"({actual:016x}, expected {spec.checksum:016x}): another process "
-                      "rewrote them")
 
 
 class _Mapping:
@@ -89,10 +73,15 @@ class RegionReader:
     def __init__(self) -> None:
         self._mapped: dict[int, _Mapping] = {}
 
-    def read(self, spec: LoadSpec, info: RegionInfo | None,
-             expected_uid: int | None = None) -> bytearray:
-        """The entry's bytes, copied out of its region and verified. Raises
-        Refused (STAMP_MISMATCH, CHECKSUM_MISMATCH, UNUSABLE)."""
+    def read(self, spec: LoadSpec, info: RegionInfo | None, expected_uid: int | None = None,
+             verify_checksum: bool = False) -> bytearray:
+        """The entry's bytes, copied out of its region and verified: its
+        stamps, its checksum with `verify_checksum` (where its writer
+        recorded one), and its dtype and size (what a loader can make).
+        Raises Refused (STAMP_MISMATCH, CHECKSUM_MISMATCH, UNUSABLE)."""
+        problem = entry_problem(spec.nbytes, spec.shape, spec.dtype)
+        if problem is not None:
+            raise Refused(UNUSABLE, problem)
         if info is None or info.generation != spec.generation:
             raise Refused(UNUSABLE, f"no region of generation {spec.generation:016x}")
         if spec.entry_id == FREE:
@@ -117,8 +106,9 @@ class RegionReader:
         if not mapping.stamps.holds(spec.extents, spec.entry_id):  # after the copy
             raise Refused(STAMP_MISMATCH, "its pages were reused (stamp mismatch): the bytes "
                                           "are not the entry's")
-        if spec.checksum:
-            check_checksum(spec, checksum_of((payload,)))
+        if verify_checksum and spec.checksum and checksum((payload,)) != spec.checksum:
+            raise Refused(CHECKSUM_MISMATCH, "its bytes do not match the checksum its writer "
+                                             "recorded: another process rewrote them")
         return payload
 
     def retain(self, generations: Iterable[int]) -> None:

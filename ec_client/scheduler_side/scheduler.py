@@ -62,6 +62,7 @@ from ec_client.common.settings import (
     DEFAULT_ANSWER_WAIT_SECONDS,
     DEFAULT_MAX_DEFER_SECONDS,
     DEFAULT_STAGING_BYTES,
+    DEFAULT_VERIFY_CHECKSUM,
 )
 from ec_client.common.trust import attached_socket_owner, open_region
 from ec_client.scheduler_side.staging import Stage, Staging
@@ -105,7 +106,8 @@ class SchedulerDelegate(LinkListener):
                  metadata_type: type[StepMetadata] = StepMetadata,
                  world_size: int = 0, engine_token: str = "",
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 workers_run_idle_steps: bool = True) -> None:
+                 workers_run_idle_steps: bool = True,
+                 verify_checksum: bool = DEFAULT_VERIFY_CHECKSUM) -> None:
         """`ranks`: how many worker ranks stage (and report) each load.
         `world_size`: how many distinct worker ranks must have mapped the
         region before hits are answered (0: `ranks`; the daemon's count of
@@ -118,7 +120,10 @@ class SchedulerDelegate(LinkListener):
         `staging_bytes`: what the loads staged at once may hold (each rank's
         staging area is as large). `workers_run_idle_steps`: the workers see
         the metadata of a step that schedules no tokens (vLLM's Model Runner
-        V2; its V1 runner does not: see `ec_client.scheduler_side.staging`)."""
+        V2; its V1 runner does not: see `ec_client.scheduler_side.staging`).
+        `verify_checksum`: loads staged in this process are checked against
+        their entry's checksum (the workers check theirs when they are told
+        to, `ec_daemon_verify_checksum`)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
         self.answer_wait_seconds = answer_wait_seconds
@@ -139,7 +144,7 @@ class SchedulerDelegate(LinkListener):
                                    tls_ca=tls_ca)
         self.view = ReadyView()
         self.staging = Staging(self.view, self._send, ranks=ranks, limit_bytes=staging_bytes,
-                               admit_seconds=max_defer_seconds)
+                               admit_seconds=max_defer_seconds, verify_checksum=verify_checksum)
         self._current: _Current | None = None
         self._ids = itertools.count(1)
         self._generation: int | None = None  # of the last attachment, kept while detached
@@ -298,10 +303,15 @@ class SchedulerDelegate(LinkListener):
         return metadata
 
     def _report_mismatches(self, refs: Refs) -> None:
-        """Entries whose bytes a load found wrong: the daemon checks them."""
-        log.warning("ec-daemon: %d entr%s found with bytes that are not their writer's: %s",
-                    len(refs), "y" if len(refs) == 1 else "ies",
+        """Entries whose bytes a load found wrong: the daemon reads their
+        pages itself and hides those that do not match (the next save of
+        the key lands); it changes nothing on a report the pages contradict."""
+        log.warning("ec-daemon: %d entr%s found with bytes that are not their writer's (told "
+                    "to the daemon): %s", len(refs), "y" if len(refs) == 1 else "ies",
                     ", ".join(f"{h} (entry {e})" for h, e in refs[:8]))
+        for start in range(0, len(refs), MAX_BATCH):
+            self.link.send(pb.ClientMessage(mismatches=[
+                pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs[start:start + MAX_BATCH]]))
 
     def apply_worker_output(self, done: Iterable[int] = (),
                             failed: Iterable[tuple[int, str]] = ()) -> None:

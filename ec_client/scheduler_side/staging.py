@@ -127,12 +127,16 @@ class Counts:
 
 class Staging:
     def __init__(self, view: ReadyView, send_acks: Send, *, ranks: int, limit_bytes: int,
-                 admit_seconds: float, reader: RegionReader | None = None) -> None:
+                 admit_seconds: float, verify_checksum: bool = False,
+                 reader: RegionReader | None = None) -> None:
         """`ranks`: the reports each staged load needs. `limit_bytes`: what
         may be planned, staging or staged at once (each rank's staging area
         holds as much). `admit_seconds`: how long a request waits for a load
-        still staging before it goes on as a miss."""
+        still staging before it goes on as a miss. `verify_checksum`: loads
+        staged here are checked against their entry's checksum, as the
+        workers check theirs."""
         self.view = view
+        self.verify_checksum = verify_checksum
         self._send = send_acks
         self.ranks = ranks
         self.limit_bytes = limit_bytes
@@ -297,7 +301,8 @@ class Staging:
         process; the step that adopts it carries the bytes."""
         spec = staged.spec
         try:
-            staged.payload = self.reader.read(spec, staged.region, self.region_owner)
+            staged.payload = self.reader.read(spec, staged.region, self.region_owner,
+                                              self.verify_checksum)
         except Refused as refused:
             self._failed(staged, refused.kind, str(refused))
             return

@@ -22,6 +22,10 @@ engine id, can count as its ranks.
   stamps against its entry_id. A load either returns exactly the saved bytes or is listed
   as failed with the reason; the scheduler's view kept the pages from reuse
   until this rank's report reaches it through vLLM's worker metadata.
+- With `verify_checksum`, a load whose entry carries its writer's checksum
+  is checked against it after its copy landed (`_checksum_holds`): a
+  process that rewrote the entry's bytes in the region (any worker of any
+  engine maps it read-write) fails the load instead of feeding the model.
 - `stage` is `load` into the rank's staging area (`ec_client.worker_side.staging`):
   the vLLM connector stages every load a step before the step that uses
   it, and `adopt` hands the staged output over when that step comes, so a
@@ -38,15 +42,26 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_client.common.contract import STAMP_MISMATCH, UNUSABLE, LoadSpec, RegionInfo
+from ec_client.common.contract import (
+    CHECKSUM_MISMATCH,
+    STAMP_MISMATCH,
+    UNUSABLE,
+    LoadSpec,
+    RegionInfo,
+)
 from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import DEFAULT_SAVE_QUEUE_BYTES, DEFAULT_STAGING_BYTES
+from ec_client.common.settings import (
+    DEFAULT_SAVE_QUEUE_BYTES,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_VERIFY_CHECKSUM,
+)
 from ec_client.common.trust import attached_socket_owner
 from ec_client.copy import CopyBackend, get_backend
 from ec_client.copy.mapping import RegionMapping
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.saver import Saver
 from ec_client.worker_side.staging import StagingArea
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role, pb
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -78,7 +93,8 @@ class WorkerDelegate(LinkListener):
                  token_file: str | None = None, tls_ca: str | None = None,
                  stream_saves: bool = True, start: bool = True,
                  engine_token: str = "", hold_saves: bool = False,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 verify_checksum: bool = DEFAULT_VERIFY_CHECKSUM) -> None:
         """`allocate_out(shape, dtype)`: a load's output (default: the
         backend's `empty`, on its device, ordered for its copies).
         `stream_saves=False`: saves by Allocate and Report calls even where
@@ -88,8 +104,10 @@ class WorkerDelegate(LinkListener):
         `hold_saves`: saves wait, within `save_queue_bytes`, until
         `follow_scheduler` hears the scheduler's namespace (the vLLM
         connector: its workers and scheduler identify the weights apart).
-        `staging_bytes`: the bound of the staging area (`stage`)."""
+        `staging_bytes`: the bound of the staging area (`stage`).
+        `verify_checksum`: check each load against its entry's checksum."""
         self.rank = rank
+        self.verify_checksum = verify_checksum
         # The engine's token, and the attachment it was presented on.
         self._engine_token = engine_token
         self._joined: tuple[Attachment, str] | None = None
@@ -207,7 +225,7 @@ class WorkerDelegate(LinkListener):
                                                 for spec, _, out, m in planned])
             except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
                 errors = [exc] * len(planned)
-            for (spec, stamps, out, _), error in zip(planned, errors, strict=True):
+            for (spec, stamps, out, mapping), error in zip(planned, errors, strict=True):
                 if error is not None:
                     reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"
                 elif not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
@@ -215,6 +233,12 @@ class WorkerDelegate(LinkListener):
                     reasons[spec.transfer_id] = ("its pages were reused (stamp mismatch): "
                                                  "the bytes are not the entry's")
                     result.kinds[spec.transfer_id] = STAMP_MISMATCH
+                elif self.verify_checksum and spec.checksum \
+                        and not self._checksum_holds(spec, out, mapping):
+                    self.stats["loads_checksum_mismatch"] += 1
+                    reasons[spec.transfer_id] = ("its bytes do not match the checksum its "
+                                                 "writer recorded: another process rewrote them")
+                    result.kinds[spec.transfer_id] = CHECKSUM_MISMATCH
                 else:
                     result.loaded[spec.mm_hash] = out
         for spec in specs:  # in the step's order
@@ -229,6 +253,24 @@ class WorkerDelegate(LinkListener):
                 result.kinds.setdefault(spec.transfer_id, UNUSABLE)
                 self.stats["loads_failed"] += 1
         return result
+
+    def _checksum_holds(self, spec: LoadSpec, out: Any, mapping: RegionMapping) -> bool:
+        """Do the loaded bytes hash to the entry's checksum? Read after the
+        copy landed (and the stamps, which held). Where the backend's
+        outputs are host memory (`cpu`) that is the output itself: what the
+        model will read, exactly. On a CUDA device it is the region's pages,
+        read on the host where the stamps were: that proves the pages held
+        the entry's bytes once the copy had landed, so a rewrite that was
+        there when the copy read them (the case that lasts: a scribbled
+        entry) is caught; it does not prove what the device holds if another
+        process rewrote the pages during the copy and put them back before
+        this read (no host-side check can without reading the device copy)."""
+        loaded = self.backend.loaded_bytes(out)
+        if loaded is not None:
+            return checksum((loaded,)) == spec.checksum
+        view = mapping.view
+        return checksum(view[offset:offset + length]
+                        for offset, length in spec.extents) == spec.checksum
 
     def stage(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo],
               step: int = 0) -> LoadResult:

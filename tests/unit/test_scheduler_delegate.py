@@ -20,6 +20,7 @@ from ec_client.common.contract import ADOPT_STEPS, CHECKSUM_MISMATCH, UNUSABLE, 
 from ec_client.common.session import Attachment
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.scheduler_side.staging import Stage
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
@@ -47,11 +48,11 @@ ALL_MAPPED = pb.EngineRanks(mapped=2, world_size=2)
 
 
 def ready(mm_hash: str, entry_id: int, nbytes: int = 4096,
-          ranks: pb.EngineRanks = ALL_MAPPED) -> pb.DaemonMessage:
+          ranks: pb.EngineRanks = ALL_MAPPED, checksum: int = 0) -> pb.DaemonMessage:
     return pb.DaemonMessage(ready=[pb.EntryInfo(
         mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
-        dtype="float32", extents=[pb.Extent(offset=4096 + entry_id * 4096, length=nbytes)])],
-        snapshot_done=True, ranks=ranks)
+        dtype="float32", extents=[pb.Extent(offset=4096 + entry_id * 4096, length=nbytes)],
+        checksum=checksum)], snapshot_done=True, ranks=ranks)
 
 
 def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
@@ -438,6 +439,43 @@ def test_steps_the_workers_do_not_run_stage_here_and_the_bytes_ride_the_step_tha
         assert meta.adopt == [] and meta.step == 1
         stats = d.take_stats()
         assert stats["loads_inline"] == 1 and stats["load_failures"] == 1
+    finally:
+        d.close()
+
+
+def test_a_load_whose_bytes_were_rewritten_is_told_to_the_daemon_once(two_ranks):
+    d = two_ranks
+    sent: list[pb.ClientMessage] = []
+    d.link.send = lambda message: sent.append(message) or True
+    d.on_message(ready("a", 1))
+    ids = dispatch(d, "a")
+    d.apply_worker_output(failed=[(ids["a"], CHECKSUM_MISMATCH)] * 2)  # both ranks found it
+    d.build_step_metadata()
+    assert [[(r.mm_hash, r.entry_id) for r in m.mismatches] for m in sent if m.mismatches] == [
+        [("a", 1)]]
+    assert d.stage("a", "r2") is Stage.FAILED  # never staged again, by this engine
+
+
+def test_loads_staged_here_are_checked_against_their_checksum(tmp_path):
+    region = RegionInfo(str(tmp_path / "ec-daemon-s.region"), 1 << 20, 0xA, 4096, 4096)
+    content = bytearray(region.size)
+    for entry_id in (1, 2):
+        content[8 * entry_id:8 * entry_id + 8] = entry_id.to_bytes(8, "little")
+        content[4096 + entry_id * 4096:4096 + (entry_id + 1) * 4096] = bytes([entry_id]) * 4096
+    Path(region.path).write_bytes(content)
+    good = checksum([bytes([1]) * 4096])
+    d = make(workers_run_idle_steps=False, verify_checksum=True)
+    sent: list[pb.ClientMessage] = []
+    d.link.send = lambda message: sent.append(message) or True
+    try:
+        d.on_detached()
+        d.on_attached(attachment(region, index=9))
+        d.on_message(ready("a", 1, checksum=good))
+        d.on_message(ready("b", 2, checksum=good))  # not what its pages hold
+        assert not d.ensure(["a", "b"], "r")
+        d.build_step_metadata(tokens=0)
+        assert d.stage("a", "r") is Stage.STAGED and d.stage("b", "r") is Stage.FAILED
+        assert [(r.mm_hash, r.entry_id) for m in sent for r in m.mismatches] == [("b", 2)]
     finally:
         d.close()
 

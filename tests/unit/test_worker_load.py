@@ -17,10 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from ec_client.common.contract import STAGED_STEPS, STAMP_MISMATCH, UNUSABLE, LoadSpec, RegionInfo
+from ec_client.common.contract import (
+    CHECKSUM_MISMATCH,
+    STAGED_STEPS,
+    STAMP_MISMATCH,
+    UNUSABLE,
+    LoadSpec,
+    RegionInfo,
+)
 from ec_client.common.session import Attachment
 from ec_client.copy import empty_host, get_backend
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout
 from ec_protocol.stamps import StampTable, table_bytes
 from tests import cuda_model
@@ -77,8 +85,9 @@ class Region:
 
 def spec_for(region: Region, data: np.ndarray, extents: tuple[tuple[int, int], ...],
              entry_id: int, transfer_id: int = 1, mm_hash: str = "a") -> LoadSpec:
+    """The load of `data` saved at `extents`, with its writer's checksum."""
     return LoadSpec(mm_hash, transfer_id, entry_id, region.info.generation, data.nbytes,
-                    tuple(data.shape), str(data.dtype), extents)
+                    tuple(data.shape), str(data.dtype), extents, checksum([data.tobytes()]))
 
 
 def attachment(region: Region) -> Attachment:
@@ -157,6 +166,37 @@ def test_a_load_maps_the_region_it_names_without_an_attachment(tmp_path, worker)
     region.save(data, EXTENTS, entry_id=3)
     result = worker.load([spec_for(region, data, EXTENTS, 3)], {0xA: region.info})
     assert raw(result.loaded["a"]) == data.tobytes()
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "not verified"])
+def test_bytes_another_process_rewrote_fail_the_load_when_loads_are_verified(tmp_path, worker,
+                                                                             verify):
+    """Any process that maps the region read-write can rewrite an entry's
+    bytes and leave its stamps alone: with `verify_checksum` the load is
+    refused (on the cpu backend its output is checked, on CUDA the pages)."""
+    region = Region(tmp_path, 0xA)
+    data = payload(5)
+    region.save(data, EXTENTS, entry_id=3)
+    with open(region.path, "r+b") as f:  # 64 bytes of its second extent, rewritten
+        f.seek(EXTENTS[1][0] + 100)
+        f.write(bytes(range(64)))
+    worker.verify_checksum = verify
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=13)],
+                         {0xA: region.info})
+    if verify:
+        assert result.loaded == {} and result.kinds == {13: CHECKSUM_MISMATCH}
+        assert "another process rewrote them" in result.failed[13]
+        assert worker.stats["loads_checksum_mismatch"] == 1
+    else:  # the stamps hold: what the region holds is loaded
+        assert result.done == [13] and raw(result.loaded["a"]) != data.tobytes()
+    intact = payload(6)
+    region.save(intact, EXTENTS, entry_id=4)
+    worker.verify_checksum = True
+    result = worker.load([spec_for(region, intact, EXTENTS, 4, transfer_id=14)],
+                         {0xA: region.info})
+    assert result.done == [14] and raw(result.loaded["a"]) == intact.tobytes()
+    spec = spec_for(region, intact, EXTENTS, 4, transfer_id=15)._replace(checksum=0)
+    assert worker.load([spec], {0xA: region.info}).done == [15]  # none recorded: none checked
 
 
 def test_a_staged_load_is_kept_aside_until_a_step_adopts_it(tmp_path, worker):
