@@ -12,6 +12,9 @@ encode it once (the daemon orders their wants). An answer later than that
 defers the request to the next step. Every deferral is bounded
 (`max_defer_seconds`, and ANSWER_SECONDS for an answer).
 
+Items this engine was told to encode that it encodes (vLLM allocated their
+encoder outputs) are said to the daemon at the step's end (`encoding`): a
+claim its engine says nothing of passes to a waiting engine within seconds.
 Items this engine was told to encode that no running request needed at a
 step's end are offered to engines that wait for them (`yields`); a finished
 request releases what no other request of this engine needs (`releases`).
@@ -67,6 +70,8 @@ class Wants:
         # Items this engine was told to encode that `ensure` saw this step:
         # mm_hash -> the requests that needed them (`step_end`).
         self._claimed: dict[str, set[str]] = {}
+        # Items it was told to encode that vLLM allocated this step.
+        self._encoding: list[str] = []
         # Since the last `take_counts` (plain ints: the scheduler's thread).
         self.deferred = self.defer_timeouts = 0
         self.answer_waits = self.answer_wait_us = 0
@@ -149,9 +154,12 @@ class Wants:
         self.answer_wait_us += int(waited * 1e6)
 
     def computing(self, mm_hash: str) -> None:
-        """vLLM allocated this item's encoder output: this engine encodes it."""
+        """vLLM allocated this item's encoder output: this engine encodes it
+        (said at the step's end when the daemon told it to)."""
         want = self._wants.get(mm_hash)
         if want is not None:
+            if not want.computing and want.verdict == pb.VERDICT_ENCODE:
+                self._encoding.append(mm_hash)
             want.computing = True
             self._claimed.pop(mm_hash, None)
 
@@ -161,6 +169,9 @@ class Wants:
         any not being encoded) are offered to an engine that waits for
         them (`yields`): it encodes, this one waits."""
         self._wait_left = self.answer_wait_seconds
+        if self._encoding:
+            encoding, self._encoding = self._encoding, []
+            self._send_items("encoding", encoding)
         if not self._claimed:
             return
         claimed, self._claimed = self._claimed, {}

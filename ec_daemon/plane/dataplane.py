@@ -224,16 +224,17 @@ class DataPlane:
                 or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
                                      "lookups or report mismatches")
-        if (m.wants or m.releases or m.yields) and not (session.is_scheduler
-                                                         and session.can_load):
+        if (m.wants or m.releases or m.yields or m.encoding) and not (session.is_scheduler
+                                                                       and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
-                                     "want, release or yield items")
+                                     "want, release, yield or encode items")
         if (m.allocations or m.reports) and session.rank is None:
             raise FailedPrecondition("only worker sessions save")
         if m.engine_token and session.rank is None:
             raise FailedPrecondition("only worker sessions present an engine token on the "
                                      "stream (a scheduler names its own at Attach)")
-        for mm_hash in (*m.wants, *m.releases, *m.yields, *(r.mm_hash for r in m.reports)):
+        for mm_hash in (*m.wants, *m.releases, *m.yields, *m.encoding,
+                        *(r.mm_hash for r in m.reports)):
             validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
         if m.engine_token:  # before its saves: they are the instance's
@@ -252,6 +253,8 @@ class DataPlane:
             self.convergence.release(session, m.releases)
         if m.yields:
             self.convergence.step_aside(session, m.yields)
+        if m.encoding:
+            self.convergence.started(session, m.encoding)
         if m.wants:
             self.convergence.want(session, m.wants)
         if beat is not None:

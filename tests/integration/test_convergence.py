@@ -19,6 +19,7 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.plane.convergence import CLAIM_START_SECONDS
 from ec_protocol.protocol import MAX_BATCH, pb
 from tests import staged
 from tests.integration import engines, raw
@@ -161,6 +162,49 @@ def test_a_claimant_that_never_saves_is_waited_for_only_up_to_the_bound(daemon):
         ok, seconds = ensure_within(b, ["img"], WAIT)
         assert ok and seconds >= 0.9  # the bound, from B's first ask
         assert b.take_stats()["defer_timeouts"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# Protects (issue 40, finding 10): a view that wants an item and never starts
+# encoding it (never schedules the request, never saves, never gives it up)
+# held every other engine's request for it for the waiter's whole bound (10 s,
+# 199 deferred steps; a request without media failed instead). An engine that
+# encodes says so when vLLM allocates the output: a claim not started within
+# CLAIM_START_SECONDS passes to a waiting engine, which is told to encode.
+def test_a_claimant_that_never_starts_encoding_passes_its_claim_on_within_seconds(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B", max_defer=10.0)  # the default bound
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok  # A holds the claim, and never schedules the request
+        assert not b.ensure(["img"])
+        ok, seconds = ensure_within(b, ["img"], 8.0)
+        assert ok and seconds < 5.0, seconds  # passed on, long before B's own bound
+        assert not staged.servable(b, "img")  # B encodes it
+        assert b.take_stats().get("defer_timeouts", 0) == 0  # told to, not timed out
+        assert daemon.stats()["convergence"]["handovers"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_claimant_that_started_encoding_keeps_its_claim_until_its_save(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B", max_defer=10.0)
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok and not a.after_alloc("req-a", "img")  # vLLM allocated it: A encodes
+        a.build_step_metadata(scheduled={"req-a"})  # (the step's end says so)
+        assert not b.ensure(["img"])
+        time.sleep(CLAIM_START_SECONDS + 1.0)
+        assert not b.ensure(["img"]), "B did not wait for A's encode"
+        save(daemon, "A", "img")
+        wait_until(lambda: staged.servable(b, "img"), "A's save never reached B")
+        assert daemon.stats()["convergence"]["handovers"] == 0
     finally:
         a.close()
         b.close()

@@ -647,6 +647,23 @@ def test_a_claim_whose_request_runs_is_kept(delegate):
     assert yielded(sent) == ["later"]
 
 
+def test_an_item_this_engine_encodes_is_said_at_the_steps_end_once(delegate):
+    """The daemon keeps a claim whose engine says it encodes the item; one
+    it hears nothing of passes to a waiting engine within seconds."""
+    sent = wanting(delegate)
+    delegate.ensure(["img", "theirs"], "r1")
+    answer(delegate, "img", pb.VERDICT_ENCODE)
+    answer(delegate, "theirs", pb.VERDICT_ENCODING)
+    delegate.ensure(["img"], "r1")
+    assert not delegate.after_alloc("r1", "img")  # vLLM allocated it: encoded this step
+    assert not delegate.after_alloc("r1", "other")  # (never wanted: nothing to say)
+    assert [list(m.encoding) for m in sent if m.encoding] == []  # said at the step's end
+    delegate.build_step_metadata(scheduled={"r1"})
+    assert not delegate.after_alloc("r2", "img")  # (another request: said once)
+    delegate.build_step_metadata(scheduled={"r2"})
+    assert [list(m.encoding) for m in sent if m.encoding] == [["img"]]
+
+
 def test_a_deferred_request_offers_the_items_it_was_to_encode(delegate):
     """It waits for another engine's item: its own claims must not make that
     engine (or a third) wait too."""
