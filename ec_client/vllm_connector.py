@@ -488,18 +488,27 @@ class ECDaemonConnector(ECConnectorBase):
         load failed is encoded, or fails a request without its media. Items
         already computed, or held in vLLM's encoder cache, need no transfer
         and are not asked about (vLLM asks every step, decodes included)."""
-        if self._scheduler is None:
+        scheduler = self._scheduler
+        if scheduler is None:
             return True
-        self._active.add(request.request_id)
-        items = self._items
-        needed = [f for f in request.mm_features
-                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                  and not self._private(f.identifier) and not items.held(f.identifier)]
-        if not needed:
-            return True
-        request_id, scheduler = request.request_id, self._scheduler
-        fetch = [f.identifier for f in needed if items.metadata_only(request, f)]
-        encodable = [f.identifier for f in needed if f.identifier not in fetch]
+        request_id = request.request_id
+        self._active.add(request_id)
+        items, private = self._items, self._adapter_items
+        # Only an item a producer announced can be metadata-only (vLLM asks
+        # every step, for waiting requests again and again: one pass here).
+        announced = bool(request.ec_transfer_params)
+        encodable: list[str] = []
+        fetch: list[str] = []
+        for feature in request.mm_features:
+            position = feature.mm_position
+            mm_hash = feature.identifier
+            if position.offset + position.length <= num_computed_tokens \
+                    or (private and ":" in mm_hash) or items.held(mm_hash):
+                continue
+            if announced and items.metadata_only(request, feature):
+                fetch.append(mm_hash)
+            else:
+                encodable.append(mm_hash)
         ready = not encodable or scheduler.ensure(encodable, request_id)
         fetched = not fetch or items.fetched(
             request_id, fetch, lambda mm_hash: scheduler.stage(mm_hash, request_id))

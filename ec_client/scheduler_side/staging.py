@@ -254,6 +254,7 @@ class Staging:
                 metadata.drop, self._drops = self._drops, []
         self._hits.clear()
         in_view: Refs = []
+        loaded: Refs = []  # staged here: touched, not in flight
         if self._planned:
             planned, self._planned = self._planned, []
             for staged in planned:
@@ -261,10 +262,10 @@ class Staging:
                     continue  # (never: one plan per item)
                 if visible:
                     self._send_load(staged, metadata, in_view, view_lineage)
-                else:
-                    self._stage_here(staged)
+                elif self._stage_here(staged) and staged.lineage == view_lineage:
+                    loaded.append(staged.ref)
         # After the copies made here: until now the claims kept their pages.
-        self.view.end_step(in_view, view_lineage, self._send)
+        self.view.end_step(in_view, view_lineage, self._send, loaded)
 
     def _adopt_into(self, metadata: StepMetadata) -> None:
         if not self._adopting:
@@ -296,20 +297,22 @@ class Staging:
         self.counts.loads += 1
         self.counts.load_bytes += spec.nbytes
 
-    def _stage_here(self, staged: _Staged) -> None:
+    def _stage_here(self, staged: _Staged) -> bool:
         """A step the workers do not run: copy and verify the entry in this
-        process; the step that adopts it carries the bytes."""
+        process; the step that adopts it carries the bytes. Returns whether
+        it was staged."""
         spec = staged.spec
         try:
             staged.payload = self.reader.read(spec, staged.region, self.region_owner,
                                               self.verify_checksum)
         except Refused as refused:
             self._failed(staged, refused.kind, str(refused))
-            return
+            return False
         staged.state = _STAGED
         self.counts.loads += 1
         self.counts.inline += 1
         self.counts.load_bytes += spec.nbytes
+        return True
 
     def reported(self, done: Iterable[int], failed: Iterable[tuple[int, str]]) -> None:
         """One report per rank and transfer: `done` staged and verified,

@@ -108,18 +108,21 @@ class ReadyView:
         lookups, hits = self._counts
         self._counts = (lookups + 1, hits + hit)
 
-    def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
+    def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send,
+                 loaded: Sequence[Ref] = ()) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are
-        in flight; acknowledge the deferred evictions of the others. Returns
-        False when the acknowledgements could not be sent."""
-        if not self._claimed and not dispatched:
+        in flight; `loaded` ones (copied by the scheduler's process) are done
+        already; both are touched. Acknowledge the deferred evictions of the
+        others. Returns False when the acknowledgements could not be sent."""
+        if not self._claimed and not dispatched and not loaded:
             return True  # nothing claimed or dispatched since the last boundary
         with self._lock:
             self._claimed.clear()
-            if dispatched and lineage == self.lineage:
+            if (dispatched or loaded) and lineage == self.lineage:
                 inflight, touches = self._inflight, self._touches
                 for ref in dispatched:
                     inflight[ref] = inflight.get(ref, 0) + 1
+                for ref in (*dispatched, *loaded):
                     if ref in touches or len(touches) < MAX_PENDING_TOUCHES:
                         touches[ref] = touches.get(ref, 0) + 1
             if not self._deferred:

@@ -430,6 +430,8 @@ def test_steps_the_workers_do_not_run_stage_here_and_the_bytes_ride_the_step_tha
         meta = d.build_step_metadata(scheduled={}, tokens=0)
         assert meta.loads == [] and meta.step == 0  # the workers never see it
         assert d.view.inflight() == 0 and d.acks == [("b", 2)]
+        touched = [(t.mm_hash, t.entry_id) for t in d.heartbeat_message().touches]
+        assert touched == [("a", 1)]  # the daemon's recency and load counts hear of it
         assert d.stage("b", "r") is Stage.FAILED  # its stamps moved
         assert d.ensure(["a"], "r") and d.has_item("a") and d.after_alloc("r", "a")
         meta = d.build_step_metadata(tokens=18)
