@@ -315,6 +315,8 @@ class ECDaemonConnector(ECConnectorBase):
         # Requests with items from when vLLM first asks about them until they
         # finish: when none is left, the stats go out (get_ec_connector_stats).
         self._active: set[str] = set()
+        # `vllm:ec_daemon_attached` as vLLM was last told (-1: not yet).
+        self._attached_said = -1
         self._done: list[int] = []
         self._load_seconds: list[float] = []
         lora = vllm_config.lora_config
@@ -543,15 +545,33 @@ class ECDaemonConnector(ECConnectorBase):
         if self._scheduler is None:
             return None
         now = time.monotonic()
-        if now < self._next_stats and self._active:
-            return None
-        data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
-        self._worker_stats = {}
+        attached = self._attached()
+        paced = now < self._next_stats and bool(self._active)
+        data: dict[str, Any] = {}
+        if not paced:
+            data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
+            self._worker_stats = {}
+            if any(data.values()):
+                self._next_stats = now + STATS_INTERVAL_SECONDS
+        if attached != self._attached_said:  # a state goes out at once, counts or not
+            data["attached"] = self._attached_said = attached
         stats = ECDaemonStats(data=data)
-        if stats.is_empty():
-            return None
-        self._next_stats = now + STATS_INTERVAL_SECONDS
-        return stats
+        return None if stats.is_empty() else stats
+
+    def _attached(self) -> int:
+        """1 while the scheduler's session is attached and fresh (hits can be
+        answered), else 0: `vllm:ec_daemon_attached`."""
+        assert self._scheduler is not None
+        link = self._scheduler.link
+        return int(link.attachment is not None and link.fresh())
+
+    def has_pending_push_work(self) -> bool:
+        """True while `vllm:ec_daemon_attached` has changed and vLLM has not
+        been told: vLLM asks for connector stats only inside a step, and an
+        idle engine runs none, so this keeps its loop stepping (empty steps)
+        until the stats that say it went out. vLLM asks every loop
+        iteration: two attribute reads and a clock read."""
+        return self._scheduler is not None and self._attached() != self._attached_said
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECDaemonStats:
