@@ -43,7 +43,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import concurrency, micro, mooncake_tier, remote, saves, tier, warm_restart
+from benchmarks import (
+    checksums,
+    concurrency,
+    micro,
+    mooncake_tier,
+    remote,
+    saves,
+    tier,
+    warm_restart,
+)
 from benchmarks.tables import table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,8 +248,9 @@ def main() -> None:
         results["scheduler"] = [] if args.skip_upstream else upstream_comparison(
             args.vllm_python, args.torchvision, sizes.upstream_scale)
     if run(2):
-        print(">> 2/11 copy throughput", flush=True)
+        print(">> 2/11 copy throughput, and what checksums cost a save", flush=True)
         results["copy"] = micro.copy_throughput(sizes.copy_sizes)
+        results["checksums"] = checksums.measure(repeat=3 if args.quick else 20)
     if run(3):
         print(">> 3/11 stamp check", flush=True)
         results["stamps"] = micro.stamp_check(repeat=sizes.stamp_repeat)
@@ -297,6 +307,11 @@ def main() -> None:
         print(table("2. copy (GB/s; ratio = cpu backend / numpy)", results["copy"],
                     ["bytes", "save_gbps", "numpy_in_gbps", "save_ratio", "load_gbps",
                      "numpy_out_gbps", "load_ratio"]))
+        print()
+    if "checksums" in results:
+        print(table("2b. checksums: a save's copy on the saver thread, and the daemon's check "
+                    "of a reported mismatch (ms; ratio = with the checksum / without)",
+                    results["checksums"], checksums.COLUMNS))
         print()
     if "stamps" in results:
         print(table("3. stamp check after a load (us; ratio = check / copy)",

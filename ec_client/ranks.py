@@ -9,8 +9,13 @@ attaches as that rank of that world, and the scheduler answers hits only
 once all `tp * pcp` of them mapped the region: counting the tensor parallel
 rank alone made TP=8 x PCP=2 look complete with 8 ranks, while the PCP ranks
 on another node could load nothing. Ranks of later stages attach too (vLLM
-builds a connector in every worker) but never receive step metadata, so
-they never present the engine's token and are never counted.
+builds a connector in every worker), with the engine's token like every
+worker (derived at Attach, `ec_client.engine_token`), and under the number
+of their own tp/pcp position, which is their stage-0 peer's: the daemon
+counts distinct numbers per engine instance, so on a host where the stage-0
+ranks map the region they add nothing. (Where a stage-0 rank is on another
+host and its later-stage peer on this one, that peer's number counts as
+mapped here although the rank that loads under it never maps this region.)
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ class RegionInfo:
 
 class LoadSpec(NamedTuple):
     """One load for the workers: copy `extents` of region `generation` into
-    an output of `shape`/`dtype`, check the pages carry stamp `entry_id`,
-    then report `transfer_id`. (A NamedTuple: built once per hit on the
-    scheduler's path, and cheap to pickle.)"""
+    an output of `shape`/`dtype`, check the pages carry stamp `entry_id`
+    (and, where the loader checks it, that the bytes have `checksum`, their
+    writer's xxh3-64; 0: none), then report `transfer_id`. (A NamedTuple:
+    built once per hit on the scheduler's path, and cheap to pickle.)"""
 
     mm_hash: str
     transfer_id: int
@@ -37,6 +38,7 @@ class LoadSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[tuple[int, int], ...]
+    checksum: int = 0
 
 
 @dataclass

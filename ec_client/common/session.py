@@ -15,6 +15,12 @@ t + lease * FRESH_FRACTION: a view answers hits only while it is, so a view
 the daemon may have dropped (a frozen process, a stalled stream) never
 dispatches. Both clocks are the host's monotonic clock.
 
+A stream the daemon has not sent a message on for SILENT_LEASES leases,
+while heartbeats went out, is given up and attached again: the daemon cuts
+the call of a client that stopped reading, but gRPC cannot deliver a status
+behind a write in flight, so a client that resumes reading after a freeze
+would otherwise wait on a dead stream forever (answering no hits).
+
 Callbacks run on the link's thread, in order: opening (what the stream's
 first message carries besides the session id), on_attached (before the
 stream opens: the daemon counts a worker whose stream is open as having
@@ -58,6 +64,8 @@ BACKOFF_MAX_SECONDS = 2.0
 # of the newest heartbeat the daemon echoed; the rest of the lease is the
 # margin for a dispatched load to land.
 FRESH_FRACTION = 0.5
+# A stream silent this many leases (heartbeats sent, nothing heard) is given up.
+SILENT_LEASES = 2.0
 # Heartbeats remembered until echoed: at one per EARLY_BEAT_SECONDS, 1,024
 # cover 100 s, past any useful echo of a lease up to 200 s (an echo counts
 # only until its send time + lease * FRESH_FRACTION; one forgotten makes
@@ -155,6 +163,7 @@ class SessionLink:
         self._attachment: Attachment | None = None
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._responses: Any = None
+        self._heard = 0.0  # when the daemon last sent anything on the current stream
         self._stopping = threading.Event()
         self._beat_due_failed = False  # (logged once)
         self._attached = threading.Condition()
@@ -298,7 +307,9 @@ class SessionLink:
             self._give_up(attachment)
             return True
         self._beats.clear()
-        responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000))
+        self._heard = time.monotonic()
+        responses = self.transport.stream(self._requests(outbox, attachment.heartbeat_ms / 1000,
+                                                         lease * SILENT_LEASES))
         self._responses = responses
         self.fresh_until = asked + lease * FRESH_FRACTION  # the lease began after `asked`
         with self._attached:
@@ -309,6 +320,7 @@ class SessionLink:
         healthy = True
         try:
             for message in responses:
+                self._heard = time.monotonic()
                 if message.heartbeat_seq:
                     self._renewed(message.heartbeat_seq, lease)
                 self.listener.on_message(message)
@@ -381,11 +393,14 @@ class SessionLink:
                 log.exception("ec-daemon link: beat_due raised; heartbeats keep their interval")
             return False
 
-    def _requests(self, outbox: queue.SimpleQueue[Any], interval: float) -> Iterator[Any]:
+    def _requests(self, outbox: queue.SimpleQueue[Any], interval: float,
+                  silent: float = float("inf")) -> Iterator[Any]:
         """The stream's messages: what `send` queued, plus a heartbeat every
         `interval` whether or not anything else went out, and one as soon as
         EARLY_BEAT_SECONDS after the last when the listener says one is due
-        (asked every EARLY_BEAT_SECONDS, by listeners that can say so)."""
+        (asked every EARLY_BEAT_SECONDS, by listeners that can say so). The
+        stream is cancelled once nothing came from the daemon for `silent`
+        seconds (the read loop then attaches again)."""
         yield outbox.get()  # the open message
         yield self._beat()  # renews the lease at once: fresh from the first step
         interval = max(interval, MIN_BEAT_SECONDS)
@@ -409,6 +424,11 @@ class SessionLink:
                 yield message
             now = time.monotonic()
             if now >= last_beat + interval or (asks and now >= last_beat + early and due()):
+                if now - self._heard > silent:
+                    log.warning("ec-daemon %s: nothing heard on the session stream for %.0fs; "
+                                "attaching again", self.transport.uri, now - self._heard)
+                    self._end_stream()
+                    return
                 yield self._beat()
                 last_beat = time.monotonic()
 

@@ -28,6 +28,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ec_client.copy.mapping import RegionMapping
+from ec_protocol.dtypes import ELEMENT_BYTES
 
 Extents = Sequence[tuple[int, int]]
 Load = tuple[RegionMapping, Extents, Any]  # a load: the mapping, its extents, the output
@@ -172,8 +173,12 @@ def describe(obj: Any) -> tuple[int, tuple[int, ...], str]:
 
 def empty_host(shape: tuple[int, ...], dtype: str) -> Any:
     """An uninitialised host array: numpy where numpy knows the dtype,
-    otherwise a CPU torch tensor (bfloat16, float8...)."""
+    otherwise a CPU torch tensor (bfloat16, float8...). Only the types of
+    `ec_protocol.dtypes` (the daemon accepts no others): ValueError else."""
     import numpy as np
+
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}")
 
     try:
         return np.empty(shape, dtype=np.dtype(dtype))

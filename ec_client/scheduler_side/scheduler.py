@@ -344,7 +344,7 @@ class SchedulerDelegate(LinkListener):
             return False
         entry, current = hit
         spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
-                        entry.nbytes, entry.shape, entry.dtype, entry.extents)
+                        entry.nbytes, entry.shape, entry.dtype, entry.extents, entry.checksum)
         self._planned[mm_hash] = (spec, [request_id], current)
         return True
 

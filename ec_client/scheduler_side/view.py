@@ -65,6 +65,7 @@ class ViewEntry:
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[tuple[int, int], ...]
+    checksum: int = 0  # its writer's xxh3-64 of the bytes (`ec_protocol.checksums`; 0: none)
 
 
 class ReadyView:
@@ -182,7 +183,7 @@ class ReadyView:
         for info in infos:
             entries[info.mm_hash] = ViewEntry(
                 info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
-                tuple((e.offset, e.length) for e in info.extents))
+                tuple((e.offset, e.length) for e in info.extents), info.checksum)
 
     def _apply_evicted(self, refs: Any, acks: Refs) -> None:
         for ref in refs:

@@ -17,6 +17,12 @@ the saves queued at once, up to SAVE_BATCH:
 - else (an older daemon, or `use_stream=False`) each save is an Allocate
   call, a copy and a Report call.
 
+Either way, once a copy landed the saver reads the bytes back from the
+region and reports their checksum with `saved` (xxh3-64, `ec_protocol.checksums`):
+the daemon records it and sends it with the entry, so a loader can tell the
+saved bytes from ones another process wrote since. It costs the saver thread
+a pass over the bytes, never the engine (docs/performance.md).
+
 Either way a save copies only while the session is fresh and its pages carry
 its allocation's stamp (a writer frozen past its lease never overwrites), a
 key cached already or being saved is dropped, a full cache (RESOURCE_EXHAUSTED)
@@ -40,6 +46,7 @@ from ec_client.common.session import Attachment, SessionLink
 from ec_client.copy import CopyBackend, describe, storage_of
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.stream_saves import Report, StreamSaves
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import MAX_BATCH, RETRYABLE, pb
 from ec_protocol.transport import Transport
 
@@ -283,9 +290,12 @@ class Saver:
             copied = False
             try:
                 if self._take_answer(mm_hash, answer) is not None:
-                    copied = self._copy(attachment, output, ready, answer.entry_id,
-                                        [(e.offset, e.length) for e in answer.extents])
+                    sums = self._copy(attachment, output, ready, answer.entry_id,
+                                      [(e.offset, e.length) for e in answer.extents])
+                    copied = sums is not None
                     (reports.saved if copied else reports.aborted).append(mm_hash)
+                    if sums is not None:
+                        reports.checksums[mm_hash] = sums
             except Exception:
                 self.stats["save_errors"] += 1
                 reports.aborted.append(mm_hash)
@@ -311,8 +321,9 @@ class Saver:
         return answer
 
     def _copy(self, attachment: Attachment, output: Any, ready: Any, entry_id: int,
-              extents: list[tuple[int, int]]) -> bool:
-        """Copy `output` into its allocated extents; False (stale, nothing
+              extents: list[tuple[int, int]]) -> int | None:
+        """Copy `output` into its allocated extents; the checksum of the bytes
+        that landed (read back from the region), or None (stale, nothing
         copied) unless the allocation's session is the link's and fresh, and
         the pages carry its stamp."""
         with self.regions.use(attachment.region) as (mapping, stamps):
@@ -322,9 +333,10 @@ class Saver:
             if self.link.attachment is not attachment or not self.link.fresh() \
                     or not stamps.holds(extents, entry_id):
                 self.stats["saves_stale"] += 1
-                return False
+                return None
             self.backend.save(output, mapping, extents, ready)
-        return True
+            view = mapping.view  # what every loader will read: the region's pages
+            return checksum(view[offset:offset + length] for offset, length in extents)
 
     def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
         attachment = self.link.attachment
@@ -348,13 +360,14 @@ class Saver:
             return
         extents = [(e.offset, e.length) for e in reply.extents]
         try:
-            if not self._copy(attachment, output, ready, reply.entry_id, extents):
+            sums = self._copy(attachment, output, ready, reply.entry_id, extents)
+            if sums is None:
                 self._report(attachment, aborted=[mm_hash])
                 return
         except Exception:
             self._report(attachment, aborted=[mm_hash])
             raise
-        reply = self._report(attachment, saved=[mm_hash], retries=2)
+        reply = self._report(attachment, saved=[mm_hash], saved_checksums=[sums], retries=2)
         if reply is None:  # the entry would stay pending for this session's life
             self._report(attachment, aborted=[mm_hash])
         accepted = reply is not None and reply.saved[0] == pb.ACCEPTED

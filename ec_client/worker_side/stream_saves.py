@@ -44,6 +44,8 @@ class Report:
     saved: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     on_reported: OnReported = lambda mm_hash, status: None
+    # The checksum of each saved entry's bytes, read back after its copy.
+    checksums: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.saved or self.aborted)
@@ -138,7 +140,8 @@ class StreamSaves:
             request_id = self._take_id()
             ids.append(request_id)
             self._reports[request_id] = (mm_hash, now, reports.on_reported)
-            message.reports.add(request_id=request_id, mm_hash=mm_hash, saved=True)
+            message.reports.add(request_id=request_id, mm_hash=mm_hash, saved=True,
+                                checksum=reports.checksums.get(mm_hash, 0))
         for mm_hash in reports.aborted:
             message.reports.add(mm_hash=mm_hash, saved=False)
         return ids

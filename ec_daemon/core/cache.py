@@ -18,6 +18,18 @@ RCU). A view that ends without detaching stays awaited as a ghost for one
 lease (`sessions`). Each allocation's entry_id is written into the region's
 stamp table before its writer gets the extents, so a reader can verify.
 
+An acknowledgement is waited for --ack-wait-seconds at most (`overdue_views`):
+a live view that withholds one longer is ended by the data plane, and its
+ghost is awaited one lease more, so one client that never acknowledges
+cannot pin the cache. Why an honest engine in a step longer than that still
+reads only the saved bytes: its engine's view stops answering hits once its
+session ends (the client-side lease, and the stream's end), its loads in
+flight keep their pages for the bound and a lease (at least two leases, what
+a frozen scheduler's loads already had), a re-attached view's `holds` cannot
+extend an entry past its bound, and a load that outlasts all of it is
+refused by the stamp check (docs/architecture.md, "Why the bytes cannot
+change under a load").
+
 Durability (`index`): a READY record is journaled before an entry becomes
 visible, a GONE record before its pages are freed, and ids are reserved
 before use, so a restarted daemon adopts the ready entries (`restore`) and
@@ -43,6 +55,7 @@ from ec_daemon.core.events import (
     RanksEvent,
     ReadyEvent,
     ReportStatus,
+    Snapshot,
     SnapshotDoneEvent,
 )
 from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
@@ -52,6 +65,7 @@ from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, 
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.index import ID_BLOCK, NoIndex
 from ec_daemon.durable.journal import Record
+from ec_daemon.durable.stamp_file import LOST
 from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 # Evict at least 1/64 of the cache at a time: each eviction round costs one
@@ -62,7 +76,9 @@ EVICTION_BATCH_DIVISOR = 64
 # DMA in flight): its pages are reused only after this, by default.
 DEFAULT_QUARANTINE_SECONDS = 300.0
 COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
-            "bytes_loaded", "capped_saves", "refused_attaches")
+            "bytes_loaded", "capped_saves", "refused_attaches", "preempted_sessions",
+            "ack_timeouts", "stalled_streams", "mismatch_reports", "checksum_mismatches",
+            "region_truncations")
 
 
 class Stamps:
@@ -84,11 +100,14 @@ class Cache:
                  policy: EvictionPolicy | None = None, data_offset: int = 0,
                  stamps: Any = None, index: Any = None,
                  quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS,
-                 pending_caps: PendingCaps | None = None) -> None:
+                 pending_caps: PendingCaps | None = None,
+                 ack_wait_seconds: float | None = None) -> None:
         """`capacity_bytes` of payload pages starting at byte `data_offset` of
         the region; `stamps` is the region's StampTable (or a `Stamps`),
         `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
-        bound each session's pending saves (`quotas`; None: unbounded)."""
+        bound each session's pending saves (`quotas`; None: unbounded);
+        `ack_wait_seconds` bounds how long an eviction waits on a live view
+        (`overdue_views`; None: three leases, the daemon's default)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -100,6 +119,13 @@ class Cache:
         self.stamps = stamps if stamps is not None else Stamps()
         self.index = index if index is not None else NoIndex()
         self.quarantine_seconds = quarantine_seconds
+        self.ack_wait_seconds = 3 * sessions.lease_seconds if ack_wait_seconds is None \
+            else ack_wait_seconds
+        # (ack_by, entry) of hidden entries live views await, in order of ack_by
+        self._ack_due: deque[tuple[float, Entry]] = deque()
+        # Ids of hidden entries whose pages were cut off the region file
+        # (`cut_off`): stamped LOST until they are reclaimed.
+        self.lost: set[int] = set()
         self.quota = PendingQuota(pending_caps, self.page_bytes)
         self._namespaces: dict[str, dict[str, Entry]] = {}
         self._next_entry_id = 1
@@ -149,10 +175,11 @@ class Cache:
             self._tell_ranks(session.engine_key)
             return
         self.index.view_on(session.engine_key, session.namespace)  # before it sees anything
-        for entry in self._namespaces.get(session.namespace, {}).values():
-            if entry.state is State.READY:
-                session.outbox.append(self._ready_event(entry))
-                session.seen_upto = max(session.seen_upto, entry.entry_id)
+        ready = [e for e in self._namespaces.get(session.namespace, {}).values()
+                 if e.state is State.READY]
+        if ready:
+            session.outbox.append(Snapshot(ready, self._ready_event))  # events made as sent
+            session.seen_upto = max(session.seen_upto, max(e.entry_id for e in ready))
         session.outbox.append(SnapshotDoneEvent())
         session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_key)))
         session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
@@ -187,6 +214,7 @@ class Cache:
         """End every session whose lease ran out; returns them."""
         expired = self.sessions.expired()
         for session in expired:
+            session.ended_why = f"no message for {self.sessions.lease_seconds:.1f}s (its lease)"
             self.end_session(session)
         return expired
 
@@ -285,6 +313,8 @@ class Cache:
         session.pending.add(entry.key)
         session.pending_pages += entry.pages
         self.pending_pages += entry.pages
+        if session.session_id:  # (the daemon's own writer is bounded by its budget)
+            self.quota.take(session.engine_key, entry.pages)
         return AllocResult(AllocOutcome.ALLOCATED, entry.entry_id, self.extents(entry))
 
     def refuse_waited_save(self, nbytes: int) -> ResourceExhausted:
@@ -293,9 +323,15 @@ class Cache:
         return ResourceExhausted(self._full_message(nbytes) + " (evicted entries were not "
                                  "acknowledged in time)")
 
-    def commit(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
-        """Make `session`'s pending entries ready (their copies landed)."""
-        return [self._commit_one(session, h) for h in _valid(mm_hashes)]
+    def commit(self, session: Session, mm_hashes: Iterable[str],
+               checksums: Iterable[int] = ()) -> list[ReportStatus]:
+        """Make `session`'s pending entries ready (their copies landed), each
+        with the checksum of its bytes its writer reported (`checksums`, in
+        order; missing or 0: none)."""
+        hashes = _valid(mm_hashes)
+        sums = list(checksums)
+        return [self._commit_one(session, h, sums[i] if i < len(sums) else 0)
+                for i, h in enumerate(hashes)]
 
     def abort(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
         """Discard `session`'s pending entries (their copies will not land)."""
@@ -333,19 +369,34 @@ class Cache:
             if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
                 self._acknowledge(entry, session)
 
+    def withdraw(self, entry: Entry) -> None:
+        """Ready `entry`'s pages no longer hold what its writer saved (another
+        process wrote them: `plane.verify`): stamped LOST, so no load of it
+        passes its stamp check any more, and hidden as eviction would (its
+        views told; its pages reclaimed once they acknowledge)."""
+        assert entry.state is State.READY
+        self.stamps.write(entry.runs, LOST)
+        self.lost.add(entry.entry_id)
+        self._hide(entry)
+
     def hold(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
         """`session`'s engine is still loading these entries (it re-attached
         to an adopted region): a hidden one awaits this session too and is
         announced to it as evicted; unknown or stale refs are ignored."""
         namespace = self._namespaces.get(session.namespace, {})
+        now = self.sessions.clock()
         for mm_hash, entry_id in refs:
             entry = namespace.get(mm_hash)
             if entry is None or entry.entry_id != entry_id or entry.state is not State.HIDDEN \
                     or session in entry.awaiting:
                 continue
+            if entry.ack_by and entry.ack_by <= now:
+                continue  # past its bound: the ghost of the view ended for it covers the rest
             entry.awaiting.add(session)
             session.awaiting.add(entry)
             session.send(EvictedEvent(mm_hash, entry_id))
+            if not entry.ack_by:  # (an adopted hidden entry: awaited by ghosts until now)
+                self._due_by(entry, now)
 
     def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
         """Loads `session`'s view dispatched: recency for eviction, and the
@@ -420,6 +471,7 @@ class Cache:
             key = (record.namespace, record.mm_hash)
             entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
                           record.runs, None)
+            entry.checksum = record.checksum
             self._namespaces.setdefault(key[0], {})[key[1]] = entry
             usage = self.namespace_usage.setdefault(key[0], [0, 0])
             usage[0] += 1
@@ -444,6 +496,30 @@ class Cache:
         for entry in hidden:
             if not entry.awaiting:  # no view was attached: nobody can be loading it
                 self._reclaim(entry)
+
+    def cut_off(self, first: int) -> list[Entry]:
+        """The region file lost every payload page from `first` on (a client
+        truncated it; the file was given its size back, zeros there). Every
+        entry with a page there is lost, and none may be read or completed:
+        its pages, and quarantined ones there, are stamped LOST (no reader's
+        or writer's check passes on it); a ready one is hidden (its views
+        told; reclaimed once they acknowledge), a hidden one goes as it would,
+        a pending one is dropped into quarantine (its writer may still be
+        copying). Returns the entries lost."""
+        lost = [e for e in self.entries() if any(p + n > first for p, n in e.runs)]
+        for entry in lost:
+            self.stamps.write(entry.runs, LOST)
+            if entry.state is State.PENDING:
+                self._discard_pending(entry, quarantine=True)
+                continue
+            self.lost.add(entry.entry_id)
+            if entry.state is State.READY:
+                self._hide(entry)  # (reclaimed at once when nobody awaits it)
+        for _, runs, _ in self.quarantine:
+            cut = [(p, n) for p, n in runs if p + n > first]
+            if cut:
+                self.stamps.write(cut, LOST)
+        return lost
 
     def compact_index(self) -> bool:
         """Rewrite the journal when it holds mostly dead records, live entries
@@ -472,19 +548,22 @@ class Cache:
                 self._hide(self._namespaces[namespace][mm_hash])
         return self.allocator.allocate(pages)
 
-    def _commit_one(self, session: Session, mm_hash: str) -> ReportStatus:
+    def _commit_one(self, session: Session, mm_hash: str, checksum: int = 0) -> ReportStatus:
         entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
         if entry is None or (entry.state is State.PENDING and entry.owner is not session):
             return ReportStatus.UNKNOWN
         if entry.state is not State.PENDING:
             return ReportStatus.DUPLICATE
+        entry.checksum = checksum
         self.index.ready(entry.entry_id, entry.key[0], entry.key[1], entry.nbytes, entry.shape,
-                         entry.dtype, entry.runs)  # durable before it is visible
+                         entry.dtype, entry.runs, checksum)  # durable before it is visible
         entry.state = State.READY
         entry.owner = None
         session.pending.discard(entry.key)
         session.pending_pages -= entry.pages
         self.pending_pages -= entry.pages
+        if session.session_id:
+            self.quota.settle(session.engine_key, entry.pages)
         self.policy.add(entry.key, entry.pages)
         self.ready_entries += 1
         usage = self.namespace_usage.setdefault(entry.key[0], [0, 0])
@@ -510,12 +589,15 @@ class Cache:
         owner.pending_pages -= entry.pages
         entry.owner = None
         self.pending_pages -= entry.pages
+        if owner.session_id:
+            self.quota.settle(owner.engine_key, entry.pages)
         self._forget(entry)
         if not quarantine:
             self._free_runs(entry.runs)
             return
         until = self.sessions.clock() + self.quarantine_seconds
-        self.quota.charge(owner.engine_key, entry.pages, until)  # its engine's cap holds them
+        if owner.session_id:
+            self.quota.charge(owner.engine_key, entry.pages, until)  # its instance holds them
         self.quarantine.append((until, entry.runs, entry.pages))
         self.quarantined_pages += entry.pages
 
@@ -539,6 +621,28 @@ class Cache:
         for view in awaiting:
             view.awaiting.add(entry)
             view.send(event)  # ghosts send nothing
+        if any(view.alive for view in awaiting):
+            self._due_by(entry, self.sessions.clock())
+
+    def _due_by(self, entry: Entry, now: float) -> None:
+        """Live views must acknowledge `entry`'s eviction by `now` + the bound."""
+        entry.ack_by = now + self.ack_wait_seconds
+        self._ack_due.append((entry.ack_by, entry))
+
+    def overdue_views(self) -> list[Session]:
+        """Live scheduler sessions that have not acknowledged an eviction
+        within --ack-wait-seconds: the caller ends them (each then a ghost for
+        one lease, whose clock acknowledges for it). Why that is safe for an
+        honest engine in a long step: docs/architecture.md, "Why the bytes
+        cannot change under a load"."""
+        now = self.sessions.clock()
+        due = self._ack_due
+        overdue: dict[Session, None] = {}
+        while due and due[0][0] <= now:
+            _, entry = due.popleft()
+            if entry.state is State.HIDDEN:
+                overdue.update((view, None) for view in entry.awaiting if view.alive)
+        return list(overdue)
 
     def _acknowledge(self, entry: Entry, session: Session) -> None:
         entry.awaiting.discard(session)
@@ -548,6 +652,8 @@ class Cache:
 
     def _reclaim(self, entry: Entry) -> None:
         assert entry.state is State.HIDDEN and not entry.awaiting
+        entry.ack_by = 0.0
+        self.lost.discard(entry.entry_id)
         self.hidden_pages -= entry.pages
         self.hidden_entries -= 1
         usage = self.namespace_usage[entry.key[0]]
@@ -583,6 +689,7 @@ class Cache:
         counts toward that instance's views only (both instances' views are
         told their count)."""
         before = self.sessions.join(worker, key)
+        self.quota.move(before, key, worker.pending_pages)  # its saves are the instance's
         if before != key and worker.streaming:
             self._tell_ranks(before)
             self._tell_ranks(key)
@@ -595,7 +702,7 @@ class Cache:
 
     def _ready_event(self, entry: Entry) -> ReadyEvent:
         return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,
-                          entry.dtype, self.extents(entry))
+                          entry.dtype, self.extents(entry), entry.checksum)
 
     def _full_message(self, nbytes: int) -> str:
         pb = self.page_bytes

@@ -10,8 +10,9 @@ frozen dataclasses: several are built per save, and a frozen dataclass's
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 Extent = tuple[int, int]  # (byte offset, byte length)
 
@@ -23,11 +24,39 @@ class ReadyEvent(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     extents: tuple[Extent, ...]
+    checksum: int = 0  # its writer's xxh3-64 of the bytes (0: none)
 
 
 class EvictedEvent(NamedTuple):
     mm_hash: str
     entry_id: int
+
+
+class Snapshot:
+    """A view's snapshot of ready entries in its outbox, made into ready
+    events only as its stream sends them (`make`): a stream that is never
+    read holds one reference per entry, not the events (16,384 entries x 100
+    unread views took 464 MiB). The entries' key, id, size, shape, dtype and
+    pages never change, so an event made later is the one made at open; one
+    evicted meanwhile is followed by its evicted event, as at open."""
+
+    __slots__ = ("_at", "_entries", "_make")
+
+    def __init__(self, entries: list[Any], make: Callable[[Any], ReadyEvent]) -> None:
+        self._entries = entries
+        self._make = make
+        self._at = 0
+
+    def next(self) -> ReadyEvent | None:
+        """The next ready event, None once all were made."""
+        if self._at >= len(self._entries):
+            return None
+        self._at += 1
+        return self._make(self._entries[self._at - 1])
+
+    def __len__(self) -> int:
+        """Events still to make."""
+        return len(self._entries) - self._at
 
 
 @dataclass(frozen=True)
@@ -118,6 +147,7 @@ class SaveReport(NamedTuple):
     request_id: int
     mm_hash: str
     saved: bool
+    checksum: int = 0  # with saved: the bytes' xxh3-64 its writer read back (0: none)
 
 
 @dataclass(frozen=True)
@@ -138,6 +168,9 @@ class ClientMessage:
     allocations: list[SaveAllocate] = field(default_factory=list)
     reports: list[SaveReport] = field(default_factory=list)
     engine_token: str = ""  # a worker joins its engine instance (`Cache.join`)
+    # A view's report: these entries' bytes did not match their checksum
+    # when its engine loaded them (`plane.verify`).
+    mismatches: list[tuple[str, int]] = field(default_factory=list)
 
 
 class ReportStatus(enum.Enum):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.records import State
+from ec_daemon.durable.stamp_file import StampFile
 from ec_protocol.stamps import StampTable
 
 
@@ -40,16 +41,23 @@ def check(cache: Cache) -> None:
         owned = [cache.get(*key) for key in session.pending]
         assert session.pending_pages == sum(e.pages for e in owned if e is not None), \
             "a session's pending pages drifted"
+    clients = sum(e.pages for e in cache.entries()
+                  if e.state is State.PENDING and e.owner is not None and e.owner.session_id)
+    assert cache.quota.held_pages == clients + cache.quota.charged_pages(), \
+        "the pending-save quota drifted"
     for session in [*cache.sessions, *cache.sessions.ghosts()]:
         for entry in session.awaiting:
             assert entry.state is State.HIDDEN and session in entry.awaiting
     assert all(g.is_ghost and not g.alive for g in cache.sessions.ghosts())
-    if isinstance(cache.stamps, StampTable):
+    if isinstance(cache.stamps, (StampTable, StampFile)):
         _check_stamps(cache, cache.stamps)
 
 
-def _check_stamps(cache: Cache, table: StampTable) -> None:
+def _check_stamps(cache: Cache, table: StampTable | StampFile) -> None:
     for entry in cache.entries():
+        if entry.entry_id in cache.lost:
+            assert entry.state is not State.PENDING, "a pending entry whose pages were cut"
+            continue  # its pages were cut off the file: stamped LOST, never its id
         for first, pages in entry.runs:
             assert set(table.stamps(first, pages)) == {entry.entry_id}, (
                 f"pages of entry {entry.entry_id} carry other stamps")

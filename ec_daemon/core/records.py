@@ -39,8 +39,8 @@ _EMPTY: Any = frozenset()
 class Entry:
     """One cached encoder output. `state` changes only inside Cache."""
 
-    __slots__ = ("awaiting", "dtype", "entry_id", "key", "nbytes", "owner", "pages", "runs",
-                 "shape", "state")
+    __slots__ = ("ack_by", "awaiting", "checksum", "dtype", "entry_id", "key", "nbytes", "owner",
+                 "pages", "runs", "shape", "state")
 
     def __init__(self, key: Key, entry_id: int, nbytes: int, shape: tuple[int, ...],
                  dtype: str, runs: list[Run], owner: Session | None) -> None:
@@ -56,6 +56,11 @@ class Entry:
         # Hidden entries only: the views (live or ghost) that still owe an
         # acknowledgement. Most entries never hide: share one empty set.
         self.awaiting: set[Session] = _EMPTY
+        # Hidden entries a live view awaits: by when (monotonic) it must have
+        # acknowledged (`Cache.overdue_views`); 0 otherwise.
+        self.ack_by = 0.0
+        # The xxh3-64 of its bytes its writer reported (0: none).
+        self.checksum = 0
 
     @property
     def mm_hash(self) -> str:
@@ -82,6 +87,8 @@ class Session:
     created: float
     lease_deadline: float
     alive: bool = True
+    # Why it ended, when the daemon ended it (its stream's last status says so).
+    ended_why: str = ""
     # The engine instance it belongs to (`sessions.engine_key`): views count
     # the worker ranks of their own instance only, and it counts under it for
     # --max-sessions-per-engine and the pending-save quota.

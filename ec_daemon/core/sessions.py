@@ -41,9 +41,31 @@ lives OPEN_GRACE_SECONDS, so without a cap a loop of attaches grows the
 daemon (and its Stats reply) without bound. One more is refused with
 RESOURCE_EXHAUSTED naming the cap; the refused client retries, and gets in
 once others end or expire. The per-engine cap counts by `engine_key` (a
-worker that joins its instance after Attach moves with it), so another
-client of the socket that attaches under an engine's id without its token
-fills the tokenless bucket, never the room of the engine's own processes.
+worker that joins its instance after Attach moves with it).
+
+Engines first. The daemon cannot verify a token (it never holds the users'
+secret), so it trusts what it can see: an engine instance is its id and
+token, and a *running* one has a live session whose stream is open (its
+scheduler's view, or a rank that mapped the region). The places are shared
+so that no client without a running engine's token can take the room a
+running engine needs, and a new engine can take the room of attaches that
+never became anything:
+
+- every client that presents no token shares one bucket
+  (`--max-tokenless-sessions`), whatever engine ids it names: 1,024
+  attaches under 16 engine ids no longer lock every engine out;
+- the last quarter of `--max-sessions` (RUNNING_SHARE) is kept for running
+  instances (their re-attaches, their ranks joining): attaches of anything
+  else stop short of it;
+- an Attach presenting a token that finds no place ends the oldest session
+  whose stream never opened and that is older than PREEMPTIBLE_SECONDS
+  (tokenless ones first): a client's stream opens within a moment of its
+  Attach (it maps the region first), so only attaches that never became
+  anything are taken (`preempted_sessions`).
+
+What is left: a client inventing tokens *and* keeping their streams open
+(reading and heartbeating) is a running engine as far as the daemon can
+tell; it is bounded per instance and in all, and visible in Stats.
 """
 
 from __future__ import annotations
@@ -61,6 +83,11 @@ from ec_protocol.protocol import CONSUMER, Role
 
 # How long after Attach a session's stream may open, at least.
 OPEN_GRACE_SECONDS = 60.0
+# A session whose stream has not opened this long after Attach may be ended
+# to make room for an engine presenting its token (`victim_for`).
+PREEMPTIBLE_SECONDS = 10.0
+# The last 1/RUNNING_SHARE of --max-sessions is for running engine instances.
+RUNNING_SHARE = 4
 
 
 def engine_key(engine_id: str, token: str) -> str:
@@ -69,6 +96,11 @@ def engine_key(engine_id: str, token: str) -> str:
     the token; its prefix never clashes with an engine id's characters."""
     digest = hashlib.sha256(token.encode()).hexdigest()[:32] if token else "-"
     return f"{digest}/{engine_id}"
+
+
+def tokenless(key: str) -> bool:
+    """Is `key` (`engine_key`) the bucket of clients that presented no token?"""
+    return key.startswith("-/")
 
 
 def engine_of(key: str) -> str:
@@ -80,17 +112,24 @@ class SessionTable:
     """Live sessions by id and index, scheduler views and ghosts by namespace."""
 
     def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic, *,
-                 max_sessions: int | None = None,
-                 max_per_engine: int | None = None) -> None:
+                 max_sessions: int | None = None, max_per_engine: int | None = None,
+                 max_tokenless: int | None = None) -> None:
         """At most `max_sessions` live sessions, `max_per_engine` per engine
-        instance (None: unbounded, for unit tests)."""
+        instance, `max_tokenless` of clients without a token together (None:
+        unbounded, for unit tests)."""
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.max_sessions = max_sessions
         self.max_per_engine = max_per_engine
+        self.max_tokenless = max_tokenless
         # engine instance (`Session.engine_key`) -> its live sessions: a
         # client that cannot present an engine's token cannot take its room
         self._per_engine: dict[str, int] = {}
+        self._tokenless = 0
+        # engine instance -> its live sessions whose stream is open (it runs)
+        self._running: dict[str, int] = {}
+        # live sessions whose stream has not opened, oldest first
+        self._unopened: dict[Session, None] = {}
         self._by_id: dict[str, Session] = {}
         self._by_index: dict[int, Session] = {}
         self._views: dict[str, set[Session]] = defaultdict(set)
@@ -101,10 +140,13 @@ class SessionTable:
         self._next_index = secrets.randbits(31) + 1
 
     def create(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
-               namespace: str, client_name: str, engine_token: str = "") -> Session:
-        """A new live session. Raises ResourceExhausted past the caps (nothing changed)."""
+               namespace: str, client_name: str, engine_token: str = "",
+               in_place_of: Session | None = None) -> Session:
+        """A new live session (`in_place_of`: the one `victim_for` chose, ended
+        for it: its place is this one's, kept places included). Raises
+        ResourceExhausted past the caps (nothing changed)."""
         key = engine_key(engine_id, engine_token)
-        self._check_room(engine_id, key)
+        self._check_room(engine_id, key, in_place_of is not None)
         now = self.clock()
         session = Session(
             session_id=secrets.token_hex(16), index=self._take_index(), engine_id=engine_id,
@@ -115,36 +157,81 @@ class SessionTable:
         )
         self._by_id[session.session_id] = session
         self._by_index[session.index] = session
+        self._unopened[session] = None
         self._count(key)
         return session
 
     def _count(self, key: str) -> None:
         self._per_engine[key] = self._per_engine.get(key, 0) + 1
+        self._tokenless += tokenless(key)
 
     def _uncount(self, key: str) -> None:
-        left = self._per_engine[key] - 1
-        if left:
-            self._per_engine[key] = left
-        else:
-            del self._per_engine[key]
+        _add(self._per_engine, key, -1)
+        self._tokenless -= tokenless(key)
 
-    def _check_room(self, engine_id: str, key: str) -> None:
-        if self.max_sessions is not None and len(self._by_id) >= self.max_sessions:
+    def _check_room(self, engine_id: str, key: str, preempted: bool = False) -> None:
+        held = self._per_engine.get(key, 0)
+        if self.max_per_engine is not None and held >= self.max_per_engine:
+            which = "" if tokenless(key) else " (this engine instance)"
+            raise ResourceExhausted(
+                f"session cap: engine {engine_id!r}{which} has {held} sessions attached "
+                f"(--max-sessions-per-engine {self.max_per_engine}); attach again when one ends")
+        if tokenless(key) and self.max_tokenless is not None \
+                and self._tokenless >= self.max_tokenless:
+            raise ResourceExhausted(
+                f"session cap: {self._tokenless} sessions without an engine token attached "
+                f"(--max-tokenless-sessions {self.max_tokenless}); present the engine's token, "
+                "or attach again when one ends")
+        if self.max_sessions is None:
+            return
+        if len(self._by_id) >= self.max_sessions:
             raise ResourceExhausted(
                 f"session cap: {len(self._by_id)} sessions attached (--max-sessions "
                 f"{self.max_sessions}); attach again when one ends (an attach that never opens "
                 f"its stream ends after {OPEN_GRACE_SECONDS:.0f} s)")
-        held = self._per_engine.get(key, 0)
-        if self.max_per_engine is not None and held >= self.max_per_engine:
-            which = "" if key == engine_key(engine_id, "") else " (this engine instance)"
+        open_to_all = self.max_sessions - self.max_sessions // RUNNING_SHARE
+        if len(self._by_id) >= open_to_all and not self._running.get(key) and not preempted:
             raise ResourceExhausted(
-                f"session cap: engine {engine_id!r}{which} has {held} sessions attached "
-                f"(--max-sessions-per-engine {self.max_per_engine}); attach again when one ends")
+                f"session cap: {len(self._by_id)} sessions attached; the last "
+                f"{self.max_sessions - open_to_all} of --max-sessions {self.max_sessions} are "
+                "kept for engine instances already running (a session of theirs has its "
+                "stream open); attach again when one ends")
+
+    def victim_for(self, engine_id: str, token: str) -> Session | None:
+        """The session to end so that an Attach of `engine_id` presenting
+        `token` finds a place, when it would find none otherwise: the oldest
+        whose stream never opened, older than PREEMPTIBLE_SECONDS, tokenless
+        ones first. None when it needs none or none may be ended (then the
+        Attach is refused as usual)."""
+        key = engine_key(engine_id, token)
+        if not token or self.max_sessions is None:
+            return None
+        if self.max_per_engine is not None \
+                and self._per_engine.get(key, 0) >= self.max_per_engine:
+            return None  # its own cap: ending another's session would not help
+        try:
+            self._check_room(engine_id, key)
+            return None
+        except ResourceExhausted:
+            pass
+        old = self.clock() - PREEMPTIBLE_SECONDS
+        oldest = None
+        for session in self._unopened:
+            if session.created > old:
+                break  # (in order of creation: the rest are younger)
+            if session.engine_key == key:
+                continue
+            if tokenless(session.engine_key):
+                return session
+            oldest = oldest or session
+        return oldest
 
     def open(self, session: Session) -> None:
         """`session`'s stream opened: a view from now on, or a rank that mapped
         the region."""
         session.streaming = True
+        self._unopened.pop(session, None)
+        _add(self._running, session.engine_key, 1)
         self.renew(session)
         if session.is_scheduler:
             self._views[session.namespace].add(session)
@@ -158,6 +245,8 @@ class SessionTable:
         if worker.streaming and worker.alive and before != key:
             _discard(self._ranks, before, worker)
             self._ranks[key].add(worker)
+            _add(self._running, before, -1)
+            _add(self._running, key, 1)
         if worker.session_id in self._by_id and before != key:
             # its place under --max-sessions-per-engine moves with it (the
             # cap is checked at Attach only: an attached session stays)
@@ -180,9 +269,12 @@ class SessionTable:
     def remove(self, session: Session, *, ghost: bool = False) -> None:
         """End `session`; a scheduler session whose stream opened becomes a
         ghost for one lease when `ghost` (it did not detach)."""
-        session.alive = False
         if self._by_id.pop(session.session_id, None) is not None:
             self._uncount(session.engine_key)
+            if session.streaming:
+                _add(self._running, session.engine_key, -1)
+        session.alive = False
+        self._unopened.pop(session, None)
         self._by_index.pop(session.index, None)
         if not session.is_scheduler:
             _discard(self._ranks, session.engine_key, session)
@@ -240,6 +332,10 @@ class SessionTable:
         ranks = self._ranks.get(key, ())
         return len({s.rank for s in ranks}), max((s.world_size for s in ranks), default=0)
 
+    def running(self, key: str) -> bool:
+        """Does engine instance `key` run: a live session of it has its stream open?"""
+        return bool(self._running.get(key))
+
     def views_of(self, key: str) -> list[Session]:
         """Engine instance `key`'s live scheduler sessions whose stream is open."""
         return [s for views in self._views.values() for s in views if s.engine_key == key]
@@ -271,6 +367,14 @@ class SessionTable:
             self._next_index = self._next_index % 0xFFFF_FFFF + 1  # 1 .. 2**32-1
             if index not in self._by_index:
                 return index
+
+
+def _add(table: dict[str, int], key: str, n: int) -> None:
+    left = table.get(key, 0) + n
+    if left:
+        table[key] = left
+    else:
+        table.pop(key, None)
 
 
 def _discard(table: dict[Any, set[Session]], namespace: Any, session: Session) -> None:

@@ -20,12 +20,19 @@ nothing the kernel has, and a record it dies with only loses its entry.
 
 The journal is compacted (rewritten whole, then renamed over) when it holds
 more than twice what is live. Not thread-safe: the event loop is its caller.
+
+The daemon holds an exclusive flock on its index for its whole life (format
+2): that, not a lock on the region, says the region's daemon is alive. Every
+client may open the region (it maps it) and so lock it: a client holding a
+shared lock on a dead daemon's region made the next start begin empty and
+`ec-daemon clean` leave the file. Only the daemon's user can open the index.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -35,11 +42,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ec_daemon.durable.journal import (
+    FORMAT_VERSION,
     GONE,
     HEADER_BYTES,
     HIDDEN,
     IDS_AT,
     REF_RECORD_BYTES,
+    VERSION_AT,
     VIEW_OFF,
     VIEW_ON,
     Header,
@@ -51,6 +60,7 @@ from ec_daemon.durable.journal import (
     encode_ids,
     encode_ready,
     encode_ref,
+    encode_version,
     encode_view,
 )
 
@@ -148,28 +158,35 @@ class Index:
 
     @classmethod
     def create(cls, path: Path, header: Header) -> Index:
-        """A new, empty index (O_EXCL: never another user's file). Raises OSError."""
+        """A new, empty index (O_EXCL: never another user's file), locked for
+        this daemon's life. Raises OSError."""
         return cls(path, _new_file(path, encode_header(header)), header, HEADER_BYTES)
 
     @classmethod
     def reopen(cls, path: Path, header: Header, journal: Journal, adopted: list[Record],
-               views: Iterable[tuple[str, str]] = ()) -> Index:
+               views: Iterable[tuple[str, str]] = (), fd: int | None = None) -> Index:
         """The index of an adopted region, kept in place (no second copy in a
         tmpfs that may be short): a torn tail is cut where `journal` ends, the
-        id reservation raised to `header`'s, and GONE appended for every
-        record not `adopted`. `views`: the engines still awaited (each counts
-        once). Raises OSError."""
-        fd = open_own_file(path, os.O_RDWR)
+        id reservation raised to `header`'s, the format made this daemon's,
+        and GONE appended for every record not `adopted`. `views`: the
+        engines still awaited (each counts once). `fd`: the index already
+        open and locked (`region.dead_regions`), taken over. Raises OSError."""
+        if fd is None:
+            fd = open_own_file(path, os.O_RDWR)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (ours already, or free)
             os.ftruncate(fd, journal.end)
             _write_at(fd, encode_ids(header.ids_reserved), IDS_AT)
+            if header.version != FORMAT_VERSION:
+                _write_at(fd, encode_version(), VERSION_AT)
         except BaseException:
             os.close(fd)
             raise
         index = cls(path, fd, header, journal.end)
         for r in adopted:
             index._live[r.entry_id] = r.raw or encode_ready(
-                r.entry_id, r.namespace, r.mm_hash, r.nbytes, r.shape, r.dtype, r.runs)
+                r.entry_id, r.namespace, r.mm_hash, r.nbytes, r.shape, r.dtype, r.runs,
+                r.checksum)
             if r.hidden:
                 index._hidden.add(r.entry_id)
         index._views = dict.fromkeys(views, 1)
@@ -205,9 +222,11 @@ class Index:
     # ---------------------------------------------------------- records
 
     def ready(self, entry_id: int, namespace: str, mm_hash: str, nbytes: int,
-              shape: tuple[int, ...], dtype: str, runs: list[tuple[int, int]]) -> None:
+              shape: tuple[int, ...], dtype: str, runs: list[tuple[int, int]],
+              checksum: int = 0) -> None:
         """Before the entry becomes visible."""
-        record = encode_ready(entry_id, namespace, mm_hash, nbytes, shape, dtype, runs)
+        record = encode_ready(entry_id, namespace, mm_hash, nbytes, shape, dtype, runs,
+                              checksum)
         if self._append(record):
             self._live[entry_id] = record
             self._live_bytes += len(record)
@@ -337,7 +356,8 @@ class NoIndex:
     ids_reserved = sys.maxsize
 
     def ready(self, entry_id: int, namespace: str, mm_hash: str, nbytes: int,
-              shape: tuple[int, ...], dtype: str, runs: list[tuple[int, int]]) -> None:
+              shape: tuple[int, ...], dtype: str, runs: list[tuple[int, int]],
+              checksum: int = 0) -> None:
         return None
 
     def hidden(self, entry_id: int) -> None:
@@ -364,9 +384,12 @@ class NoIndex:
 
 def _new_file(path: Path, data: bytes) -> int:
     """A new owner-only file holding `data` (O_EXCL: never another user's, nor
-    a link), open for writing; nothing is left behind on failure."""
+    a link), open for writing and locked (the daemon's liveness: it is locked
+    before it holds anything, so no scan takes it for a dead daemon's);
+    nothing is left behind on failure."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _write_at(fd, data, 0)
     except BaseException:
         os.close(fd)

@@ -3,11 +3,21 @@
 ```
  [ header: 4 KiB, checksummed; the id reservation at a fixed offset ][ records ... ]
  record = u32 body length | u32 crc32(body) | body
- body   = READY  entry_id nbytes ndim nruns len(dtype) len(namespace) len(mm_hash)
+ body   = READY2 entry_id nbytes checksum ndim nruns len(dtype) len(namespace) len(mm_hash)
                  shape runs dtype namespace mm_hash
+        | READY  (format 1: the same without the checksum; still read)
         | HIDDEN entry_id | GONE entry_id
         | VIEW_ON len(engine) len(namespace) engine namespace | VIEW_OFF (the same)
 ```
+
+Format 2 added READY2, whose checksum (xxh3-64 of the entry's bytes, as its
+writer reported it; 0: none) an adopted entry keeps, and the rule that the
+daemon's liveness lock is on the index, not the region (`region`): a client
+can open the region and lock it, never the index. A format-1 index is still
+adopted (its READY records have no checksum; its header is rewritten to 2),
+and a daemon that reads only format 1 refuses a format-2 index whole, saying
+so, instead of stopping at its first READY2 record or taking a live daemon's
+region for a dead one by its unlocked region file.
 
 VIEW_ON and VIEW_OFF say which engine instances' views were attached: a
 daemon that adopts the region awaits each of them (a ghost) until it comes
@@ -30,7 +40,9 @@ from dataclasses import dataclass
 MAGIC = b"ECDINDEX"
 # Bump on any change of the header or record layout: a daemon never adopts
 # a region whose index it does not understand (it starts fresh, saying why).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+VERSION_AT = 8  # u32 after the magic: rewritten in place when a format-1 index is adopted
 HEADER_BYTES = 4096
 _HEAD = struct.Struct("<8sIIQQQQH")  # magic, format, crc, generation, size, page, data, socket
 IDS_AT = 2048  # u64: every id below it may have been used
@@ -42,10 +54,11 @@ _FRAME = struct.Struct("<II")  # body length, crc32(body)
 # runs, and the bytes of dtype, namespace and mm_hash; then the shape and the
 # runs (u64 each), then the three strings. One unpack reads the fixed part.
 _READY = struct.Struct("<BQQBIBHH")
+_READY2 = struct.Struct("<BQQQBIBHH")  # READY2: the checksum after nbytes
 _REF = struct.Struct("<BQ")  # kind, entry_id
 _VIEW = struct.Struct("<BHH")  # kind, len(engine), len(namespace)
 REF_RECORD_BYTES = _FRAME.size + _REF.size  # a framed HIDDEN or GONE record
-READY, HIDDEN, GONE, VIEW_ON, VIEW_OFF = 1, 2, 3, 4, 5
+READY, HIDDEN, GONE, VIEW_ON, VIEW_OFF, READY2 = 1, 2, 3, 4, 5, 6
 # A record longer than this is corrupt (the longest real one is far shorter).
 MAX_RECORD_BYTES = 1 << 24
 
@@ -62,6 +75,7 @@ class Header:
     data_offset: int
     socket: str
     ids_reserved: int = 0
+    version: int = FORMAT_VERSION
 
 
 @dataclass(slots=True)
@@ -77,15 +91,18 @@ class Record:
     runs: list[tuple[int, int]]
     hidden: bool = False
     raw: bytes = b""  # the framed record as read (rewritten as it is)
+    checksum: int = 0  # (format 1 records have none)
 
 
 def encode_ready(entry_id: int, namespace: str, mm_hash: str, nbytes: int,
-                 shape: tuple[int, ...], dtype: str, runs: Iterable[tuple[int, int]]) -> bytes:
-    """A framed READY record."""
+                 shape: tuple[int, ...], dtype: str, runs: Iterable[tuple[int, int]],
+                 checksum: int = 0) -> bytes:
+    """A framed READY2 record."""
     runs = list(runs)
     d, ns, h = dtype.encode(), namespace.encode(), mm_hash.encode()
     body = b"".join((
-        _READY.pack(READY, entry_id, nbytes, len(shape), len(runs), len(d), len(ns), len(h)),
+        _READY2.pack(READY2, entry_id, nbytes, checksum, len(shape), len(runs), len(d), len(ns),
+                     len(h)),
         _numbers(len(shape), len(runs)).pack(*shape, *(n for run in runs for n in run)),
         d, ns, h))
     return _frame(body)
@@ -130,14 +147,14 @@ def decode_header(data: bytes) -> Header:
     if len(data) < HEADER_BYTES or data[:len(MAGIC)] != MAGIC:
         raise IndexUnreadable("not an ec-daemon index (no header)")
     _, version, crc, gen, size, page, offset, socket_len = _HEAD.unpack_from(data)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise IndexUnreadable(f"index format version {version}, this daemon reads "
-                          f"{FORMAT_VERSION}")
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     socket = data[_HEAD.size:_HEAD.size + min(socket_len, MAX_SOCKET_BYTES)]
     if zlib.crc32(struct.pack("<QQQQ", gen, size, page, offset) + socket) != crc:
         raise IndexUnreadable("the index header fails its checksum")
     (ids,) = _IDS.unpack_from(data, IDS_AT)
-    return Header(gen, size, page, offset, socket.decode(errors="replace"), ids)
+    return Header(gen, size, page, offset, socket.decode(errors="replace"), ids, version)
 
 
 @dataclass
@@ -173,7 +190,7 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> Journ
         try:
             kind = body[0]
             entry_id = 0
-            if kind == READY:
+            if kind in (READY, READY2):
                 record = _decode_ready(body, texts)
                 record.raw = bytes(view[at:body_at + length])
                 records.pop(record.entry_id, None)  # a repeated id: the later one counts
@@ -202,11 +219,17 @@ def decode_records(data: bytes | memoryview, start: int = HEADER_BYTES) -> Journ
 
 
 def _decode_ready(body: bytes, texts: dict[bytes, str]) -> Record:
-    """`texts` shares the strings of namespaces and dtypes between records."""
-    _, entry_id, nbytes, ndim, count, dlen, nslen, hlen = _READY.unpack_from(body)
+    """A READY or READY2 record; `texts` shares the strings of namespaces and
+    dtypes between records."""
+    if body[0] == READY2:
+        _, entry_id, nbytes, checksum, ndim, count, dlen, nslen, hlen = _READY2.unpack_from(body)
+        fixed = _READY2.size
+    else:
+        _, entry_id, nbytes, ndim, count, dlen, nslen, hlen = _READY.unpack_from(body)
+        checksum, fixed = 0, _READY.size
     numbers = _numbers(ndim, count)
-    values = numbers.unpack_from(body, _READY.size)
-    at = _READY.size + numbers.size
+    values = numbers.unpack_from(body, fixed)
+    at = fixed + numbers.size
     if at + dlen + nslen + hlen != len(body):
         raise ValueError("a record's lengths do not add up")
     dtype, namespace, mm_hash = (body[at:at + dlen], body[at + dlen:at + dlen + nslen],
@@ -215,7 +238,14 @@ def _decode_ready(body: bytes, texts: dict[bytes, str]) -> Record:
         zip(values[ndim::2], values[ndim + 1::2], strict=True))
     return Record(entry_id, texts.get(namespace) or texts.setdefault(namespace, namespace.decode()),
                   mm_hash.decode(), nbytes, values[:ndim],
-                  texts.get(dtype) or texts.setdefault(dtype, dtype.decode()), runs)
+                  texts.get(dtype) or texts.setdefault(dtype, dtype.decode()), runs,
+                  checksum=checksum)
+
+
+def encode_version() -> bytes:
+    """The format this daemon writes (at VERSION_AT): an adopted format-1
+    index becomes a format-2 one (its READY records stay readable)."""
+    return struct.pack("<I", FORMAT_VERSION)
 
 
 def encode_ids(below: int) -> bytes:

@@ -1,12 +1,14 @@
 """The shared region: one file in a tmpfs, and its index beside it.
 
 `region` owns only the files (clients map the region themselves; `index`
-writes the journal). The daemon touches payload bytes only for the second
-tier: publishing a saved entry hashes and sends its pages in place, through a
-read-only mapping (`view`: a copy of each published MiB cost 0.1-0.25 ms of
-CPU), whose pages are dropped again once sent (`unview`: the daemon's RSS,
-which the OOM killer reads, must not grow with the region),
-and promoting a fetched one writes them with pwrite (`write`).
+writes the journal). The daemon never maps the region (`stamp_file` says
+why: a client can truncate it, and a mapped page past the end is a SIGBUS):
+it reads payload bytes with pread (`read`: publishing a saved entry to the
+second tier, checking an entry a loader reported as not matching its
+checksum; a copy of each MiB costs 0.1-0.25 ms of CPU, and the daemon's RSS
+does not grow with the region), writes promoted ones with pwrite (`write`),
+and its stamp table through its own descriptor. A file found shorter than
+the region (`shortfall`) is given its size back (`restore`).
 
 The file is created owner-only under a name that carries the generation,
 its pages are allocated up front with posix_fallocate (pre-faulting without
@@ -15,8 +17,13 @@ when the tmpfs is short). The final names are taken with link(2) and
 O_EXCL, never by replacing a file: a name another user took first costs a
 new generation, never the start-up.
 
-Liveness of a region is its flock: the daemon holds an exclusive lock for its
-whole life, so a region file whose lock can be taken belongs to a dead daemon.
+Liveness of a region is a flock on its index (`index`; format 2): the daemon
+holds it exclusively for its whole life, so a region whose index's lock can
+be taken belongs to a dead daemon. Not the region's own lock: every client
+opens the region to map it, and one holding a shared lock on a dead daemon's
+region made the next start begin empty and `ec-daemon clean` leave it (a
+region whose index is of format 1, an older daemon's, is still judged by its
+own lock, as that daemon holds it).
 At exit the daemon leaves the region and its index for the next daemon on the
 same socket to adopt (`adoption`), or removes them (`--on-exit remove`).
 Files are opened without following symlinks and without blocking (a FIFO
@@ -29,11 +36,9 @@ import contextlib
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import secrets
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +54,7 @@ from ec_daemon.durable.index import (
     read_header,
 )
 from ec_daemon.durable.journal import Header, IndexUnreadable
+from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -91,8 +97,6 @@ class Region:
         self.generation = generation
         self._fd = fd
         self.index = index  # None only for a region without one (tools, tests)
-        self._map: mmap.mmap | None = None
-        self._map_lock = threading.Lock()
 
     @classmethod
     def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
@@ -140,39 +144,44 @@ class Region:
         """The region file's descriptor (a store that maps it: the second tier)."""
         return self._fd
 
-    def map_front(self, length: int) -> mmap.mmap:
-        """A shared, writable mapping of the file's first `length` bytes (the
-        stamp table: the daemon never maps the payload)."""
-        return mmap.mmap(self._fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    def stamps(self, page_bytes: int, data_offset: int) -> StampFile:
+        """The stamp table at the front of the file, read and written through
+        this region's descriptor (`stamp_file`: never mapped)."""
+        return StampFile(self._fd, page_bytes, data_offset,
+                         (self.size - data_offset) // page_bytes)
 
-    def view(self, extents: Iterable[tuple[int, int]]) -> list[memoryview]:
-        """Read-only views of the bytes under `extents` ((offset, length)
-        pairs), in place: a client may rewrite them meanwhile, so the caller
-        checks the pages' stamps after reading. Thread-safe."""
-        if self._map is None:
-            with self._map_lock:
-                if self._map is None:
-                    self._map = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        whole = memoryview(self._map)
-        views = []
+    def read(self, extents: Iterable[tuple[int, int]]) -> list[bytes]:
+        """The bytes under `extents` ((offset, length) pairs), with pread: a
+        client may rewrite them meanwhile (the caller checks the pages'
+        stamps after reading) or truncate the file (then an extent reads
+        short, padded with zeros, which no checksum or stamp check passes on:
+        a mapping would have been a SIGBUS). Thread-safe."""
+        parts = []
         for offset, length in extents:
             if offset < 0 or length < 0 or offset + length > self.size:
                 raise ValueError(f"extent ({offset}, {length}) is outside the region")
-            views.append(whole[offset:offset + length])
-        return views
+            data = os.pread(self._fd, length, offset)
+            while len(data) < length:
+                more = os.pread(self._fd, length - len(data), offset + len(data))
+                if not more:
+                    data += bytes(length - len(data))  # cut off the file
+                    break
+                data += more
+            parts.append(data)
+        return parts
 
-    def unview(self, extents: Iterable[tuple[int, int]]) -> None:
-        """Drop the pages under `extents` from the daemon's mapping once
-        published (MADV_DONTNEED: the shared pages stay in the region): else
-        every page ever published counts in the daemon's RSS, which the OOM
-        killer reads, up to the whole region."""
-        if self._map is None:
-            return
-        page = mmap.PAGESIZE
-        for offset, length in extents:
-            start = offset - offset % page
-            with contextlib.suppress(ValueError, OSError):  # closed meanwhile: nothing mapped
-                self._map.madvise(mmap.MADV_DONTNEED, start, length + offset - start)
+    def shortfall(self) -> int | None:
+        """The file's size when a client truncated it below the region's
+        (None: whole)."""
+        size = os.fstat(self._fd).st_size
+        return size if size < self.size else None
+
+    def restore(self) -> None:
+        """Give a truncated file its size back (zeros where it was cut),
+        allocated again as at creation. Raises OSError (the tmpfs is full)."""
+        os.ftruncate(self._fd, self.size)
+        with contextlib.suppress(OSError):  # (a tmpfs without fallocate: faulted on use)
+            os.posix_fallocate(self._fd, 0, self.size)
 
     def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
         """Write the concatenation of `parts` (bytes-like) across `extents`,
@@ -206,9 +215,6 @@ class Region:
         region and its index are adopted by the next daemon on this socket."""
         if self._fd < 0:
             return
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a view still held: freed with it
-                self._map.close()
         if self.index is not None:
             self.index.close(remove=remove)
         if remove:
@@ -261,15 +267,22 @@ class DeadRegion:
     """A region file of this user whose daemon is gone (its lock is ours now)."""
 
     path: Path
-    fd: int  # open, flock held
+    fd: int  # open (locked too where its liveness is the region's lock)
     size: int
     header: Header | None  # None when its index is missing or unreadable
     problem: str = ""  # why there is no header
+    index_fd: int = -1  # its index, open and locked, where liveness is the index's lock
 
     def take(self, index: Index) -> Region:
-        """Adopt it: the lock stays held for this daemon's life."""
+        """Adopt it: its lock stays held for this daemon's life (the index's
+        passes to `index`: `take_index_fd`)."""
         fd, self.fd = self.fd, -1
         return Region(self.path, self.size, _generation_of(self.path), fd, index)
+
+    def take_index_fd(self) -> int | None:
+        """The index, open and locked, for `Index.reopen` to keep (None: not held)."""
+        fd, self.index_fd = self.index_fd, -1
+        return fd if fd >= 0 else None
 
     def remove(self) -> None:
         """Remove the region and its index (only regular files of this user:
@@ -283,6 +296,9 @@ class DeadRegion:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.index_fd >= 0:
+            os.close(self.index_fd)
+            self.index_fd = -1
 
 
 def dead_regions(shm_dir: str | Path, socket: str | None = None) -> list[DeadRegion]:
@@ -313,11 +329,33 @@ def dead_regions(shm_dir: str | Path, socket: str | None = None) -> list[DeadReg
         header, problem = _header(path)
         if socket is not None and header is not None and header.socket != socket:
             continue
+        if header is not None and header.version >= 2:  # its daemon locks the index
+            dead = _dead_by_index(path, header)
+            if dead is not None:
+                found.append(dead)
+            continue
         fd = _lock_own(path)
         if fd is not None:
             found.append(DeadRegion(path, fd, os.fstat(fd).st_size, header, problem))
     found.sort(key=lambda d: -_mtime(index_path(d.path)))
     return found
+
+
+def _dead_by_index(path: Path, header: Header) -> DeadRegion | None:
+    """The region at `path` if its index's lock is free (its daemon is dead),
+    open, with its index open and locked; else None. The region's own lock is
+    taken where it can be (a client may hold it: it does not count)."""
+    index_fd = _lock_own(index_path(path))
+    if index_fd is None:
+        return None  # a live daemon holds it (or it is not this user's)
+    try:
+        fd = open_own_file(path, os.O_RDWR)
+    except OSError:
+        os.close(index_fd)
+        return None
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return DeadRegion(path, fd, os.fstat(fd).st_size, header, index_fd=index_fd)
 
 
 def _header(path: Path) -> tuple[Header | None, str]:

@@ -45,6 +45,7 @@ from ec_daemon.plane import watch
 from ec_daemon.plane.convergence import Convergence
 from ec_daemon.plane.promotions import Promotions
 from ec_daemon.plane.saves import SPACE, Saves
+from ec_daemon.plane.verify import Verifier
 from ec_daemon.plane.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class DataPlane:
                  adoption: dict[str, int] | None = None) -> None:
         """`generation` and `region_path` name the region in stats, `adoption`
         says what this start found of the previous daemon's (`adoption.Found`);
-        `region_file` (a `region.Region`) and `tier` (a `remote.tier.RemoteTier`)
-        only with a second tier."""
+        `region_file` is the `region.Region` (its size watched, pages read to
+        check reported mismatches), `tier` a `remote.tier.RemoteTier` (only
+        with a second tier)."""
         self.cache = cache
         self.lease_seconds = lease_seconds
         self.alloc_wait_seconds = alloc_wait_seconds
@@ -80,6 +82,7 @@ class DataPlane:
         self.convergence = Convergence(
             cache, remote_available=tier.available if tier is not None else None)
         self.saves = Saves(cache, self.convergence, self.wakeups, alloc_wait_seconds)
+        self.verifier = Verifier(cache, region_file)
         self.promotions: Promotions | None = None
         if tier is not None:
             self.promotions = Promotions(cache, self.convergence, tier, region_file,
@@ -114,7 +117,16 @@ class DataPlane:
     def attach(self, **fields: Any) -> Session:
         """A new session (`Cache.attach`); it takes part once its stream opens."""
         store_namespace = fields.pop("store_namespace", "")
-        session = self.cache.attach(**fields)
+        victim = self.cache.sessions.victim_for(fields["engine_id"],
+                                                fields.get("engine_token", ""))
+        if victim is not None:  # an attach that never became anything makes room
+            log.warning("session %d (engine %r %s) ended: its stream never opened in %.0fs, and "
+                        "an engine presenting its token needs the place", victim.index,
+                        victim.engine_id, victim.component,
+                        self.cache.sessions.clock() - victim.created)
+            self.cache.counters["preempted_sessions"] += 1
+            self.end_session(victim, detached=True)
+        session = self.cache.attach(**fields, in_place_of=victim)
         if self.tier is not None:
             self.tier.follow(session.namespace, store_namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
@@ -208,10 +220,10 @@ class DataPlane:
         echo follows the lease renewal). Everything is checked before
         anything is applied."""
         m, beat = message, message.heartbeat
-        if (m.acks or m.holds or m.touches or (beat is not None and beat.lookups)) \
-                and not session.is_scheduler:
-            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch or count "
-                                     "lookups")
+        if (m.acks or m.holds or m.touches or m.mismatches
+                or (beat is not None and beat.lookups)) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
+                                     "lookups or report mismatches")
         if (m.wants or m.releases or m.yields) and not (session.is_scheduler
                                                          and session.can_load):
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
@@ -234,6 +246,8 @@ class DataPlane:
             self.cache.hold(session, m.holds)
         if m.touches:
             self.cache.touch(session, m.touches)
+        if m.mismatches:
+            self.verifier.report(session, m.mismatches)
         if m.releases:
             self.convergence.release(session, m.releases)
         if m.yields:
@@ -256,6 +270,23 @@ class DataPlane:
                      session.index, session.engine_id, session.component)
         self.end_session(session)
 
+    def stalled(self, what: Session | watch.Watcher) -> str:
+        """A session or watcher whose client has not taken a message for
+        the stall bound (`serving.streams`): ended as a reader too slow (a
+        session becomes a ghost: its engine may still be loading), counted.
+        Returns what its client is told."""
+        self.cache.counters["stalled_streams"] += 1
+        if isinstance(what, watch.Watcher):
+            self.watchers.drop(what, stalled=True)
+            return str(what.error)
+        log.warning("session %d (engine %r %s) detached: its client has not read a message "
+                    "for %.0fs", what.index, what.engine_id, what.component,
+                    self.lease_seconds)
+        what.ended_why = f"its client read nothing for {self.lease_seconds:.0f}s"
+        if what.alive:
+            self.end_session(what)
+        return f"session detached: {what.ended_why}"
+
     def drop_slow_reader(self, session: Session) -> None:
         """End a session whose outbox overflowed (it becomes a ghost). Its
         stream may still be blocked writing to a client that stopped reading:
@@ -265,14 +296,21 @@ class DataPlane:
         log.warning("session %d (engine %r %s) detached: it read events too slowly "
                     "(%d queued); it re-attaches with a fresh snapshot", session.index,
                     session.engine_id, session.component, len(session.outbox))
+        session.ended_why = "events were read too slowly"
         self.end_session(session)
 
     # -------------------------------------------------------------- watch
 
-    def open_watcher(self, namespace: str, peer: str) -> watch.Watcher:
+    def open_watcher(self, namespace: str, peer: str, engine_id: str = "",
+                     token: str = "") -> watch.Watcher:
         """A router's watcher of `namespace` (`watch.Watchers.open`); close
-        it (`close_watcher`) when its call ends, however it ends."""
-        return self.watchers.open(namespace, self.cache.entries(), peer)
+        it (`close_watcher`) when its call ends, however it ends. One that
+        presents a running engine instance's id and token counts in that
+        instance's bucket; any other, in its peer's."""
+        key = engine_key(engine_id, token) if engine_id and token else ""
+        running = bool(key) and self.cache.sessions.running(key)
+        return self.watchers.open(namespace, self.cache.entries(), peer,
+                                  engine=key if running else "")
 
     def close_watcher(self, watcher: watch.Watcher) -> None:
         self.watchers.close(watcher)
@@ -303,8 +341,7 @@ class DataPlane:
 
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
-                          lambda: region_file.view(extents),
-                          release=lambda: region_file.unview(extents), current=current,
+                          lambda: region_file.read(extents), current=current,
                           extents=list(extents))
 
     # ------------------------------------------------------------ upkeep
@@ -324,6 +361,13 @@ class DataPlane:
         for session in self.cache.sessions:
             if session.overflowed:
                 self.drop_slow_reader(session)
+        for view in self.cache.overdue_views():
+            self.cache.counters["ack_timeouts"] += 1
+            view.ended_why = (f"it did not acknowledge an eviction within "
+                              f"{self.cache.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
+            log.warning("session %d (engine %r %s) ended: %s; awaited as a ghost for one lease "
+                        "more", view.index, view.engine_id, view.component, view.ended_why)
+            self.end_session(view)  # a ghost: its engine may still be loading
         for session in self.cache.expire_sessions():
             self._ended(session)
             log.warning("session %d expired (engine %r %s): no message for %.1fs",
@@ -332,10 +376,34 @@ class DataPlane:
         for ghost in self.cache.release_ghosts():
             log.info("session %d (engine %r) no longer awaited: its lease ran out",
                      ghost.index, ghost.engine_id)
+        self._check_region()
         self.cache.release_quarantine()
         self.cache.compact_index()
         self.convergence.expire()
         self.verify()
+
+    def _check_region(self) -> None:
+        """A region file a client truncated (every engine worker opens it
+        read-write): give it its size back and drop what was cut, so nothing
+        is served from a short file (`Cache.cut_off`)."""
+        if self.region_file is None:
+            return
+        size = self.region_file.shortfall()
+        if size is None:
+            return
+        cache = self.cache
+        cache.counters["region_truncations"] += 1
+        first = max(0, (size - cache.data_offset) // cache.page_bytes)
+        try:
+            self.region_file.restore()
+        except OSError as exc:
+            log.error("the region %s was truncated to %d bytes by a client, and cannot be "
+                      "given its size back (%s): trying again", self.region_path, size, exc)
+            return
+        lost = cache.cut_off(first)
+        log.error("the region %s was truncated to %d bytes by a client of the socket: its size "
+                  "is restored, and the %d entries it cut are dropped (never served)",
+                  self.region_path, size, len(lost))
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""
@@ -346,3 +414,4 @@ class DataPlane:
         if self.promotions is not None:
             self.promotions.cancel()
         self.saves.cancel()
+        self.verifier.cancel()

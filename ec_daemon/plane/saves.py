@@ -11,6 +11,13 @@ belongs to its session as with the unary calls: when the session ends its
 pending saves are quarantined, and a session that ended while its
 allocation waited allocates nothing.
 
+Allocations waiting for pages are bounded on both paths alike: per session
+(WAITING_PER_SESSION), for all tokenless clients together and in all
+(`limits`); one more is refused at once (RESOURCE_EXHAUSTED). Unbounded,
+8,000 unary Allocate calls parked by one client were each woken by every
+page that came back (763 ms of latency for everyone). The daemon's own
+writer (promotions) is bounded by its budget instead.
+
 Not thread-safe: the daemon's event loop is the only caller.
 """
 
@@ -31,8 +38,9 @@ from ec_daemon.core.events import (
     SaveAllocate,
     SaveReport,
 )
-from ec_daemon.core.limits import validate_mm_hash
+from ec_daemon.core.limits import MAX_WAITING_SAVES, MAX_WAITING_SAVES_TOKENLESS, validate_mm_hash
 from ec_daemon.core.records import Session
+from ec_daemon.core.sessions import tokenless
 from ec_daemon.errors import CacheError, FailedPrecondition, ResourceExhausted
 from ec_daemon.plane.convergence import Convergence
 from ec_daemon.plane.wakeups import Wakeups
@@ -57,7 +65,11 @@ class Saves:
         self.wakeups = wakeups
         self.alloc_wait_seconds = alloc_wait_seconds
         self._waiting: set[asyncio.Future[None]] = set()  # stream saves waiting for pages
-        self._waiting_of: dict[str, int] = {}  # session id -> how many of them
+        # Allocations waiting for pages (both paths): by session id, the
+        # tokenless ones, all
+        self._waiting_of: dict[str, int] = {}
+        self._waiting_tokenless = 0
+        self._waiting_total = 0
 
     async def allocate(self, session_id: str, mm_hash: str, nbytes: int,
                        shape: tuple[int, ...], dtype: str) -> AllocResult:
@@ -70,45 +82,82 @@ class Saves:
         except ResourceExhausted:
             session = self.cache.sessions.find(session_id)
             if session is not None:
-                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+                self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
             raise
 
     async def allocate_waiting(self, session_of: Callable[[], Session], mm_hash: str,
-                               nbytes: int, shape: tuple[int, ...], dtype: str) -> AllocResult:
+                               nbytes: int, shape: tuple[int, ...], dtype: str, *,
+                               counted: bool = False) -> AllocResult:
         """Allocate for the session `session_of()` returns (it may end while
-        this waits), waiting for hidden pages within --alloc-wait-seconds."""
+        this waits), waiting for hidden pages within --alloc-wait-seconds.
+        Raises ResourceExhausted when it would wait past the bounds on waiting
+        allocations (`counted`: the caller took its place already)."""
         started = time.monotonic()
         deadline = started + self.alloc_wait_seconds
         # Past this, hidden pages held back (a load in flight, a ghost) no
         # longer count as coming back: more ready entries are evicted instead.
         patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
         impatient = False  # once only: the victims it hides are then counted as coming
-        while True:
-            session = session_of()
-            count_hidden = impatient or time.monotonic() < patience
-            impatient = impatient or not count_hidden
-            result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
-                                         count_hidden=count_hidden)
-            if result.outcome is not AllocOutcome.WAIT:
-                return result
-            wake_by = deadline if impatient else patience
-            if not await self.wakeups.wait((SPACE,), wake_by) and time.monotonic() >= deadline:
-                raise self.cache.refuse_waited_save(nbytes)
+        waiting: Session | None = None  # the session whose place this wait holds
+        try:
+            while True:
+                session = session_of()
+                count_hidden = impatient or time.monotonic() < patience
+                impatient = impatient or not count_hidden
+                result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
+                                             count_hidden=count_hidden)
+                if result.outcome is not AllocOutcome.WAIT:
+                    return result
+                if waiting is None and not counted and session.session_id:
+                    self._enter_wait(session)
+                    waiting = session
+                wake_by = deadline if impatient else patience
+                if not await self.wakeups.wait((SPACE,), wake_by) \
+                        and time.monotonic() >= deadline:
+                    raise self.cache.refuse_waited_save(nbytes)
+        finally:
+            if waiting is not None:
+                self._leave_wait(waiting.session_id, waiting.engine_key)
 
-    def report(self, session: Session, saved: list[str],
-               aborted: list[str]) -> tuple[list[ReportStatus], list[ReportStatus]]:
-        """A worker's saves landed (`saved` become ready) or were given up
-        (`aborted`, allocated or not: a waiting engine encodes them); the
-        status of each. Raises FailedPrecondition or InvalidArgument, having
-        changed nothing."""
+    def _enter_wait(self, session: Session) -> None:
+        """One more of `session`'s allocations waits for pages; raises
+        ResourceExhausted (nothing counted) past a bound."""
+        held = self._waiting_of.get(session.session_id, 0)
+        if held >= WAITING_PER_SESSION:
+            raise ResourceExhausted(f"{held} saves of this session already wait for pages")
+        shared = tokenless(session.engine_key)
+        if shared and self._waiting_tokenless >= MAX_WAITING_SAVES_TOKENLESS:
+            raise ResourceExhausted(
+                f"{self._waiting_tokenless} saves of clients without an engine token already "
+                "wait for pages")
+        if self._waiting_total >= MAX_WAITING_SAVES:
+            raise ResourceExhausted(f"{self._waiting_total} saves already wait for pages")
+        self._waiting_of[session.session_id] = held + 1
+        self._waiting_tokenless += shared
+        self._waiting_total += 1
+
+    def _leave_wait(self, session_id: str, instance: str) -> None:
+        left = self._waiting_of.pop(session_id, 1) - 1
+        if left:
+            self._waiting_of[session_id] = left
+        self._waiting_tokenless -= tokenless(instance)
+        self._waiting_total -= 1
+
+    def report(self, session: Session, saved: list[str], aborted: list[str],
+               checksums: list[int] | None = None) -> tuple[list[ReportStatus],
+                                                           list[ReportStatus]]:
+        """A worker's saves landed (`saved` become ready, each with its
+        checksum from `checksums` if given) or were given up (`aborted`,
+        allocated or not: a waiting engine encodes them); the status of each.
+        Raises FailedPrecondition or InvalidArgument, having changed nothing."""
         if session.rank is None:
             raise FailedPrecondition("only worker sessions report saves")
         for mm_hash in aborted:  # before any save is applied: an error changes nothing
             validate_mm_hash(mm_hash)
-        statuses = self.cache.commit(session, saved)  # validates all before changing any
+        statuses = self.cache.commit(session, saved, checksums or ())  # validates all first
         aborts = self.cache.abort(session, aborted)
         for mm_hash in aborted:  # allocated or not (a skipped save is reported too)
-            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_id)
+            self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
         return statuses, aborts
 
     # ------------------------------------------------------------- stream
@@ -133,7 +182,8 @@ class Saves:
         saved = [r for r in reports if r.saved]
         aborted = [r for r in reports if not r.saved]
         statuses, aborts = self.report(session, [r.mm_hash for r in saved],
-                                       [r.mm_hash for r in aborted])
+                                       [r.mm_hash for r in aborted],
+                                       [r.checksum for r in saved])
         for report, status in (*zip(saved, statuses, strict=True),
                                *zip(aborted, aborts, strict=True)):
             if report.request_id:
@@ -150,23 +200,21 @@ class Saves:
             self._refuse_on_stream(session, asked, exc)
             return
         if result.outcome is AllocOutcome.WAIT:
-            waiting = self._waiting_of.get(session.session_id, 0)
-            if waiting >= WAITING_PER_SESSION:
-                self._refuse_on_stream(session, asked, ResourceExhausted(
-                    f"{waiting} saves of this session already wait for pages"))
+            try:
+                self._enter_wait(session)
+            except ResourceExhausted as exc:
+                self._refuse_on_stream(session, asked, exc)
                 return
-            self._waiting_of[session.session_id] = waiting + 1
             task = asyncio.ensure_future(self._allocate_later(session, asked))
             self._waiting.add(task)
-            task.add_done_callback(lambda t: self._done_waiting(t, session.session_id))
+            task.add_done_callback(
+                lambda t: self._done_waiting(t, session.session_id, session.engine_key))
             return
         session.send(AllocationAnswer(asked.request_id, result))
 
-    def _done_waiting(self, task: asyncio.Future[None], session_id: str) -> None:
+    def _done_waiting(self, task: asyncio.Future[None], session_id: str, instance: str) -> None:
         self._waiting.discard(task)
-        left = self._waiting_of.pop(session_id, 1) - 1
-        if left:
-            self._waiting_of[session_id] = left
+        self._leave_wait(session_id, instance)
 
     async def _allocate_later(self, session: Session, asked: SaveAllocate) -> None:
         """A stream's allocation that waits for pages; a session that ends
@@ -174,7 +222,7 @@ class Saves:
         try:
             result = await self.allocate_waiting(
                 lambda: self.cache.sessions.get(session.session_id), asked.mm_hash,
-                asked.nbytes, asked.shape, asked.dtype)
+                asked.nbytes, asked.shape, asked.dtype, counted=True)
         except Exception as exc:
             if not isinstance(exc, CacheError):
                 log.error("internal error: %s", exc, exc_info=exc)
@@ -186,5 +234,5 @@ class Saves:
                           exc: Exception) -> None:
         if isinstance(exc, ResourceExhausted):  # an engine waiting for it encodes it
             self.convergence.save_given_up((session.namespace, asked.mm_hash),
-                                           session.engine_id)
+                                           session.engine_key)
         session.send(AllocationAnswer(asked.request_id, None, exc))

@@ -16,10 +16,15 @@ most two feeds, and the watchers read from their cursors. A watcher more than
 events) with the reason (RESOURCE_EXHAUSTED), and the feed is trimmed to the
 slowest remaining one. Watchers are capped in number, in all and per peer
 (a TCP address; every local client of the Unix socket is one peer), and a
-dropped watcher whose client stopped reading keeps its place until its call
-ends (its last message may still be held in the transport, and gRPC cannot
-end a call whose writes are blocked): the per-peer cap keeps one client's
-stuck watches from locking the others out.
+dropped watcher keeps its place until its call ends (the service cuts a
+call whose client stopped reading, `serving.streams`).
+
+Engines first: every client of the Unix socket is one peer, so one local
+client with 16 unread calls took every local slot. A watch presenting the
+id and token of an engine instance that runs (a live session of it has its
+stream open) counts in that instance's own bucket instead, of the same
+size, and may use the last quarter of the slots (RUNNING_SHARE), which
+watches of no running engine never take.
 
 Not thread-safe: the daemon's event loop is the only caller.
 """
@@ -48,6 +53,8 @@ from ec_daemon.errors import CacheError, InvalidArgument, ResourceExhausted, Una
 log = logging.getLogger(__name__)
 
 ALL = ""  # the namespace filter of a watcher of every namespace
+# The last 1/RUNNING_SHARE of --max-watchers is for running engines' watches.
+RUNNING_SHARE = 4
 
 
 class Kind(enum.Enum):
@@ -203,25 +210,35 @@ class Watchers:
         self._opened = 0
         self._closing = False
 
-    def open(self, namespace: str, entries: Iterable[Entry], peer: str = "") -> Watcher:
+    def open(self, namespace: str, entries: Iterable[Entry], peer: str = "",
+             engine: str = "") -> Watcher:
         """A watcher of `namespace` (ALL: every one) whose snapshot is the
         ready entries among `entries` (the cache's, in any state), for a
-        client at `peer` (`peer_of`). Raises InvalidArgument, Unavailable
-        (shutting down) or ResourceExhausted (too many watchers)."""
+        client at `peer` (`peer_of`), or of running engine instance `engine`
+        (its `engine_key`: counted in its own bucket). Raises InvalidArgument,
+        Unavailable (shutting down) or ResourceExhausted (too many watchers)."""
         validate_namespace(namespace)
         if self._closing:
             raise Unavailable("the daemon is shutting down")
-        if len(self._calls) >= self.max_watchers:
+        bucket = f"engine {engine.partition('/')[2]!r}" if engine else peer
+        open_to_all = self.max_watchers - self.max_watchers // RUNNING_SHARE
+        calls = len(self._calls)
+        if calls >= self.max_watchers or (not engine and calls >= open_to_all):
+            kept = "" if calls >= self.max_watchers else (
+                f"; the last {self.max_watchers - open_to_all} are kept for running engines "
+                "presenting their token")
             raise ResourceExhausted(
-                f"too many watchers: {len(self._calls)} watch calls are open (at most "
-                f"{self.max_watchers}, --max-watchers; dropped watchers whose clients stopped "
-                "reading count until they disconnect); close one, or share one watch between "
-                "routers")
-        if self._per_peer.get(peer, 0) >= self.max_per_peer:
+                f"too many watchers: {calls} watch calls are open (at most "
+                f"{self.max_watchers}, --max-watchers{kept}; dropped watchers whose clients "
+                "stopped reading count until they disconnect); close one, or share one watch "
+                "between routers")
+        if self._per_peer.get(bucket, 0) >= self.max_per_peer:
+            per = "engine instance" if engine else "peer"
             raise ResourceExhausted(
-                f"too many watchers from {peer or 'this peer'}: {self._per_peer[peer]} "
-                f"watch calls are open (at most {self.max_per_peer} per peer, "
+                f"too many watchers from {bucket or 'this peer'}: {self._per_peer[bucket]} "
+                f"watch calls are open (at most {self.max_per_peer} per {per}, "
                 "--max-watchers-per-peer)")
+        peer = bucket
         snapshot = [e for e in entries if e.state is State.READY
                     and (namespace == ALL or e.key[0] == namespace)]
         feed = self._feeds.get(namespace)
@@ -277,17 +294,20 @@ class Watchers:
             for watcher in feed.append(event, self.limit):
                 self.drop(watcher)
 
-    def drop(self, watcher: Watcher) -> None:
-        """A watcher that reads too slowly: ended at once, what it held freed.
-        Its call keeps its place in the caps until it ends."""
+    def drop(self, watcher: Watcher, *, stalled: bool = False) -> None:
+        """A watcher that reads too slowly (`stalled`: whose client took no
+        message for a while): ended at once, what it held freed. Its call
+        keeps its place in the caps until it ends (the service cuts it)."""
         if watcher.error is not None:
             return
         waiting = watcher.waiting()
         self.count -= 1
         self.dropped += 1
+        why = "its client stopped reading" if stalled else \
+            f"more than {watcher.limit} events were waiting"
         watcher.end(ResourceExhausted(
-            f"watch dropped: more than {watcher.limit} events were waiting (this watcher "
-            "read too slowly); watch again for a fresh snapshot"))
+            f"watch dropped: {why} (this watcher read too slowly); watch again for a fresh "
+            "snapshot"))
         log.warning("watcher %d (%s, %s) dropped: it read events too slowly (%d waiting)",
                     watcher.index, _describe(watcher.namespace), watcher.peer or "local",
                     waiting)

@@ -89,6 +89,7 @@ from ec_daemon.remote.backend import (
 )
 from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.sizes import parse_size
+from ec_protocol.dtypes import ELEMENT_BYTES
 
 log = logging.getLogger("ec_daemon.remote")
 
@@ -100,7 +101,7 @@ MAGIC = 0x4D4F4F4E
 HEADER = struct.Struct("<IIQQ")  # magic, dtype code, tokens, hidden
 DTYPE_CODES = {"float32": 0, "float16": 11, "bfloat16": 12}
 CODE_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
-ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEM_BYTES = {name: ELEMENT_BYTES[name] for name in DTYPE_CODES}
 SIDECAR = "@ecd1"
 CLAIM = "@ecd1-claim"
 CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is taken over

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
-from ec_daemon.core.limits import validate_save
+from ec_daemon.core.limits import validate_layout_namespace, validate_save
 from ec_daemon.core.records import Run
 from ec_daemon.durable.index import MAX_IDS_RESERVED, Index, index_path, read_index
 from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
@@ -194,6 +194,7 @@ def _valid(record: Record, page_bytes: int, pages: int, ids_reserved: int) -> bo
         return False
     try:
         validate_save(record.mm_hash, record.nbytes, record.shape, record.dtype)
+        validate_layout_namespace(record.namespace)  # no longer than Attach makes one
     except InvalidArgument:
         return False
     need = -(-record.nbytes // page_bytes)
@@ -232,7 +233,7 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     try:  # ids continuing above every old one; a torn tail cut
         index = Index.reopen(path, dataclasses.replace(
             header, ids_reserved=verified.next_entry_id), journal, verified.records,
-            verified.views)
+            verified.views, fd=dead.take_index_fd())
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
     return Adoption(dead.take(index), verified, time.perf_counter() - started)

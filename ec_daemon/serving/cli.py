@@ -200,7 +200,9 @@ def format_stats(data: dict[str, Any]) -> str:
         f"{data['refused_saves']} refused saves, {data['capped_saves']} over a session's "
         f"pending cap",
         f"sessions   {data['sessions']} ({data['ghost_sessions']} ghosts, "
-        f"{data['refused_attaches']} attaches refused)",
+        f"{data['refused_attaches']} attaches refused, {data['preempted_sessions']} preempted, "
+        f"{data['ack_timeouts']} ended for withheld acknowledgements, "
+        f"{data['stalled_streams']} streams ended unread)",
         f"watchers   {data['watchers']} ({data['dropped_watchers']} dropped as too slow)",
     ]
     conv = data.get("convergence") or {}

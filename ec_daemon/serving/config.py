@@ -27,6 +27,16 @@ def _positive_size(text: str) -> int:
     return value
 
 
+def _derived_size(text: str) -> int:
+    """A positive size, or "" for the default derived from --cpu-bytes (0 here)."""
+    return _positive_size(text) if text.strip() else 0
+
+
+def _derived_seconds(text: str) -> float:
+    """Positive seconds, or "" for the default derived from another flag (0 here)."""
+    return _positive_float(text) if text.strip() else 0.0
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -145,28 +155,46 @@ SETTINGS: tuple[Setting, ...] = (
             "allocation granularity; an entry spans whole pages", "SIZE"),
     Setting("lease_seconds", _positive_float, lambda: "10",
             "a session whose stream is silent this long is ended", "S"),
+    Setting("ack_wait_seconds", _derived_seconds, lambda: "",
+            "how long an eviction waits for a live scheduler view's acknowledgement; a view "
+            "that withholds it longer is ended (its engine re-attaches) and awaited one lease "
+            "more as a ghost, so a view that never acknowledges cannot pin the cache; a load "
+            "in flight keeps its pages this long and a lease more (at least --lease-seconds)",
+            "S", shown="3 x `--lease-seconds`"),
     Setting("alloc_wait_seconds", _positive_float, lambda: "2",
             "how long a save may wait for evicted pages to be reclaimed", "S"),
     Setting("quarantine_seconds", _positive_float, lambda: "300",
             "pages of a save whose writer vanished stay unused this long (a frozen writer "
             "that wakes up must not overwrite a newer entry)", "S"),
-    Setting("session_pending_bytes", _positive_size, lambda: "512MiB",
-            "bytes one session may hold as saves allocated and not yet reported, counting "
-            "the saves of its engine's ended sessions still in quarantine; one more is refused "
-            "(RESOURCE_EXHAUSTED): a worker's saver has at most two batches in flight, each "
-            "within its save queue (256 MiB by default), so one session cannot take the cache",
-            "SIZE"),
+    Setting("session_pending_bytes", _derived_size, lambda: "",
+            "bytes one engine instance (its id and token) may hold as saves allocated and not "
+            "yet reported, in all its sessions, counting those its ended sessions left in "
+            "quarantine; one more is refused (RESOURCE_EXHAUSTED): a worker's saver has at most "
+            "two batches in flight, each within its save queue (256 MiB by default)", "SIZE",
+            shown="a quarter of `--cpu-bytes`, at most `512MiB`"),
+    Setting("total_pending_bytes", _derived_size, lambda: "",
+            "bytes all sessions together may hold as saves allocated and not yet reported or "
+            "left in quarantine (clients without an engine token: a quarter of it together); "
+            "one more is refused (RESOURCE_EXHAUSTED), so the rest of the cache stays the "
+            "ready entries'", "SIZE", shown="half of `--cpu-bytes`"),
     Setting("session_pending_entries", _positive_int, lambda: "128",
             "saves one session may hold allocated and not yet reported (a saver asks for 16 "
             "at a time); one more is refused (RESOURCE_EXHAUSTED)", "N"),
     Setting("max_sessions", _positive_int, lambda: "1024",
             "sessions attached at once (an attach that never opens its stream counts for "
-            "60 s); one more Attach is refused (RESOURCE_EXHAUSTED)", "N"),
+            "60 s, or until an engine presenting its token needs the place after 10 s); the "
+            "last quarter is kept for engine instances already running; one more Attach is "
+            "refused (RESOURCE_EXHAUSTED)", "N"),
     Setting("max_sessions_per_engine", _positive_int, lambda: "64",
             "sessions of one engine instance (its id and token) attached at once (its "
             "scheduler and one per worker rank, with room for re-attaches); one more Attach "
             "is refused (RESOURCE_EXHAUSTED)",
             "N"),
+    Setting("max_tokenless_sessions", _positive_int, lambda: "64",
+            "sessions of clients that present no engine token, together, whatever engine ids "
+            "they name (tools, older clients); one more Attach is refused "
+            "(RESOURCE_EXHAUSTED), and engines presenting their token never compete for "
+            "these", "N"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
     Setting("max_watchers", _positive_int, lambda: "64",
@@ -258,12 +286,15 @@ class DaemonConfig:
     shm_dir: str
     page_bytes: int
     lease_seconds: float
+    ack_wait_seconds: float
     alloc_wait_seconds: float
     quarantine_seconds: float
     session_pending_bytes: int
+    total_pending_bytes: int
     session_pending_entries: int
     max_sessions: int
     max_sessions_per_engine: int
+    max_tokenless_sessions: int
     check_invariants: bool
     max_watchers: int
     max_watchers_per_peer: int
@@ -292,12 +323,24 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             values[setting.name] = setting.parse(raw) if isinstance(raw, str) else raw
         except ValueError as exc:
             raise ValueError(f"{setting.flag}: {exc}") from None
+    # Defaults that scale with the cache (`core.quotas`): an instance a
+    # quarter of it (at most 512 MiB, two save queues' worth), all sessions half.
+    if not values["session_pending_bytes"]:
+        values["session_pending_bytes"] = min(values["cpu_bytes"] // 4, 512 << 20)
+    if not values["total_pending_bytes"]:
+        values["total_pending_bytes"] = values["cpu_bytes"] // 2
+    if not values["ack_wait_seconds"]:  # an engine's step keeps its loads' pages 4 leases
+        values["ack_wait_seconds"] = 3 * values["lease_seconds"]
     config = DaemonConfig(**values)
     if config.cpu_bytes < config.page_bytes:
         raise ValueError(
             f"--cpu-bytes ({format_size(config.cpu_bytes)}) is smaller than one page "
             f"(--page-bytes {format_size(config.page_bytes)})"
         )
+    if config.ack_wait_seconds < config.lease_seconds:
+        raise ValueError("--ack-wait-seconds must be at least --lease-seconds (a load in "
+                         "flight is protected for the wait and one lease more: less would "
+                         "cut an engine's steps shorter than its lease allows)")
     if config.quarantine_seconds < config.lease_seconds:
         raise ValueError("--quarantine-seconds must be at least --lease-seconds (a vanished "
                          "writer is noticed only after its lease)")

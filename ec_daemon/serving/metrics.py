@@ -39,7 +39,17 @@ COUNTERS = {
     "refused_saves": "Saves refused for lack of room (RESOURCE_EXHAUSTED)",
     "capped_saves": "Saves refused for their session's cap of pending saves "
                     "(--session-pending-bytes, --session-pending-entries)",
-    "refused_attaches": "Attach calls refused for --max-sessions or --max-sessions-per-engine",
+    "refused_attaches": "Attach calls refused for the session caps (--max-sessions, "
+                        "--max-sessions-per-engine, --max-tokenless-sessions)",
+    "preempted_sessions": "Sessions whose stream never opened, ended to make room for an "
+                          "engine presenting its token",
+    "ack_timeouts": "Scheduler sessions ended for not acknowledging an eviction within "
+                    "--ack-wait-seconds",
+    "stalled_streams": "Session and Watch streams ended because their client stopped reading",
+    "mismatch_reports": "Entries a loader reported as not matching their checksum",
+    "checksum_mismatches": "Entries whose pages the daemon found not to match their checksum "
+                           "(hidden)",
+    "region_truncations": "Times the region file was found truncated by a client (restored)",
 }
 
 

@@ -277,15 +277,17 @@ def _bind(server: grpc.aio.Server, target: str, config: DaemonConfig) -> None:
 async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: Region,
                         data_offset: int, stop: asyncio.Event,
                         adoption: Adoption | None, adoption_counters: dict[str, int]) -> None:
-    table = stamps.StampTable(memoryview(region.map_front(data_offset)), config.page_bytes,
-                              data_offset)
+    table = region.stamps(config.page_bytes, data_offset)  # never mapped: `stamp_file`
     cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
                   sessions=SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
-                                        max_per_engine=config.max_sessions_per_engine),
+                                        max_per_engine=config.max_sessions_per_engine,
+                                        max_tokenless=config.max_tokenless_sessions),
                   data_offset=data_offset, stamps=table, index=region.index,
                   quarantine_seconds=config.quarantine_seconds,
+                  ack_wait_seconds=config.ack_wait_seconds,
                   pending_caps=PendingCaps(config.session_pending_bytes,
-                                           config.session_pending_entries))
+                                           config.session_pending_entries,
+                                           config.total_pending_bytes))
     if region.index is not None:
         region.index.flush_with(asyncio.get_running_loop().call_soon)
     if adoption is not None:
@@ -322,6 +324,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     expiry = asyncio.ensure_future(plane.upkeep())
+    cutting = asyncio.ensure_future(service.streams.upkeep())
     exporter = None
     if config.metrics_port:
         try:
@@ -346,6 +349,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         sd_notify("STOPPING=1")
         log.info("shutting down: draining calls, ending %d sessions", len(cache.sessions))
         expiry.cancel()
+        cutting.cancel()
         if exporter is not None:
             exporter.shutdown()
         await health_service.enter_graceful_shutdown()

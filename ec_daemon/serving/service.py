@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from ec_daemon.core.events import Snapshot
 from ec_daemon.core.limits import MAX_MESSAGE_BYTES, MAX_SESSION_EVENTS_PER_MESSAGE
 from ec_daemon.core.records import Session as ClientSession
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
@@ -27,6 +28,7 @@ from ec_daemon.plane import watch
 from ec_daemon.plane.dataplane import DataPlane
 from ec_daemon.serving import wire
 from ec_daemon.serving.metrics import rpc_histogram
+from ec_daemon.serving.streams import Ended, Streams
 from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
 log = logging.getLogger(__name__)
@@ -69,12 +71,30 @@ def grpc_errors(handler: Handler[T]) -> Handler[T]:
     return wrapper
 
 
+def _why_ended(session: ClientSession) -> Ended | None:
+    """Why a session's stream has nothing more to send, or None: read too
+    slowly (RESOURCE_EXHAUSTED), or ended by the daemon (ABORTED, saying why)."""
+    if session.overflowed:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "session detached: events were read too slowly"
+    if not session.alive and session.ended_why:
+        return grpc.StatusCode.ABORTED, f"session ended: {session.ended_why}"
+    return None
+
+
+def _why_dropped(watcher: watch.Watcher) -> Ended | None:
+    return None if watcher.error is None else (wire.status_code(watcher.error),
+                                               str(watcher.error))
+
+
 class ECDaemonService(rpc.ECDaemonServicer):
     def __init__(self, plane: DataPlane, region: Any) -> None:
         """`region` is the pb.Region clients are told."""
         self.plane = plane
         self.region = region  # pb.Region
         self.rpc_seconds = rpc_histogram()
+        # Calls blocked writing to a client that stopped reading are cut
+        # after a lease (a live client's link reads all the time).
+        self.streams = Streams(plane.lease_seconds, plane.stalled)
 
     # -------------------------------------------------------------- unary
 
@@ -113,7 +133,8 @@ class ECDaemonService(rpc.ECDaemonServicer):
         session = self.plane.session(request.session_id)
         saved = wire.batch(request.saved, "saved")
         aborted = wire.batch(request.aborted, "aborted")
-        statuses, aborts = self.plane.saves.report(session, saved, aborted)
+        statuses, aborts = self.plane.saves.report(session, saved, aborted,
+                                                   wire.saved_checksums(request))
         return pb.ReportReply(saved=[wire.REPORT_STATUS[s] for s in statuses],
                               aborted=[wire.REPORT_STATUS[s] for s in aborts])
 
@@ -136,6 +157,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         wake = asyncio.Event()
         session.wake = wake.set
         reader = asyncio.ensure_future(self._read(session, request_iterator, wake))
+        stream = self.streams.add(session, lambda: _why_ended(session), context)
         try:
             while session.alive and not self.plane.closing and not session.overflowed:
                 if not session.outbox and not reader.done():
@@ -145,7 +167,9 @@ class ECDaemonService(rpc.ECDaemonServicer):
                     break
                 message = self._next_message(session)
                 if message is not None:
+                    Streams.writing(stream)
                     yield message
+                    Streams.wrote(stream)
             if session.overflowed:
                 self.plane.drop_slow_reader(session)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -154,17 +178,31 @@ class ECDaemonService(rpc.ECDaemonServicer):
                 exc = reader.exception()
                 if exc is not None:  # a CacheError's own code; anything else INTERNAL, logged
                     await _abort(context, exc)
+            ended = _why_ended(session)
+            if ended is not None:  # the daemon ended it: its client is told why
+                await context.abort(*ended)
         finally:
+            self.streams.remove(stream)
             reader.cancel()
             self.plane.stream_ended(session)
 
     def _next_message(self, session: ClientSession) -> Any:
+        """The next message of `session`'s outbox; a snapshot's ready events
+        are made here, as they are sent (`events.Snapshot`)."""
         events: list[Any] = []
         size = 0
         outbox = session.outbox
         while outbox and len(events) < MAX_SESSION_EVENTS_PER_MESSAGE and size < MAX_MESSAGE_BYTES:
-            events.append(outbox.popleft())
-            size += wire.event_size(events[-1])
+            head = outbox[0]
+            if type(head) is Snapshot:
+                event = head.next()
+                if event is None:
+                    outbox.popleft()
+                    continue
+            else:
+                event = outbox.popleft()
+            events.append(event)
+            size += wire.event_size(event)
         return wire.daemon_message(events) if events else None
 
     async def _open(self, request_iterator: AsyncIterator[Any],
@@ -201,13 +239,19 @@ class ECDaemonService(rpc.ECDaemonServicer):
         ready entries, its end, then live events. A watcher that reads too
         slowly is dropped (RESOURCE_EXHAUSTED), never waited for."""
         try:
-            watcher = self.plane.open_watcher(request.namespace, watch.peer_of(context.peer()))
+            engine_id, token = wire.watch_engine(request)
+            watcher = self.plane.open_watcher(request.namespace, watch.peer_of(context.peer()),
+                                              engine_id, token)
         except Exception as exc:
             await _abort(context, exc)
+        stream = self.streams.add(watcher, lambda: _why_dropped(watcher), context)
         try:
             async for events, snapshot_done in watcher.batches():
+                Streams.writing(stream)
                 yield wire.watch_message(self.region.generation, events, snapshot_done)
+                Streams.wrote(stream)
             if watcher.error is not None:
                 await _abort(context, watcher.error)
         finally:
+            self.streams.remove(stream)
             self.plane.close_watcher(watcher)

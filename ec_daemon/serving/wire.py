@@ -133,6 +133,15 @@ def attach_fields(request: Any) -> dict[str, Any]:
     }
 
 
+def watch_engine(request: Any) -> tuple[str, str]:
+    """The engine id and token a WatchRequest presents (both or none)."""
+    engine_id = _text(request.engine_id, "engine_id", MAX_ID_CHARS, required=False)
+    token = _engine_token(request.engine_token, "engine_token")
+    if bool(engine_id) != bool(token):
+        raise InvalidArgument("a watch presents an engine's id and token together, or neither")
+    return engine_id, token
+
+
 def _engine_token(token: str, what: str) -> str:
     problem = engine_token_problem(token)
     if problem is not None:
@@ -145,6 +154,15 @@ def _store_namespace(value: str) -> str:
     if problem is not None:
         raise InvalidArgument(problem)
     return value
+
+
+def saved_checksums(request: Any) -> list[int]:
+    """A Report call's checksums of its saved entries: none, or one each."""
+    sums = list(request.saved_checksums)
+    if sums and len(sums) != len(request.saved):
+        raise InvalidArgument(f"saved_checksums has {len(sums)} values for {len(request.saved)} "
+                              "saved entries: give one each, or none")
+    return sums
 
 
 def batch(values: Any, what: str) -> list[Any]:
@@ -174,9 +192,10 @@ def client_message(message: Any) -> ClientMessage:
         releases=batch(message.releases, "releases"), yields=batch(message.yields, "yields"),
         heartbeat=None if beat is None else Heartbeat(beat.seq, beat.lookups, beat.hits),
         allocations=save_allocations(message.allocations),
-        reports=[SaveReport(r.request_id, r.mm_hash, r.saved)
+        reports=[SaveReport(r.request_id, r.mm_hash, r.saved, r.checksum)
                  for r in batch(message.reports, "reports")],
-        engine_token=_engine_token(message.engine_token, "engine_token"))
+        engine_token=_engine_token(message.engine_token, "engine_token"),
+        mismatches=refs(message.mismatches, "mismatches"))
 
 
 def save_allocations(values: Any) -> list[SaveAllocate]:
@@ -198,7 +217,8 @@ def lookup_result(cache: Cache, entry: Entry | None) -> Any:
     if entry is None:
         return pb.LookupResult(state=pb.ABSENT)
     info = pb.EntryInfo(mm_hash=entry.mm_hash, entry_id=entry.entry_id, nbytes=entry.nbytes,
-                        shape=entry.shape, dtype=entry.dtype, extents=extents(cache.extents(entry)))
+                        shape=entry.shape, dtype=entry.dtype, extents=extents(cache.extents(entry)),
+                        checksum=entry.checksum)
     return pb.LookupResult(state=ENTRY_STATE[entry.state], entry=info,
                            awaiting=len(entry.awaiting))
 
@@ -218,7 +238,7 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 def _add_ready(message: Any, event: ReadyEvent) -> None:
     message.ready.append(pb.EntryInfo(
         mm_hash=event.mm_hash, entry_id=event.entry_id, nbytes=event.nbytes, shape=event.shape,
-        dtype=event.dtype, extents=extents(event.extents)))
+        dtype=event.dtype, extents=extents(event.extents), checksum=event.checksum))
 
 
 def _add_evicted(message: Any, event: EvictedEvent) -> None:
@@ -286,7 +306,7 @@ def daemon_message(events: list[Any]) -> Any:
 
 
 def _ready_size(event: ReadyEvent) -> int:
-    return 64 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
+    return 74 + len(event.mm_hash) + len(event.dtype) + 11 * len(event.shape) \
         + 24 * len(event.extents)
 
 

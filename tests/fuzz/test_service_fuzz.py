@@ -33,7 +33,7 @@ SECONDS = float(os.environ.get("FUZZ_SECONDS", "120"))
 QUIET = {"database": None, "suppress_health_check": list(HealthCheck)}
 PRECISE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-           grpc.StatusCode.PERMISSION_DENIED}
+           grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ABORTED}
 LAYOUT = Layout("fuzz-model", "float16", {"image": 64})
 U64 = st.integers(0, 2**64 - 1)
 # Lookup counters a heartbeat claims: plausible, or as large as they can be.
@@ -48,7 +48,7 @@ class World:
         # session caps are not what is fuzzed here.
         self.daemon = Daemon(cpu_bytes="4MiB", extra=(
             "--alloc-wait-seconds", "0.05", "--max-sessions", "1000000",
-            "--max-sessions-per-engine", "1000000"))
+            "--max-sessions-per-engine", "1000000", "--max-tokenless-sessions", "1000000"))
         self.daemon.start()
         self.channel = grpc.insecure_channel(self.daemon.socket)
         self.stub = rpc.ECDaemonStub(self.channel)
@@ -142,7 +142,8 @@ def operation(draw: Any, world: World) -> tuple[str, Any]:
     if kind == "report":
         return "Report", pb.ReportRequest(
             session_id=draw(session_id(world)), saved=draw(st.lists(text, max_size=4)),
-            aborted=draw(st.lists(text, max_size=4)))
+            aborted=draw(st.lists(text, max_size=4)),
+            saved_checksums=draw(st.lists(U64, max_size=5)))
     if kind == "lookup":
         return "Lookup", pb.LookupRequest(
             namespace=draw(st.one_of(text, st.just("fuzz-model|float16|image=64|"))),
@@ -213,6 +214,8 @@ def test_stream_messages_get_precise_codes(world: World, record_property: Any) -
             for mm_hash, entry_id in data.draw(st.lists(ref, max_size=3)):
                 message.touches.add(mm_hash=mm_hash, entry_id=entry_id,
                                     loads=data.draw(st.integers(0, 2**32 - 1)))
+            for mm_hash, entry_id in data.draw(st.lists(ref, max_size=2)):
+                message.mismatches.add(mm_hash=mm_hash, entry_id=entry_id)
             if data.draw(st.booleans()):
                 message.heartbeat.seq = data.draw(U64)
                 message.heartbeat.lookups = lookups = data.draw(COUNTS)

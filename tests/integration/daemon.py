@@ -186,8 +186,8 @@ def remove_regions_of(shm_dir: str | Path, socket: str) -> list[Path]:
     live daemon holds locked; returns them."""
     removed = []
     for path in regions_of(shm_dir, socket):
-        try:
-            fd = open_own_file(path)
+        try:  # its daemon's liveness lock is on the index (a client may lock the region)
+            fd = open_own_file(index_path(path))
         except OSError:
             continue
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,19 +15,36 @@ import grpc
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 
 MiB = 1 << 20
+# Flags lifting the pending-save caps (a quarter and half of --cpu-bytes by
+# default) for tests whose `Filler` asks for a whole test-sized cache at once.
+UNCAPPED = ("--session-pending-bytes", "1TiB", "--total-pending-bytes", "1TiB")
 
 
 def attach(stub: Any, layout: Layout, *, engine: str = "E", role: int = pb.ROLE_BOTH,
            rank: int | None = 0, world: int = 1, version: int = PROTOCOL_VERSION,
-           store_namespace: str = "") -> Any:
-    """Attach a worker rank (or, with rank=None, a scheduler side)."""
+           store_namespace: str = "", token: str = "") -> Any:
+    """Attach a worker rank (or, with rank=None, a scheduler side), presenting
+    engine token `token` if given (32 hex digits)."""
     request = pb.AttachRequest(protocol_version=version, engine_id=engine, role=role,
                                layout=layout.to_pb(), store_namespace=store_namespace)
     if rank is None:
         request.scheduler.SetInParent()
+        request.scheduler.engine_token = token
     else:
         request.worker.rank, request.worker.world_size = rank, world
+        request.worker.engine_token = token
     return stub.Attach(request, timeout=5)
+
+
+def answers_of(stream: RawStream, wanted: int, timeout: float = 10) -> dict[str, int]:
+    """The verdicts of the next `wanted` answers on `stream` (by mm_hash)."""
+    got: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < wanted:
+        message = stream.next(max(0.1, deadline - time.monotonic()))
+        assert message is not None, stream.error
+        got.update((a.mm_hash, a.verdict) for a in message.answers)
+    return got
 
 
 class RawStream:
@@ -55,14 +73,23 @@ class RawStream:
             self.error = exc
         self.messages.put(None)
 
-    def drain(self) -> int:
-        """Read everything until the stream ends; returns how many messages came."""
+    def drain(self, timeout: float | None = None) -> int:
+        """Read everything until the stream ends; returns how many messages
+        came. With `timeout`, a stream the daemon has not ended by then is
+        cancelled here (its `error` then says CANCELLED)."""
+        timer = None
+        if timeout is not None:
+            timer = threading.Timer(timeout, self.responses.cancel)
+            timer.start()
         count = 0
         try:
             for _ in self.responses:
                 count += 1
         except grpc.RpcError as exc:
             self.error = exc
+        finally:
+            if timer is not None:
+                timer.cancel()
         return count
 
     def send(self, **fields: Any) -> None:

@@ -9,6 +9,7 @@ the bound. A lone engine is never deferred.
 
 from __future__ import annotations
 
+import queue
 import signal
 import time
 from collections.abc import Iterator
@@ -18,8 +19,8 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
-from ec_protocol.protocol import pb
-from tests.integration import engines
+from ec_protocol.protocol import MAX_BATCH, pb
+from tests.integration import engines, raw
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc, ensure_within, wait_until
 
@@ -235,3 +236,52 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
         writer.close()
         a.close()
         b.close()
+
+
+# ------------------------------------------- issue 40: what one client holds
+
+
+def _view(daemon: Daemon, engine: str, token: str = "") -> raw.RawStream:
+    """A scheduler view attached by hand (reading its stream in a thread)."""
+    session = raw.attach(daemon.stub, LAYOUT, engine=engine, rank=None, token=token)
+    return raw.RawStream(daemon.stub, session.session_id)
+
+
+def test_one_view_claiming_every_item_leaves_room_for_the_engines(daemon):
+    """Finding 8: one view wanting 65,536 items (16 messages) filled the whole
+    table of items being made, so every other engine's want went unrecorded
+    (two engines missing one image both encoded it), and every session end
+    walked the table. Now the hog holds its share only, and two engines
+    presenting their tokens still converge on one encode."""
+    hog = _view(daemon, "hog")
+    for start in range(0, 1 << 16, MAX_BATCH):
+        hog.send(wants=[f"item-{i}" for i in range(start, start + MAX_BATCH)])
+    assert len(raw.answers_of(hog, 1 << 16, timeout=60)) == 1 << 16
+    a, b = _view(daemon, "A", "a" * 32), _view(daemon, "B", "b" * 32)
+    a.send(wants=["fresh"])
+    assert raw.answers_of(a, 1) == {"fresh": pb.VERDICT_ENCODE}
+    b.send(wants=["fresh"])
+    assert raw.answers_of(b, 1) == {"fresh": pb.VERDICT_ENCODING}  # it waits for A's save
+    for stream in (hog, a, b):
+        stream.close()
+
+
+def test_a_client_naming_the_producers_id_cannot_take_its_claim_away(daemon):
+    """Finding 11: a tokenless client naming the producer's engine id and
+    reporting the save aborted took the claim away (the waiting engine was
+    told to encode it as well). Only the producer's own instance passes it on."""
+    token = "c" * 32
+    producer, waiter = _view(daemon, "P", token), _view(daemon, "W", "d" * 32)
+    producer.send(wants=["img"])
+    assert raw.answers_of(producer, 1) == {"img": pb.VERDICT_ENCODE}
+    waiter.send(wants=["img"])
+    assert raw.answers_of(waiter, 1) == {"img": pb.VERDICT_ENCODING}
+    stranger = raw.attach(daemon.stub, LAYOUT, engine="P").session_id
+    daemon.stub.Report(pb.ReportRequest(session_id=stranger, aborted=["img"]), timeout=5)
+    with pytest.raises(queue.Empty):
+        waiter.next(timeout=1.5)  # told nothing: the claim is still P's
+    own = raw.attach(daemon.stub, LAYOUT, engine="P", token=token).session_id
+    daemon.stub.Report(pb.ReportRequest(session_id=own, aborted=["img"]), timeout=5)
+    assert raw.answers_of(waiter, 1) == {"img": pb.VERDICT_ENCODE}
+    for stream in (producer, waiter):
+        stream.close()

@@ -21,7 +21,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, pb
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.engines import LAYOUT
-from tests.integration.raw import Filler, RawStream, attach
+from tests.integration.raw import UNCAPPED, Filler, RawStream, attach
 
 pytestmark = pytest.mark.integration
 ENGINE = "shared-id"  # the engine id both engines were configured with
@@ -232,7 +232,8 @@ def test_a_rank_that_learnt_the_token_counts_again_after_a_daemon_restart(shm_fo
 def test_one_engines_reattach_keeps_the_ghost_of_another_engine_with_the_same_id(
         shm_folder: Path):
     folder = short_tmpdir()
-    flags = ("--lease-seconds", "60", "--quarantine-seconds", "60", "--alloc-wait-seconds", "0.2")
+    flags = ("--lease-seconds", "60", "--quarantine-seconds", "60", "--alloc-wait-seconds", "0.2",
+             *UNCAPPED)
     first = Daemon(folder=folder, shm_dir=str(shm_folder), cpu_bytes="4MiB", extra=flags)
     second = Daemon(folder=folder, shm_dir=str(shm_folder), cpu_bytes="4MiB", extra=flags)
     made = Delegates(first.start())

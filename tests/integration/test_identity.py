@@ -19,6 +19,7 @@ from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration.daemon import Daemon
+from tests.integration.raw import UNCAPPED
 
 LAYOUT = Layout("identity-model", "float32", {"image": 4096})
 ROWS = 128  # 128 x 1024 float32 = 512 KiB = 8 pages of 64 KiB
@@ -39,7 +40,7 @@ def wait(predicate, what: str, timeout: float = 15.0):  # type: ignore[no-untype
 
 @pytest.fixture
 def small_daemon() -> Iterator[Daemon]:
-    with Daemon(cpu_bytes="2MiB") as d:  # 32 pages: the 4th 8-page save evicts
+    with Daemon(cpu_bytes="2MiB", extra=UNCAPPED) as d:  # 32 pages: the 4th 8-page save evicts
         yield d
 
 

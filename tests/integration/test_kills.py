@@ -22,7 +22,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import Proc
-from tests.integration.raw import Filler
+from tests.integration.raw import UNCAPPED, Filler
 
 pytestmark = pytest.mark.integration
 ITERATIONS = int(os.environ.get("KILL_ITERATIONS", "6"))
@@ -35,7 +35,7 @@ RELEASE_TIMEOUT = 3 * LEASE + 2.0
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="64MiB", extra=("--lease-seconds", str(LEASE),
-                                          "--alloc-wait-seconds", "0.2")) as d:
+                                          "--alloc-wait-seconds", "0.2", *UNCAPPED)) as d:
         yield d
 
 

@@ -10,6 +10,7 @@ that closes cleanly owes nothing.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,10 +20,11 @@ import pytest
 
 from ec_client.common.contract import LoadSpec
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_protocol.protocol import pb
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc
-from tests.integration.raw import Filler, MiB, attach
+from tests.integration.raw import UNCAPPED, Filler, MiB, RawStream, attach
 
 pytestmark = pytest.mark.integration
 LEASE = 2.0
@@ -33,7 +35,8 @@ DATA = np.random.default_rng(5).integers(0, 256, (MiB // 1024, 1024), dtype=np.u
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
     with Daemon(cpu_bytes="4MiB", extra=("--lease-seconds", str(LEASE), "--quarantine-seconds",
-                                         str(LEASE), "--alloc-wait-seconds", "0.2")) as d:
+                                         str(LEASE), "--alloc-wait-seconds", "0.2",
+                                         "--ack-wait-seconds", str(LEASE), *UNCAPPED)) as d:
         yield d
 
 
@@ -156,7 +159,8 @@ def test_an_engine_that_cannot_map_the_region_never_holds_back_evictions(world):
         while time.monotonic() < deadline:
             # never streams; an engine id a round (one engine holds at most
             # --max-sessions-per-engine sessions, and each lives 60 s)
-            attach(daemon.stub, LAYOUT, engine=f"abandoned-{rounds}", rank=None)
+            attach(daemon.stub, LAYOUT, engine=f"abandoned-{rounds}", rank=None,
+                   token=f"{rounds:032x}")  # (tokenless ones share 64 places)
             world.save(f"k{rounds}", DATA)
             assert world.filler.evict_all(daemon.stats()), f"round {rounds}: eviction held back"
             assert daemon.stats()["ghost_sessions"] == 0
@@ -215,3 +219,68 @@ def test_a_scheduler_that_closes_cleanly_releases_at_once(world):
     stats = daemon.stats()
     assert stats["ghost_sessions"] == 0 and stats["hidden_bytes"] == 0
     assert world.state().state == engines.pb.ABSENT
+
+
+# ------------------------------------- issue 40: a view that withholds acks
+
+
+def test_a_view_that_never_acknowledges_cannot_pin_the_cache(world):
+    """Finding 1: a client attached a view to a victim's namespace, read its
+    events and heartbeated, and never acknowledged: every later save was
+    refused, the whole cache hidden, until the view left. The eviction now
+    waits --ack-wait-seconds (three leases by default, one here) for it; then
+    its session is ended, awaited as a ghost for one lease, and the pages
+    come back."""
+    daemon = world.daemon
+    session = attach(daemon.stub, LAYOUT, engine="withholder", rank=None)
+    view = RawStream(daemon.stub, session.session_id)  # reads; never acknowledges
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            view.send(heartbeat=pb.Heartbeat())
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        assert view.next() is not None  # its snapshot: KEY's eviction awaits it
+        assert not world.filler.evict_all(daemon.stats())  # held back by the view
+        assert world.state().state == engines.pb.HIDDEN
+        started = time.monotonic()
+        daemon.wait_for(lambda: daemon.stats()["hidden_bytes"] == 0, timeout=6 * LEASE,
+                        what="the withheld pages to come back")
+        assert time.monotonic() - started <= 2 * LEASE + 2  # --ack-wait-seconds + a lease
+        stats = daemon.stats()
+        assert stats["ack_timeouts"] == 1 and stats["ghost_sessions"] == 0
+        assert "did not acknowledge an eviction within 2s (--ack-wait-seconds)" \
+            in daemon.log()
+        assert world.filler.evict_all(daemon.stats())  # nothing pins the cache any more
+        world.save("after", DATA)
+    finally:
+        stop.set()
+        view.close()
+
+
+def test_an_engine_in_a_step_longer_than_the_bound_reads_the_saved_bytes(world):
+    """The acknowledgement is the pin of a load in flight, so a view ended for
+    withholding it (an honest engine in a step longer than --ack-wait-seconds)
+    must not have its load read reused pages: its ghost keeps them a lease
+    more, its re-attached view answers from a fresh snapshot, and a load within
+    the bound and that lease reads exactly the saved bytes. Past them the pages
+    may be reused, and the stamp check refuses them (never wrong bytes)."""
+    daemon = world.daemon
+    scheduler = world.start(engines.scheduler_main, daemon.socket, "S", 1)
+    worker = world.start(engines.worker_main, daemon.socket, "S", 0, 1, True)
+    step = world.dispatch(scheduler)  # a step that does not end: its load in flight
+    assert not world.filler.evict_all(daemon.stats())
+    daemon.wait_for(lambda: daemon.stats()["ack_timeouts"] == 1, timeout=4 * LEASE,
+                    what="the view to be ended for withholding past the bound")
+    assert world.state().state == engines.pb.HIDDEN  # its ghost still awaits it
+    assert not world.filler.take(daemon.stats()["capacity_bytes"])  # KEY's pages stay
+    _, failed, loaded = worker.call("load", (step.loads, step.regions))
+    assert failed == {} and loaded == {KEY: engines.describe(DATA)}
+    daemon.wait_for(lambda: world.state().state == engines.pb.ABSENT, timeout=4 * LEASE,
+                    what="KEY reclaimed once the ghost's lease ran out")
+    other = np.full(4 * MiB, 0xCD, np.uint8)  # the whole cache: it reuses KEY's pages
+    world.save("other", other)
+    _, failed, loaded = worker.call("load", (step.loads, step.regions))
+    assert loaded == {} and "stamp mismatch" in failed[step.loads[0].transfer_id]

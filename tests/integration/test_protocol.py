@@ -152,6 +152,42 @@ def test_bad_saves_get_precise_codes_and_change_nothing(daemon):
     assert after["pending_bytes"] == 0
 
 
+def test_a_save_no_loader_could_read_back_is_refused_on_both_paths(daemon):
+    """Issue 40, finding 5: an entry saved with dtype `notadtype`, or as
+    float32 [1024] in 1024 bytes, was accepted, and every engine that hit it
+    failed its load. The daemon refuses both (INVALID_ARGUMENT naming the
+    problem), on the unary Allocate and on the stream alike, and nothing
+    is allocated; a right one is taken."""
+    stub = daemon.stub
+    writer = attach(stub).session_id
+    bogus = [("notadtype", 1024, [1024], "dtype 'notadtype' is not one loaders make"),
+             ("float32", 1024, [1024], "nbytes 1024 is not shape (1024,) x 4 bytes of float32")]
+    for dtype, nbytes, shape, message in bogus:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Allocate(pb.AllocateRequest(session_id=writer, mm_hash=f"u-{dtype}",
+                                             nbytes=nbytes, shape=shape, dtype=dtype))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in info.value.details()
+    stream = RawStream(stub, writer)
+    stream.send(allocations=[pb.SaveAllocate(request_id=i + 1, mm_hash=f"s-{dtype}",
+                                             nbytes=nbytes, shape=shape, dtype=dtype)
+                             for i, (dtype, nbytes, shape, _) in enumerate(bogus)]
+                + [pb.SaveAllocate(request_id=3, mm_hash="fine", nbytes=4096, shape=[1024],
+                                   dtype="float32")])
+    answers: dict[int, Any] = {}
+    while len(answers) < 3:
+        for answer in stream.next().allocations:
+            answers[answer.request_id] = answer
+    for i, (_, _, _, message) in enumerate(bogus):
+        assert answers[i + 1].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert message in answers[i + 1].error
+    assert answers[3].status == pb.ALLOCATED
+    assert daemon.stats()["pending_bytes"] == 64 << 10  # "fine" alone: one page
+    stream.close()
+    assert all(r.state == pb.ABSENT for r in daemon.lookup(
+        LAYOUT, "u-notadtype", "u-float32", "s-notadtype", "s-float32"))
+
+
 def test_duplicate_allocation_is_told_not_duplicated(daemon):
     stub = daemon.stub
     a, b = attach(stub, engine="A").session_id, attach(stub, engine="B").session_id
@@ -333,7 +369,7 @@ def test_detach_drops_pending_saves_into_quarantine(daemon):
 
 @pytest.fixture
 def small_daemon() -> Iterator[Daemon]:
-    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5")) as d:
+    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.5", *raw.UNCAPPED)) as d:
         yield d
 
 
@@ -409,7 +445,7 @@ def test_lookup_never_shows_pending_entries(daemon):
 
 
 def test_sigterm_lets_in_flight_calls_finish():
-    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "1"))
+    d = Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "1", *raw.UNCAPPED))
     d.start()
     region_path = d.stats()["region_path"]
     stub = d.stub
@@ -494,8 +530,12 @@ def test_a_session_that_stops_reading_is_detached_and_others_carry_on():
             beating.start()
             daemon.wait_for(lambda: daemon.components("slow") == [], timeout=30,
                             what="the slow reader to be detached")
-            assert "(engine 'slow' scheduler) detached: it read events too slowly" \
-                in daemon.log()
+            # Whichever comes first: its outbox overflows, or its blocked write
+            # outlasts a lease (issue 40: its call is cut, not left blocked).
+            log = daemon.log()
+            assert "(engine 'slow' scheduler) detached: it read events too slowly" in log \
+                or "(engine 'slow' scheduler) detached: its client has not read a message" \
+                in log
             assert daemon.stats()["ghost_sessions"] == 1  # its engine may still be loading
             daemon.wait_for(lambda: daemon.stats()["ghost_sessions"] == 0, timeout=10,
                             what="the ghost's lease")

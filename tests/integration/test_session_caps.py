@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.core.sessions import PREEMPTIBLE_SECONDS
 from ec_daemon.core.stats import LISTED_NAMESPACES
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
 from tests.integration import engines
@@ -47,10 +48,10 @@ def test_a_session_that_never_reports_cannot_take_the_cache():
     and another engine still saves."""
     with Daemon(cpu_bytes="8MiB", extra=("--session-pending-bytes", "1MiB",
                                          "--session-pending-entries", "64")) as daemon:
-        victim = attach(daemon.stub, LAYOUT, engine="victim").session_id
+        victim = attach(daemon.stub, LAYOUT, engine="victim", token="1" * 32).session_id
         for i in range(4):
             save(daemon.stub, victim, f"ready-{i}", MiB)
-        hostile = attach(daemon.stub, LAYOUT, engine="hostile").session_id
+        hostile = attach(daemon.stub, LAYOUT, engine="hostile", token="2" * 32).session_id
         for i in range(16):  # 16 x 64 KiB: exactly the cap
             assert allocate(daemon.stub, hostile, f"p-{i}", 64 * KiB).status == pb.ALLOCATED
         before = daemon.stats()
@@ -67,6 +68,41 @@ def test_a_session_that_never_reports_cannot_take_the_cache():
         assert [r.state for r in daemon.lookup(LAYOUT, *(f"ready-{i}" for i in range(4)))] \
             == [pb.READY] * 4
         save(daemon.stub, victim, "later", MiB)  # another engine's save is taken
+
+
+def test_pending_saves_are_bounded_in_all_and_scale_with_the_cache():
+    """Issue 40, finding 2: two sessions under engine ids x1 and x2 took
+    512 MiB each, the whole default cache: every ready entry evicted, the
+    victim refused "cache full", a gigabyte in quarantine after they left,
+    `capped_saves` 0. With default flags the bounds scale with --cpu-bytes
+    (an instance a quarter, all sessions half, the tokenless clients together
+    a quarter of that): the two hold 4 MiB of a 32 MiB cache between them,
+    nothing is evicted for them, and an engine presenting its token saves."""
+    with Daemon(cpu_bytes="32MiB") as daemon:
+        token = "e" * 32
+        victim = attach(daemon.stub, LAYOUT, engine="victim", token=token).session_id
+        for i in range(8):
+            save(daemon.stub, victim, f"ready-{i}", MiB)
+        taken = {}
+        for engine in ("x1", "x2"):
+            hostile = attach(daemon.stub, LAYOUT, engine=engine).session_id
+            taken[engine] = 0
+            for i in range(16):
+                try:
+                    allocate(daemon.stub, hostile, f"{engine}-{i}", MiB)
+                    taken[engine] += 1
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "without an engine token" in exc.details(), exc.details()
+            daemon.stub.Detach(pb.DetachRequest(session_id=hostile), timeout=5)
+        assert sum(taken.values()) == 4  # 32 MiB / 2 / 4
+        stats = daemon.stats()
+        assert stats["capped_saves"] == 32 - 4
+        assert stats["evictions"] == 0 and stats["entries"] == 8
+        assert stats["quarantined_bytes"] == 4 * MiB
+        for i in range(8):  # the engine's saves land: 4 MiB free, the rest evicted for them
+            save(daemon.stub, victim, f"later-{i}", MiB)
+        assert daemon.stats()["refused_saves"] == 0
 
 
 def test_the_entry_cap_refuses_precisely():
@@ -122,14 +158,42 @@ def test_stream_allocations_past_the_cap_are_refused_answers():
             stream.close()
 
 
+def test_unary_allocations_waiting_for_pages_are_bounded_like_the_streams():
+    """Issue 40, finding 9: unary Allocate calls waiting for pages were
+    uncapped (the stream's were 64 a session), and every page coming back
+    woke them all: 8,000 parked by one client cost everyone 763 ms. Now a
+    session parks at most 64, on either path; the rest are refused at once."""
+    with Daemon(cpu_bytes="8MiB", extra=("--alloc-wait-seconds", "3")) as daemon:
+        writer = attach(daemon.stub, LAYOUT, engine="writer").session_id
+        for i in range(8):
+            save(daemon.stub, writer, f"ready-{i}", MiB)
+        view = RawStream(daemon.stub, attach(daemon.stub, LAYOUT, engine="viewer",
+                                             rank=None).session_id)  # never acknowledges
+        assert view.next() is not None  # its snapshot: every eviction awaits it
+        parker = attach(daemon.stub, LAYOUT, engine="parker").session_id
+        calls = [daemon.stub.Allocate.future(pb.AllocateRequest(
+            session_id=parker, mm_hash=f"park-{i}", nbytes=MiB, shape=[MiB], dtype="uint8"),
+            timeout=30) for i in range(100)]
+        at_once = []
+        for call in calls:
+            error = call.exception(timeout=30)
+            assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if "already wait for pages" in error.details():
+                at_once.append(call)
+            else:
+                assert "not acknowledged in time" in error.details(), error.details()
+        assert len(at_once) == 100 - 64
+        view.close()
+
+
 def test_an_ended_sessions_quarantine_counts_against_its_engine():
     """Ending and re-attaching gives no fresh allowance while the pages the
-    ended session left are quarantined: one engine id holds at most one cap
-    of the cache, pending and quarantined together."""
+    ended session left are quarantined: one engine instance holds at most one
+    cap of the cache, pending and quarantined together."""
     with Daemon(cpu_bytes="8MiB", extra=("--session-pending-bytes", "1MiB",
                                          "--quarantine-seconds", "600")) as daemon:
         for round_ in range(3):
-            session = attach(daemon.stub, LAYOUT, engine="churner").session_id
+            session = attach(daemon.stub, LAYOUT, engine="churner", token="3" * 32).session_id
             taken = 0
             for i in range(32):
                 try:
@@ -144,7 +208,7 @@ def test_an_ended_sessions_quarantine_counts_against_its_engine():
         stats = daemon.stats()
         assert stats["quarantined_bytes"] == MiB
         # Another engine is not charged for it.
-        other = attach(daemon.stub, LAYOUT, engine="other").session_id
+        other = attach(daemon.stub, LAYOUT, engine="other", token="4" * 32).session_id
         save(daemon.stub, other, "fine", MiB)
 
 
@@ -181,13 +245,15 @@ def test_thousands_of_attaches_leave_stats_working():
     """4,000 attaches that never open a stream (each lives 60 s), with long
     names, used to all succeed and grow the Stats reply past gRPC's default
     4 MiB: a plain client (a router, grpcurl) could no longer read it. With
-    the default flags the daemon holds --max-sessions of them, refuses the
-    rest precisely, and lists the first sessions, counting the others. Each
-    attach names a model of its own, so each holds a namespace of its own:
-    namespaces are listed the same way, the largest first."""
+    the default flags the daemon holds what --max-sessions leaves to attaches
+    of no running engine (three quarters), refuses the rest precisely, and
+    lists the first sessions, counting the others. Each attach names a model
+    of its own, so each holds a namespace of its own: namespaces are listed
+    the same way, the largest first. (Tokenless attaches are capped far
+    lower by default: lifted here to reach the total.)"""
     layout = Layout("m" * 500, "bfloat16", {"image": 8192}, variant="v" * 250)
-    count, cap = 4000, 1024  # cap: the default --max-sessions
-    with Daemon(cpu_bytes="8MiB") as daemon:
+    count, cap = 4000, 768  # cap: the default --max-sessions (1024) less the running share
+    with Daemon(cpu_bytes="8MiB", extra=("--max-tokenless-sessions", "4096")) as daemon:
         request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, role=pb.ROLE_BOTH,
                                    layout=layout.to_pb(), client_name="c" * 250)
         request.scheduler.SetInParent()
@@ -204,7 +270,8 @@ def test_thousands_of_attaches_leave_stats_working():
         assert len(errors) == count - cap
         for error in errors:
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"--max-sessions {cap}" in error.details()
+            assert "the last 256 of --max-sessions 1024 are kept for engine instances already " \
+                "running" in error.details()
         stats = daemon.stats()  # a plain channel: gRPC's default 4 MiB receive limit
         assert stats["sessions"] == cap and stats["refused_attaches"] == count - cap
         assert 0 < len(stats["session_list"]) < cap
@@ -221,9 +288,51 @@ def test_thousands_of_attaches_leave_stats_working():
         assert f"{count - cap} attaches refused" in table.stdout
 
 
+def test_attaches_that_never_open_cannot_lock_an_engine_out():
+    """Issue 40, finding 6: 1,024 attaches under 16 engine ids that never
+    opened a stream (0.9 s) locked every engine out for a minute, and again
+    each time the client re-attached. Now clients without a token share one
+    bucket; attaches of instances that run nothing stop short of the places
+    kept for running engines; and a new engine presenting its token takes the
+    place of an attach that never opened its stream in PREEMPTIBLE_SECONDS."""
+    flags = ("--max-sessions", "32", "--max-sessions-per-engine", "8",
+             "--max-tokenless-sessions", "8")
+    with Daemon(cpu_bytes="8MiB", extra=flags) as daemon:
+        refusals = []
+        for engine in range(16):  # the reproduction, scaled: 16 ids x 8 tokenless attaches
+            for _ in range(8):
+                try:
+                    attach(daemon.stub, LAYOUT, engine=f"hog-{engine}", rank=None)
+                except grpc.RpcError as exc:
+                    refusals.append(exc)
+        assert len(refusals) == 16 * 8 - 8
+        assert all("--max-tokenless-sessions 8" in e.details() for e in refusals)
+        running = attach(daemon.stub, LAYOUT, engine="running", rank=None, token="9" * 32)
+        view = RawStream(daemon.stub, running.session_id)  # it runs: its stream is open
+        for n in range(32):  # invented tokens, never opening: up to 24 places (3/4)
+            try:
+                attach(daemon.stub, LAYOUT, engine="hog", rank=None, token=f"{n:032x}")
+            except grpc.RpcError as exc:
+                assert "kept for engine instances already running" in exc.details()
+        assert daemon.stats()["sessions"] == 24
+        for rank in range(7):  # the running engine's ranks find the kept places
+            attach(daemon.stub, LAYOUT, engine="running", rank=rank, world=7, token="9" * 32)
+        assert daemon.stats()["sessions"] == 31
+        # A new engine presenting its token: the attaches that never opened
+        # are taken once PREEMPTIBLE_SECONDS old (tokenless ones first).
+        new_token = "a" * 32
+        time.sleep(PREEMPTIBLE_SECONDS + 0.5)
+        for rank in range(4):
+            attach(daemon.stub, LAYOUT, engine="new", rank=rank, world=4, token=new_token)
+        stats = daemon.stats()
+        assert stats["preempted_sessions"] >= 4 and stats["sessions"] <= 32
+        assert sum(s["engine_id"] == "new" for s in stats["session_list"]) == 4
+        view.close()
+
+
 def test_session_caps_refuse_precisely_and_free_up_as_sessions_expire():
     lease = 1.0
-    with Daemon(cpu_bytes="8MiB", extra=("--max-sessions", "12", "--max-sessions-per-engine",
+    with Daemon(cpu_bytes="8MiB", extra=("--max-sessions", "16", "--max-sessions-per-engine",
                                          "5", "--lease-seconds", str(lease),
                                          "--quarantine-seconds", "5")) as daemon:
         streams = []
@@ -241,7 +350,8 @@ def test_session_caps_refuse_precisely_and_free_up_as_sessions_expire():
         daemon.wait_for(lambda: daemon.stats()["sessions"] == 12, what="12 sessions")
         error = refused(lambda: attach(daemon.stub, LAYOUT, engine="legit", rank=None))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "12 sessions attached (--max-sessions 12)" in error.details()
+        assert "12 sessions attached; the last 4 of --max-sessions 16 are kept for engine " \
+            "instances already running" in error.details()
         stats = daemon.stats()
         assert stats["sessions"] == 12 and stats["refused_attaches"] == 2
         # The attackers' sessions expire (silent for a lease): the legit engine

@@ -23,7 +23,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc
-from tests.integration.raw import Filler, MiB
+from tests.integration.raw import UNCAPPED, Filler, MiB
 
 pytestmark = pytest.mark.integration
 ENGINE = "tp-engine"
@@ -33,7 +33,7 @@ DATA = np.random.default_rng(11).integers(0, 256, (MiB // 1024, 1024), dtype=np.
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.2")) as d:
+    with Daemon(cpu_bytes="4MiB", extra=("--alloc-wait-seconds", "0.2", *UNCAPPED)) as d:
         yield d
 
 

@@ -20,7 +20,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from tests.integration import engines
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.engines import Proc
-from tests.integration.raw import Filler
+from tests.integration.raw import UNCAPPED, Filler
 
 pytestmark = pytest.mark.integration
 LAYOUT = engines.LAYOUT
@@ -35,8 +35,10 @@ def data(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, (40, 4096), dtype=np.uint8)
 
 
+# A slow step keeps its loads' pages --ack-wait-seconds and a lease: well
+# past SLOW_STEP_SECONDS here (tests/integration/test_leases.py: past it).
 FLAGS = ("--lease-seconds", str(LEASE), "--quarantine-seconds", str(LEASE),
-         "--alloc-wait-seconds", "0.5")
+         "--alloc-wait-seconds", "0.5", "--ack-wait-seconds", str(10 * LEASE), *UNCAPPED)
 
 
 class Host:
@@ -288,7 +290,7 @@ def test_the_same_socket_through_a_linked_folder_adopts_the_region(shm_folder):
 # refused, and the cache loses only what the saves need.
 def test_saves_into_a_full_cache_go_on_right_after_a_warm_restart(shm_folder):
     host = Host(shm_folder, ("--lease-seconds", "60", "--quarantine-seconds", "60",
-                             "--alloc-wait-seconds", "1"))
+                             "--alloc-wait-seconds", "1", *UNCAPPED))
     try:
         host.start()
         scheduler, other, worker = host.scheduler(), host.scheduler("F"), host.worker()

@@ -18,6 +18,7 @@ import pytest
 
 from ec_protocol.protocol import Layout, pb, rpc
 from ec_protocol.transport import Transport
+from tests.integration import raw
 from tests.integration.daemon import Daemon, free_port
 from tests.integration.raw import attach, save
 
@@ -35,8 +36,10 @@ class Watch:
     then None, on a queue; `error` is how it ended."""
 
     def __init__(self, stub: Any, namespace: str = "", *, read: bool = True,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        self.call = stub.Watch(pb.WatchRequest(namespace=namespace), metadata=metadata)
+                 metadata: tuple[tuple[str, str], ...] = (), engine: str = "",
+                 token: str = "") -> None:
+        self.call = stub.Watch(pb.WatchRequest(namespace=namespace, engine_id=engine,
+                                               engine_token=token), metadata=metadata)
         self.messages: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.error: grpc.RpcError | None = None
         self.snapshot_done = False
@@ -328,6 +331,34 @@ def test_watchers_are_capped_in_all_and_per_peer(flags, message):
         assert daemon.stats()["watchers"] == 2
         second.close()
         third.close()
+
+
+def test_one_local_client_cannot_take_the_watch_slots_of_a_running_engine():
+    """Issue 40, finding 12: every client of the Unix socket counts as one
+    peer, so one client's 16 unread Watch calls took every local slot. A watch
+    presenting a running engine's id and token counts in that instance's own
+    bucket (and may use the slots kept for such watches); one presenting an
+    engine that does not run is a tokenless one."""
+    with Daemon() as daemon:
+        hog = [Watch(daemon.stub, read=False) for _ in range(16)]
+        daemon.wait_for(lambda: daemon.stats()["watchers"] == 16, what="16 watchers")
+        refused = Watch(daemon.stub, read=False)
+        refused.drain()
+        assert refused.error is not None and "from unix: 16 watch calls" \
+            in refused.error.details()
+        token = "7" * 32
+        unknown = Watch(daemon.stub, read=False, engine="router-engine", token=token)
+        unknown.drain()  # no session of that instance runs: a tokenless watch
+        assert unknown.error is not None and "from unix" in unknown.error.details()
+        view = raw.attach(daemon.stub, LAYOUT, engine="router-engine", rank=None, token=token)
+        stream = raw.RawStream(daemon.stub, view.session_id)
+        assert stream.next() is not None  # its stream is open: the instance runs
+        engine_watch = Watch(daemon.stub, engine="router-engine", token=token)
+        engine_watch.snapshot()
+        assert daemon.stats()["watchers"] == 17
+        for watch in (*hog, engine_watch):
+            watch.close()
+        stream.close()
 
 
 # ---------------------------------------------------------------- the CLI

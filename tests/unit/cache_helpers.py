@@ -13,6 +13,7 @@ from typing import Any
 
 from ec_daemon.core import invariants
 from ec_daemon.core.cache import AllocResult, Cache
+from ec_daemon.core.events import Snapshot
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import Session, SessionTable
 from ec_protocol.stamps import StampTable, table_bytes
@@ -104,7 +105,14 @@ def save(cache: Cache, session: Session, mm_hash: str, pages: int = 1) -> AllocR
 
 
 def drain(session: Session) -> list[Any]:
-    events = list(session.outbox)
+    """The session's outbox as its stream would send it (a snapshot's ready
+    events made), emptied."""
+    events: list[Any] = []
+    for item in session.outbox:
+        if isinstance(item, Snapshot):
+            events += iter(item.next, None)
+        else:
+            events.append(item)
     session.outbox.clear()
     return events
 

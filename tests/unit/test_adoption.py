@@ -23,9 +23,10 @@ from ec_daemon.durable import index as index_module
 from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import encode_ready
 from ec_daemon.durable.region import Region, dead_regions
+from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.errors import ResourceExhausted
 from ec_daemon.serving.adoption import Layout, find
-from ec_protocol.stamps import StampTable, table_bytes
+from ec_protocol.stamps import table_bytes
 from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
 
 PAGE = 4096
@@ -48,8 +49,7 @@ class Host:
         self.adoption = adoption
         self.region = adoption.region if adoption is not None else Region.create(
             folder, shape.region_size, index_header=shape.header)
-        self.table = StampTable(memoryview(self.region.map_front(shape.data_offset)),
-                                shape.page_bytes, shape.data_offset)
+        self.table = self.region.stamps(shape.page_bytes, shape.data_offset)
         self.cache = Cache(capacity_bytes=shape.region_size - shape.data_offset,
                            page_bytes=shape.page_bytes,
                            sessions=SessionTable(10.0, clock=self.clock),
@@ -71,7 +71,7 @@ class Host:
         return result
 
     def read(self, entry: Any) -> bytes:
-        return b"".join(self.region.view(self.cache.extents(entry)))
+        return b"".join(self.region.read(self.cache.extents(entry)))
 
     def crash(self) -> None:
         """What kill -9 leaves: the files as they are, the lock released."""
@@ -290,14 +290,14 @@ class CrashPoints:
 
         monkeypatch.setattr(index_module, "_write_at", write_at)
         for name in ("write", "clear"):
-            real = getattr(StampTable, name)
+            real = getattr(StampFile, name)
 
-            def stamped(table: StampTable, *args: Any, _real: Any = real) -> None:
+            def stamped(table: StampFile, *args: Any, _real: Any = real) -> None:
                 self.maybe_take()
                 _real(table, *args)
                 self.maybe_take()
 
-            monkeypatch.setattr(StampTable, name, stamped)
+            monkeypatch.setattr(StampFile, name, stamped)
 
     def maybe_take(self) -> None:
         if self.rng.random() < self.every:
@@ -376,3 +376,71 @@ def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path
         host.crash()
     print(f"{seed} runs, {snapshots} crash points, {adopted_total} entries adopted")
     assert seed >= 3 and adopted_total > 0
+
+
+# ------------------------------------------------- issue 40: format 2, cuts
+
+
+def test_a_format_1_index_is_still_adopted_and_becomes_format_2(tmp_path):
+    """Format 2 added checksums to READY records (and the liveness lock on the
+    index); a daemon of format 1 left READY records without them, which are
+    adopted as entries without a checksum, the header rewritten to 2."""
+    import struct
+
+    from ec_daemon.durable.index import read_header
+    from ec_daemon.durable.journal import HEADER_BYTES, VERSION_AT, _frame, decode_records
+
+    first = Host(tmp_path, layout())
+    first.save(worker(first.cache), "a", 2)
+    entry = first.cache.get("ns", "a")
+    first.crash()
+    path = index_path(first.region.path)
+    data = bytearray(path.read_bytes())
+    (record,) = decode_records(bytes(data)).records.values()
+    ns, h, d = record.namespace.encode(), record.mm_hash.encode(), record.dtype.encode()
+    body = struct.pack("<BQQBIBHH", 1, record.entry_id, record.nbytes, len(record.shape),
+                       len(record.runs), len(d), len(ns), len(h)) + struct.pack(
+        f"<{len(record.shape) + 2 * len(record.runs)}Q", *record.shape,
+        *(n for run in record.runs for n in run)) + d + ns + h
+    data[VERSION_AT:VERSION_AT + 4] = struct.pack("<I", 1)
+    path.write_bytes(bytes(data[:HEADER_BYTES]) + _frame(body))  # what format 1 wrote
+
+    second = Host(tmp_path, layout())
+    assert entries(second.cache) == {"a": (entry.entry_id, State.READY,
+                                           second.cache.extents(entry))}
+    assert second.cache.get("ns", "a").checksum == 0
+    assert read_header(path).version == 2
+    second.crash()
+
+
+def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
+    """Issue 40, finding 4, on the core: the entries with a page past where a
+    client truncated the file are dropped (a ready one hidden, its views
+    told; a pending one quarantined), every such page stamped LOST until it
+    is reclaimed, and the bookkeeping adds up throughout."""
+    import os
+
+    host = Host(tmp_path, layout(pages=8))
+    view, w = scheduler(host.cache), worker(host.cache)
+    host.save(w, "a", 2)
+    host.save(w, "b", 2)
+    host.save(w, "c", 1, commit=False)  # pending
+    drain(view)
+    a, b = host.cache.get("ns", "a"), host.cache.get("ns", "b")
+    cut_at = host.layout.data_offset + 3 * PAGE  # b's second page and everything after
+    with open(host.region.path, "r+b") as f:
+        os.ftruncate(f.fileno(), cut_at)
+    assert host.region.shortfall() == cut_at
+    host.region.restore()
+    lost = host.cache.cut_off(3)
+    assert sorted(e.mm_hash for e in lost) == ["b", "c"]
+    invariants.check(host.cache)
+    assert host.cache.get("ns", "c") is None and host.cache.quarantined_pages == 1
+    assert b.state is State.HIDDEN and b.entry_id in host.cache.lost
+    assert not host.table.holds(host.cache.extents(b), b.entry_id)  # stamped LOST
+    assert host.table.holds(host.cache.extents(a), a.entry_id)  # untouched
+    assert drain(view) == [EvictedEvent("b", b.entry_id)]
+    host.cache.acknowledge(view, [("b", b.entry_id)])
+    assert host.cache.get("ns", "b") is None and not host.cache.lost
+    invariants.check(host.cache)
+    host.crash()

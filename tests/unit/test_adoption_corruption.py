@@ -47,9 +47,11 @@ def poke_reservation(host: Host, value: int) -> None:
 
 
 def append_record(host: Host, entry_id: int, mm_hash: str, pages: int,
-                  runs: list[tuple[int, int]]) -> None:
+                  runs: list[tuple[int, int]], *, namespace: str = "ns",
+                  shape: tuple[int, ...] | None = None, dtype: str = "uint8") -> None:
     with open(index_path(host.region.path), "ab") as f:
-        f.write(encode_ready(entry_id, "ns", mm_hash, pages * PAGE, (pages, PAGE), "uint8", runs))
+        f.write(encode_ready(entry_id, namespace, mm_hash, pages * PAGE,
+                             shape or (pages, PAGE), dtype, runs))
 
 
 def saves_go_on(host: Host) -> None:
@@ -214,14 +216,26 @@ def test_a_record_naming_one_page_twice_is_not_adopted_nor_freed_twice(tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["id 0", "id above the reservation", "pages outside the region",
-                                  "runs overlapping each other", "a key twice"])
+                                  "runs overlapping each other", "a key twice",
+                                  "a dtype no loader makes", "bytes not the shape's",
+                                  "a namespace longer than Attach makes"])
 def test_records_the_daemon_never_writes_are_not_adopted(tmp_path, kind):
+    """(Issue 40, findings 5 and 14: a bogus dtype or size, or a namespace
+    of 65,535 bytes, was adopted; every engine hitting the entry failed its
+    load, and Stats outgrew gRPC's 4 MiB.)"""
     first = Host(tmp_path, layout(pages=PAGES))
     first.save(worker(first.cache), "a", 1)
     a = first.cache.get("ns", "a")
     first.crash()
     last = LAST
     forged, mm_hash, runs, pages = ID_BLOCK, "forged", [(last - 1, 2)], 2
+    fields: dict[str, object] = {}
+    if kind == "a dtype no loader makes":
+        fields = {"dtype": "notadtype"}
+    elif kind == "bytes not the shape's":
+        fields = {"dtype": "float32", "shape": (2 * PAGE,)}  # 4 bytes an element: 4x too few
+    elif kind == "a namespace longer than Attach makes":
+        fields = {"namespace": "m|uint8|image=1|" + "v" * 65_000}
     if kind == "id 0":
         forged = 0  # free pages carry 0: it would "match" them
     elif kind == "id above the reservation":
@@ -235,13 +249,14 @@ def test_records_the_daemon_never_writes_are_not_adopted(tmp_path, kind):
     if forged:
         poke_stamps(first, {p: forged for first_page, n in runs
                             for p in range(first_page, min(first_page + n, PAGES))})
-    append_record(first, forged, mm_hash, pages, runs)
+    append_record(first, forged, mm_hash, pages, runs, **fields)  # type: ignore[arg-type]
 
     second = Host(tmp_path, layout(pages=PAGES))
     assert entries(second.cache) == {"a": (a.entry_id, State.READY, second.cache.extents(
         second.cache.get("ns", "a")))}
     assert second.adoption.verified.invalid == 1
     assert second.cache.get("ns", "forged") is None
+    assert all(e.key[0] in ("ns",) for e in second.cache.entries())
     invariants.check(second.cache)
     saves_go_on(second)
     second.crash()

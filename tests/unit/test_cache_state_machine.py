@@ -44,7 +44,13 @@ from hypothesis.stateful import (
 )
 
 from ec_daemon.core import invariants
-from ec_daemon.core.events import AllocOutcome, EvictedEvent, ReadyEvent, ReportStatus
+from ec_daemon.core.events import (
+    AllocOutcome,
+    EvictedEvent,
+    ReadyEvent,
+    ReportStatus,
+    Snapshot,
+)
 from ec_daemon.core.records import Session, State
 from ec_daemon.errors import ResourceExhausted
 from ec_protocol.stamps import FREE
@@ -257,8 +263,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.deliver(view, data.draw(st.integers(1, len(view.session.outbox))))
 
     def deliver(self, view: View, count: int) -> None:
+        outbox = view.session.outbox
         for _ in range(count):
-            event = view.session.outbox.popleft()
+            if not outbox:
+                break
+            event = outbox[0]
+            if isinstance(event, Snapshot):  # its ready events, made as the stream sends them
+                event = event.next()
+                if event is None:
+                    outbox.popleft()
+                    continue
+            else:
+                outbox.popleft()
             if isinstance(event, ReadyEvent):
                 view.shown[event.mm_hash] = (event.entry_id, event.extents)
             elif isinstance(event, EvictedEvent):

@@ -6,7 +6,9 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import ANSWER_SECONDS as scheduler_answer_seconds
 from ec_daemon.core.events import AnswerEvent, Verdict
+from ec_daemon.core.limits import MAX_ITEMS_MAKING, MAX_ITEMS_PER_INSTANCE, MAX_ITEMS_TOKENLESS
 from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence
+from ec_protocol.protocol import MAX_BATCH
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
 
 
@@ -210,10 +212,71 @@ def test_a_claimant_that_steps_aside_hands_over_only_when_someone_waits():
 
 def test_a_save_given_up_hands_over_only_its_own_engines_claim():
     _, conv, a, b = a_claims_b_waits()
-    conv.save_given_up(("ns", "img"), "B")  # B encoded it anyway and skipped its save
+    conv.save_given_up(("ns", "img"), b.engine_key)  # B encoded it anyway, skipped its save
     assert conv.making[("ns", "img")].holder is a and answers(b) == {}
-    conv.save_given_up(("ns", "img"), "A")
+    conv.save_given_up(("ns", "img"), a.engine_key)
     assert conv.making[("ns", "img")].holder is b and answers(b) == {"img": Verdict.ENCODE}
+
+
+def test_a_client_naming_the_producers_id_without_its_token_takes_no_claim_away():
+    """Issue 40, finding 11: claims were matched by engine id, so a tokenless
+    client naming the producer's id and reporting its save aborted took the
+    claim away (the waiting engine encoded it too). The instance decides."""
+    _, cache, conv, _ = setup()
+    producer = cache.attach(engine_id="P", role="both", rank=None, world_size=1,
+                            namespace="ns", client_name="t", engine_token="a" * 32)
+    cache.open(producer)
+    waiter = scheduler(cache, "W")
+    conv.want(producer, ["img"])
+    conv.want(waiter, ["img"])
+    drain(producer), drain(waiter)
+    stranger = worker(cache, "P")  # the producer's id, no token
+    conv.save_given_up(("ns", "img"), stranger.engine_key)
+    assert conv.making[("ns", "img")].holder is producer and answers(waiter) == {}
+    own = worker(cache, "P", token="a" * 32)
+    conv.save_given_up(("ns", "img"), own.engine_key)
+    assert conv.making[("ns", "img")].holder is waiter
+    assert answers(waiter) == {"img": Verdict.ENCODE}
+
+
+def test_one_client_cannot_fill_the_table_of_items_being_made():
+    """Issue 40, finding 8: one view claiming 65,536 items filled the whole
+    table (every other engine's want then went unrecorded) and every session
+    end walked it. An engine instance takes part in at most
+    MAX_ITEMS_PER_INSTANCE items and the tokenless views together in
+    MAX_ITEMS_TOKENLESS; another engine's claim is still recorded and
+    waited for, and a session's end passes on its own items only."""
+    _, cache, conv, _ = setup()
+    hog = cache.attach(engine_id="hog", role="both", rank=None, world_size=1,
+                       namespace="ns", client_name="t", engine_token="b" * 32)
+    cache.open(hog)
+    for start in range(0, MAX_ITEMS_MAKING, MAX_BATCH):
+        conv.want(hog, [f"item-{i}" for i in range(start, start + MAX_BATCH)])
+    assert len(conv.making) == conv.items_of(hog) == MAX_ITEMS_PER_INSTANCE
+    assert set(answers(hog).values()) == {Verdict.ENCODE}
+    tokenless = [scheduler(cache, f"t{n}") for n in range(MAX_ITEMS_TOKENLESS
+                                                          // MAX_ITEMS_PER_INSTANCE + 1)]
+    for n, view in enumerate(tokenless):
+        for start in range(0, MAX_ITEMS_PER_INSTANCE, MAX_BATCH):
+            conv.want(view, [f"t{n}-{i}" for i in range(start, start + MAX_BATCH)])
+    assert sum(conv.items_of(v) for v in tokenless) == MAX_ITEMS_TOKENLESS
+    a = cache.attach(engine_id="A", role="both", rank=None, world_size=1, namespace="ns",
+                     client_name="t", engine_token="c" * 32)
+    cache.open(a)
+    b = cache.attach(engine_id="B", role="both", rank=None, world_size=1, namespace="ns",
+                     client_name="t", engine_token="d" * 32)
+    cache.open(b)
+    for s in (a, b):
+        drain(s)
+    conv.want(a, ["fresh"])
+    conv.want(b, ["fresh"])
+    assert answers(a) == {"fresh": Verdict.ENCODE}
+    assert answers(b) == {"fresh": Verdict.ENCODING}  # recorded: B waits for A's save
+    made = len(conv.making)
+    cache.end_session(tokenless[0])
+    conv.session_ended(tokenless[0])
+    assert len(conv.making) == made - MAX_ITEMS_PER_INSTANCE  # its own claims went
+    assert conv.items_of(hog) == MAX_ITEMS_PER_INSTANCE and conv.items_of(a) == 1
 
 
 def resolving_setup():

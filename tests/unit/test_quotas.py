@@ -6,6 +6,7 @@ import pytest
 
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.records import State
+from ec_daemon.core.sessions import engine_key
 from ec_daemon.errors import ResourceExhausted
 from tests.unit.cache_helpers import PAGE, FakeClock, allocate, make_cache, save, worker
 
@@ -109,3 +110,47 @@ def test_the_daemons_own_writer_is_not_capped_nor_charged_for_a_clients_quaranti
     allocate(cache, promoter, "p1", 3)
     allocate(cache, promoter, "p2", 3)
     cache.commit(promoter, ["p1", "p2"])
+
+
+def test_an_instance_holds_one_cap_in_all_its_sessions_and_all_hold_the_total():
+    """Issue 40, finding 2: the cap was per session, so two sessions of one
+    client held two caps, and nothing bounded all of them together."""
+    cache = make_cache(pages=32, pending_caps=PendingCaps(bytes=8 * PAGE, entries=100,
+                                                          total_bytes=16 * PAGE))
+    token = "f" * 32
+    first, second = worker(cache, "X", token=token), worker(cache, "X", token=token)
+    allocate(cache, first, "a", 5)
+    with pytest.raises(ResourceExhausted, match="its engine instance holds 5120 bytes"):
+        allocate(cache, second, "b", 4)
+    allocate(cache, second, "b", 3)
+    other = worker(cache, "Y", token="e" * 32)
+    allocate(cache, other, "c", 8)
+    with pytest.raises(ResourceExhausted, match="--total-pending-bytes 16384"):
+        allocate(cache, worker(cache, "Z", token="d" * 32), "d", 1)
+    cache.commit(other, ["c"])
+    allocate(cache, worker(cache, "Z", token="d" * 32), "d", 1)
+
+
+def test_tokenless_clients_share_one_bucket_whatever_ids_they_name():
+    cache = make_cache(pages=64, pending_caps=PendingCaps(bytes=16 * PAGE, entries=100,
+                                                          total_bytes=32 * PAGE))
+    allocate(cache, worker(cache, "x1"), "a", 5)
+    with pytest.raises(ResourceExhausted, match="without an engine token"):
+        allocate(cache, worker(cache, "x2"), "b", 4)
+    allocate(cache, worker(cache, "x2"), "b", 3)  # a quarter of the total: 8 pages
+    allocate(cache, worker(cache, "engine", token="c" * 32), "c", 16)  # an engine's own
+
+
+def test_a_worker_that_joins_its_instance_takes_its_pending_saves_along():
+    cache = make_cache(pages=64, pending_caps=PendingCaps(bytes=8 * PAGE, entries=100,
+                                                          total_bytes=32 * PAGE))
+    token = "b" * 32
+    w = worker(cache, "E")  # tokenless at Attach
+    allocate(cache, w, "a", 6)
+    cache.join(w, engine_key("E", token))  # it presented the token on its stream
+    assert cache.quota.tokenless_pages == 0 and cache.quota.held_pages == 6
+    allocate(cache, worker(cache, "E2"), "t", 8)  # the tokenless bucket is free again
+    own = worker(cache, "E", token=token)
+    with pytest.raises(ResourceExhausted, match="its engine instance holds 6144 bytes"):
+        allocate(cache, own, "b", 3)  # the instance holds w's saves now
+    allocate(cache, own, "b", 2)

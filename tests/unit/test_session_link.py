@@ -405,3 +405,23 @@ def test_a_beat_due_that_raises_keeps_the_stream_and_its_heartbeats(monkeypatch)
         assert seqs == [1, 2, 3]
     finally:
         outbox.put(None)
+
+
+def test_a_stream_the_daemon_went_silent_on_is_given_up_and_attached_again(
+        quick_backoff, monkeypatch):
+    """Issue 40, finding 3: the daemon cuts the call of a client that stopped
+    reading, but gRPC cannot deliver a status behind a write in flight, so a
+    client that reads again after a freeze would wait on a dead stream for
+    ever, answering no hits. After SILENT_LEASES leases with nothing heard
+    (heartbeats sent), the link cancels the stream and attaches again."""
+    monkeypatch.setattr(session, "SILENT_LEASES", 0.2 / LEASE)  # 0.2 s here
+    transport = Transport(first=[pb.DaemonMessage(snapshot_done=True)], echo=False)
+    link = link_on(Clock(), transport)
+    try:
+        link.start()
+        assert link.wait_attached(10) is not None
+        wait_for(lambda: transport.attaches >= 2)
+        assert transport.streams[0]._cancelled.is_set()
+    finally:
+        link.stop()
+    transport.ended()

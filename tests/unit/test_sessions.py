@@ -2,7 +2,12 @@
 
 import pytest
 
-from ec_daemon.core.sessions import OPEN_GRACE_SECONDS, SessionTable, engine_key
+from ec_daemon.core.sessions import (
+    OPEN_GRACE_SECONDS,
+    PREEMPTIBLE_SECONDS,
+    SessionTable,
+    engine_key,
+)
 from ec_daemon.errors import NotFound, ResourceExhausted
 from tests.unit.cache_helpers import FakeClock
 
@@ -211,19 +216,22 @@ def test_a_client_without_the_engines_token_cannot_take_its_sessions_room(clock)
 
 
 def test_sessions_are_capped_in_total_and_per_engine_and_freed_as_they_end(clock):
-    table = SessionTable(LEASE, clock=clock, max_sessions=4, max_per_engine=2)
+    table = SessionTable(LEASE, clock=clock, max_sessions=4, max_per_engine=3)
     a1, _ = rank(table, engine="A", r=0), rank(table, engine="A", r=1)
-    with pytest.raises(ResourceExhausted, match="engine 'A' has 2 sessions.*"
-                                                r"--max-sessions-per-engine 2"):
-        rank(table, engine="A", r=2)
     view(table, engine="B")
-    view(table, engine="C")
+    # The last quarter is kept for instances already running (a stream open):
+    with pytest.raises(ResourceExhausted, match="the last 1 of --max-sessions 4 are kept"):
+        view(table, engine="C")
+    rank(table, engine="A", r=2)  # A runs: it takes the kept place
+    with pytest.raises(ResourceExhausted, match="engine 'A' has 3 sessions.*"
+                                                r"--max-sessions-per-engine 3"):
+        rank(table, engine="A", r=3)
     with pytest.raises(ResourceExhausted, match=r"4 sessions attached \(--max-sessions 4\)"):
         view(table, engine="D")
     assert len(table) == 4
     table.remove(a1)
     table.remove(a1)  # twice: counted once
-    rank(table, engine="A", r=2)
+    rank(table, engine="A", r=0)
     with pytest.raises(ResourceExhausted):
         view(table, engine="D")
     clock.now += OPEN_GRACE_SECONDS + 1  # every session expires
@@ -232,3 +240,27 @@ def test_sessions_are_capped_in_total_and_per_engine_and_freed_as_they_end(clock
     view(table, engine="D")
     rank(table, engine="A", r=0)
     rank(table, engine="A", r=1)
+
+
+def test_tokenless_clients_share_one_bucket_and_a_token_takes_an_unopened_place(clock):
+    """Issue 40, finding 6, on the table: tokenless attaches under any number
+    of ids share --max-tokenless-sessions; an engine presenting its token that
+    finds no place is given that of the oldest attach that never opened its
+    stream, once PREEMPTIBLE_SECONDS old (tokenless first), never its own."""
+    table = SessionTable(LEASE, clock=clock, max_sessions=8, max_per_engine=4,
+                         max_tokenless=2)
+    first = view(table, engine="x1", stream=False)
+    view(table, engine="x2", stream=False)
+    with pytest.raises(ResourceExhausted, match="--max-tokenless-sessions 2"):
+        view(table, engine="x3", stream=False)
+    invented = [rank(table, engine="hog", r=0, token=f"{n:032x}", stream=False)
+                for n in range(4)]
+    assert len(table) == 6  # 8 less the running share
+    assert table.victim_for("new", "f" * 32) is None  # none old enough yet
+    clock.now += PREEMPTIBLE_SECONDS + 1
+    assert table.victim_for("new", "f" * 32) is first  # the oldest tokenless
+    assert table.victim_for("new", "") is None  # a tokenless Attach takes no place
+    table.remove(first)
+    table.create(engine_id="new", role="both", rank=0, world_size=1, namespace="ns",
+                 client_name="t", engine_token="f" * 32, in_place_of=first)
+    assert table.victim_for("hog", f"{0:032x}") is not invented[0]  # never its own

@@ -285,3 +285,28 @@ def test_wire_message_carries_every_field():
     assert (stored.namespace, stored.mm_hash, stored.entry_id, stored.nbytes, list(stored.shape),
             stored.dtype, stored.time_unix_ns) == (NS_A, "k", 5, 8, [2, 4], "uint8", 123)
     assert evicted.time_unix_ns == 456
+
+
+def test_a_running_engines_watch_has_its_own_bucket_and_the_kept_slots():
+    """Issue 40, finding 12: every client of the Unix socket is one peer, so
+    one local client's 16 unread calls took every local slot. A watch of a
+    running engine instance (its id and token) counts in its own bucket, and
+    the last quarter of the slots is kept for such watches."""
+    watchers = Watchers(max_watchers=8, max_per_peer=2)
+    watchers.open(ALL, [], "unix")
+    watchers.open(ALL, [], "unix")
+    with pytest.raises(ResourceExhausted, match="from unix: 2 watch calls"):
+        watchers.open(ALL, [], "unix")
+    engine = "0123/engine-a"
+    watchers.open(ALL, [], "unix", engine=engine)
+    for peer in ("ipv4:10.0.0.1", "ipv4:10.0.0.2"):
+        watchers.open(ALL, [], peer)
+    watchers.open(ALL, [], "ipv4:10.0.0.3")
+    with pytest.raises(ResourceExhausted, match="the last 2 are kept for running engines"):
+        watchers.open(ALL, [], "ipv4:10.0.0.3")
+    watchers.open(ALL, [], "unix", engine=engine)  # the kept slots
+    with pytest.raises(ResourceExhausted, match="per engine instance"):
+        watchers.open(ALL, [], "unix", engine=engine)
+    watchers.open(ALL, [], "unix", engine="4567/engine-b")
+    with pytest.raises(ResourceExhausted, match=r"8 watch calls are open \(at most 8, "):
+        watchers.open(ALL, [], "unix", engine="89ab/engine-c")

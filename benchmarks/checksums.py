@@ -1,0 +1,98 @@
+"""What the entries' checksum costs (issue 40): on the saver's path, and the
+daemon's check of a reported mismatch.
+
+- A save's copy on the save rank's saver thread: the cpu backend's copy of
+  an output into a real /dev/shm mapping (the baseline, in the same run),
+  then that copy and the xxh3-64 of the pages that landed, read back through
+  the mapping as the saver does. The ratio is what the saver thread spends
+  per save with the checksum over without; the engine's thread spends
+  nothing either way (the saver runs beside it).
+- The daemon's check of an entry a loader reported: pread of its pages and
+  their xxh3-64 (off the event loop), against the pread alone.
+
+Entries of 1, 8 and 64 MiB, one extent each (the allocator's usual case);
+each pair interleaved and best of N, so both see the same cache state.
+
+    python -m benchmarks.checksums [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from benchmarks.micro import _best_of_pair
+from benchmarks.tables import table
+from ec_client.copy import get_backend
+from ec_client.copy.mapping import RegionMapping
+from ec_protocol.checksums import checksum
+
+MiB = 1 << 20
+SIZES = (MiB, 8 * MiB, 64 * MiB)
+COLUMNS = ["what", "MiB", "baseline_ms", "with_checksum_ms", "ratio", "checksum_gbps"]
+
+
+def measure(sizes: tuple[int, ...] = SIZES, repeat: int = 20) -> list[dict[str, Any]]:
+    backend = get_backend("cpu")
+    rows: list[dict[str, Any]] = []
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-checksum-") as f:
+        os.posix_fallocate(f.fileno(), 0, max(sizes))
+        mapping = RegionMapping(f.name, max(sizes), generation=1)
+        try:
+            for size in sizes:
+                rows += _rows(backend, mapping, f.fileno(), size, repeat)
+        finally:
+            gc.collect()
+            mapping.close()
+    return rows
+
+
+def _rows(backend: Any, mapping: RegionMapping, fd: int, size: int,
+          repeat: int) -> list[dict[str, Any]]:
+    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    extents = [(0, size)]
+    view = mapping.view
+
+    def save() -> None:
+        backend.save(source, mapping, extents)
+
+    def save_and_sum() -> None:
+        backend.save(source, mapping, extents)
+        checksum(view[offset:offset + length] for offset, length in extents)
+
+    def pread() -> bytes:
+        return os.pread(fd, size, 0)
+
+    def pread_and_sum() -> None:
+        checksum([os.pread(fd, size, 0)])
+
+    times = max(3, min(repeat, (512 * MiB) // size))
+    with_sum, alone = _best_of_pair(save_and_sum, save, times)
+    checked, read = _best_of_pair(pread_and_sum, pread, times)
+    mib = size // MiB
+    return [
+        {"what": "save's copy (saver thread)", "MiB": mib, "baseline_ms": alone * 1e3,
+         "with_checksum_ms": with_sum * 1e3, "ratio": with_sum / alone,
+         "checksum_gbps": size / max(1e-9, with_sum - alone) / 1e9},
+        {"what": "daemon's check of a report", "MiB": mib, "baseline_ms": read * 1e3,
+         "with_checksum_ms": checked * 1e3, "ratio": checked / read,
+         "checksum_gbps": size / max(1e-9, checked - read) / 1e9},
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (checks it runs)")
+    args = parser.parse_args()
+    rows = measure(repeat=3 if args.quick else 20)
+    print(table("checksums: what they cost a save and a reported mismatch's check "
+                "(ratio = with / baseline, same run)", rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
