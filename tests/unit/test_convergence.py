@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ec_client.scheduler_side.scheduler import ANSWER_SECONDS as scheduler_answer_seconds
+from ec_client.scheduler_side.wants import ANSWER_SECONDS as scheduler_answer_seconds
 from ec_daemon.core.events import AnswerEvent, Verdict
 from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
