@@ -8,21 +8,41 @@ Three facts the daemon cannot tell it, kept on vLLM's scheduling thread:
   so `ensure_cache_available` never asks the daemon about it nor defers for it.
 - Which items arrived metadata-only: announced by a producer in the request's
   `ec_transfer_params` and carrying no media of their own (vLLM's
-  token-in-token-out serving accepts such items only with those params). This
-  engine cannot encode them, so they are loaded from the daemon or the request
-  fails cleanly (`take_unavailable_requests`) after `max_defer_seconds`.
+  token-in-token-out serving accepts such items only with those params, and
+  vLLM's E/PD proxy sends them so in its default rewrite mode). This engine
+  cannot encode them, so they are loaded from the daemon or the request fails
+  cleanly (`take_unavailable_requests`): at once when the daemon says nobody
+  will make the item (the scheduler delegate's `unobtainable`: its save was
+  dropped or refused, or its producer is gone), else after
+  `max_defer_seconds`. Failed, not re-encoded: without the media there is
+  nothing to encode, and vLLM's proxy retries a request PD fails with a 500
+  (`--decode-retries`, 1 by default) by encoding it again, so failing at once
+  costs the client the retry only, where waiting would add the whole bound.
 - What a producer reports when a request finishes: vLLM's per-item
   `ec_transfer_params` (`collect_ec_item_metadata`), so a consumer can skip
   media preprocessing. Nothing of ec-daemon's goes inside `metadata`; an item
-  this engine cannot have saved (a LoRA adapter's, or the daemon is out of
-  reach) reports empty metadata, as vLLM's CPU connector does for an absent
-  entry, so an orchestrator keeps its media on the request.
+  this engine cannot have saved reports empty metadata, as vLLM's CPU
+  connector does for an absent entry, so an orchestrator keeps its media on
+  the request (vLLM's proxy then sends PD the media, and PD encodes it): a
+  LoRA adapter's item, every item while the daemon is out of reach, and an
+  item whose save its worker reported dropped (`saves_dropped`: skipped for a
+  full save queue, refused by a full cache, failed or lost), unless the
+  cache holds it anyway. vLLM 0.32 hands the connector a finished request
+  (`request_finished`) before the worker output of the step that finished it
+  (`update_connector_output`), and an encoder instance's requests finish in
+  the step that encodes them: what its workers did with those saves is not
+  known yet then. Such items are announced, and the daemon settles them for
+  the consumer: the producer claimed each item before encoding it
+  (`SchedulerDelegate.ensure`), so a consumer that asks (`unobtainable`) is
+  told to wait while the save is on its way, and at once when it was dropped
+  (the worker reports a dropped save to the daemon at once).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Items whose save was reported dropped, remembered (the most recent ones)
+# so a producer announces no metadata for them.
+MAX_DROPPED = 4096
+
 
 class RequestItems:
     def __init__(self, model_config: ModelConfig, max_defer_seconds: float) -> None:
@@ -47,6 +71,9 @@ class RequestItems:
         self._held: set[str] = set()
         self._fetch_since: dict[tuple[str, str], float] = {}  # (request, mm_hash) -> first ask
         self._unobtainable: set[str] = set()
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+        # Since the last take_stats.
+        self._metadata_only = self._metadata_only_failures = 0
 
     @property
     def resolver(self) -> PlaceholderMetadataResolver:
@@ -82,28 +109,61 @@ class RequestItems:
         return not any(element.data is not None for key, element in data.items()
                        if key not in metadata)
 
-    def fetched(self, request_id: str, mm_hashes: list[str],
-                loadable: Callable[[str], bool]) -> bool:
+    def fetched(self, request_id: str, mm_hashes: list[str], loadable: Callable[[str], bool],
+                unobtainable: Callable[[list[str], str], list[str]]) -> bool:
         """May the request go ahead as far as these metadata-only items go?
         Each must be `loadable` now (which claims it for this step). One not
-        loadable defers the request, for `max_defer_seconds` at most: then the
-        request is failed (`take_unavailable`), since this engine has no media
-        to encode it from."""
-        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
+        loadable defers the request; the request is failed
+        (`take_unavailable`), since this engine has no media to encode it
+        from, at once when `unobtainable(missing, request_id)` names an item
+        nobody will make, else after `max_defer_seconds`."""
+        now = time.monotonic()
         for mm_hash in mm_hashes:
-            if mm_hash not in missing:
-                self._fetch_since.pop((request_id, mm_hash), None)
+            if (request_id, mm_hash) not in self._fetch_since:
+                self._fetch_since[(request_id, mm_hash)] = now
+                self._metadata_only += 1
+        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
         if not missing:
             return True
-        now = time.monotonic()
-        for mm_hash in missing:
-            since = self._fetch_since.setdefault((request_id, mm_hash), now)
-            if now - since >= self.max_defer_seconds and request_id not in self._unobtainable:
-                log.error("ec-daemon: request %s needs %s, which came without media, and the "
-                          "cache has not had it for %.1fs: failing the request", request_id,
-                          mm_hash, now - since)
-                self._unobtainable.add(request_id)
+        if request_id in self._unobtainable:
+            return False
+        lost = unobtainable(missing, request_id)
+        if lost:
+            self._fail(request_id, f"nobody will make {', '.join(lost)} (its encoder "
+                       "instance's save was dropped or refused, or that instance is gone)")
+            return False
+        waited = max(now - self._fetch_since[(request_id, h)] for h in missing)
+        if waited >= self.max_defer_seconds:
+            self._fail(request_id, f"the cache has not had {', '.join(missing)} for "
+                       f"{waited:.1f}s (ec_daemon_max_defer_s)")
         return False
+
+    def _fail(self, request_id: str, why: str) -> None:
+        log.error("ec-daemon: request %s came without the media of items this engine cannot "
+                  "load: %s; failing the request", request_id, why)
+        self._unobtainable.add(request_id)
+        self._metadata_only_failures += 1
+
+    def saves_dropped(self, mm_hashes: Iterable[str]) -> None:
+        """A worker reported these items' saves dropped (no entry made)."""
+        dropped = self._dropped
+        for mm_hash in mm_hashes:
+            dropped[mm_hash] = None
+            dropped.move_to_end(mm_hash)
+        while len(dropped) > MAX_DROPPED:
+            dropped.popitem(last=False)
+
+    def save_dropped(self, mm_hash: str) -> bool:
+        """Was the last save of `mm_hash` reported dropped?"""
+        return mm_hash in self._dropped
+
+    def take_stats(self) -> dict[str, int]:
+        """Items that came without media, and requests failed for one, since
+        the last call."""
+        stats = {"metadata_only_items": self._metadata_only,
+                 "metadata_only_failures": self._metadata_only_failures}
+        self._metadata_only = self._metadata_only_failures = 0
+        return {k: v for k, v in stats.items() if v}
 
     def take_unavailable(self) -> set[str]:
         taken, self._unobtainable = self._unobtainable, set()
