@@ -483,8 +483,8 @@ class ECDaemonConnector(ECConnectorBase):
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
         mm_hash = request.mm_features[index].identifier
-        self._items.allocated(mm_hash)
-        self._scheduler.after_alloc(request.request_id, mm_hash)
+        loaded = self._scheduler.after_alloc(request.request_id, mm_hash)
+        self._items.allocated(mm_hash, request.request_id, encoded=not loaded)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
@@ -515,22 +515,23 @@ class ECDaemonConnector(ECConnectorBase):
         A producer reports vLLM's `ec_transfer_params` for its items
         (`RequestItems.transfer_params`): a consumer given them with
         metadata-only items loads those from the cache. Metadata is announced
-        only for an item whose save was not reported dropped (or which the
-        cache holds anyway); one dropped in this very step is not known yet,
-        and the daemon tells a consumer that asks (see `RequestItems`)."""
+        only for an item the cache holds, or that this request encoded and
+        whose save was not reported dropped: one dropped in this very step is
+        not known yet, and the daemon tells a consumer that asks (see
+        `RequestItems`)."""
         if self._scheduler is None or not request.mm_features:
             return False, None
-        self._scheduler.request_finished(request.request_id,
-                                         (f.identifier for f in request.mm_features))
-        self._items.finished(request)
-        if not self.is_producer:
-            return False, None
         scheduler, items = self._scheduler, self._items
-        if not scheduler.link.fresh():  # its workers' saves were skipped
-            return False, items.transfer_params(request, lambda mm_hash: False)
-        return False, items.transfer_params(request, lambda mm_hash: (
-            not self._private(mm_hash)
-            and (not items.save_dropped(mm_hash) or scheduler.holds(mm_hash))))
+        scheduler.request_finished(request.request_id,
+                                   (f.identifier for f in request.mm_features))
+        params = None
+        if self.is_producer:
+            reachable = scheduler.link.fresh()  # else its workers' saves were skipped
+            params = items.transfer_params(request, lambda mm_hash: (
+                reachable and not self._private(mm_hash)
+                and items.announced(request.request_id, mm_hash, scheduler.holds)))
+        items.finished(request)
+        return False, params
 
     # ------------------------------------------------------------ metrics
 

@@ -20,22 +20,29 @@ Three facts the daemon cannot tell it, kept on vLLM's scheduling thread:
   costs the client the retry only, where waiting would add the whole bound.
 - What a producer reports when a request finishes: vLLM's per-item
   `ec_transfer_params` (`collect_ec_item_metadata`), so a consumer can skip
-  media preprocessing. Nothing of ec-daemon's goes inside `metadata`; an item
-  this engine cannot have saved reports empty metadata, as vLLM's CPU
-  connector does for an absent entry, so an orchestrator keeps its media on
-  the request (vLLM's proxy then sends PD the media, and PD encodes it): a
-  LoRA adapter's item, every item while the daemon is out of reach, and an
-  item whose save its worker reported dropped (`saves_dropped`: skipped for a
-  full save queue, refused by a full cache, failed or lost), unless the
-  cache holds it anyway. vLLM 0.32 hands the connector a finished request
-  (`request_finished`) before the worker output of the step that finished it
-  (`update_connector_output`), and an encoder instance's requests finish in
-  the step that encodes them: what its workers did with those saves is not
-  known yet then. Such items are announced, and the daemon settles them for
-  the consumer: the producer claimed each item before encoding it
-  (`SchedulerDelegate.ensure`), so a consumer that asks (`unobtainable`) is
-  told to wait while the save is on its way, and at once when it was dropped
-  (the worker reports a dropped save to the daemon at once).
+  media preprocessing (`announced`). Nothing of ec-daemon's goes inside
+  `metadata`; an item not known to be in the cache or on its way there
+  reports empty metadata, as vLLM's CPU connector does for an absent entry,
+  so an orchestrator keeps its media on the request (vLLM's proxy then sends
+  PD the media, and PD encodes it). An item is announced when the cache
+  holds it (the scheduler's view), or when this request encoded it (its save
+  was queued) and its worker did not report the save dropped; never a LoRA
+  adapter's item, nor any while the daemon is out of reach, nor one this
+  request took from vLLM's encoder cache without encoding (no save was made
+  for it now: a save dropped earlier stays dropped).
+  Why announce an item whose save is still on its way: vLLM 0.32 hands the
+  connector a finished request (`request_finished`) before the worker
+  output of the step that finished it (`update_connector_output`), and an
+  encoder instance's requests finish in the step that encodes them (its V1
+  model runner does not even return an encoder-only step's worker output),
+  so what its workers did with those saves is not known then. The daemon
+  settles them for the consumer: the producer claimed each item before
+  encoding it (`SchedulerDelegate.ensure`), so a consumer that asks
+  (`unobtainable`) is told to wait while the save is on its way, and at once
+  when it was dropped (the worker reports a dropped save to the daemon at
+  once). The worker's own report (`saves_dropped`) reaches an engine whose
+  runner returns it (`ec_both`), and spares a request that finishes after
+  its encode step the announcement.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class RequestItems:
         self._model_config = model_config
         self._resolver: PlaceholderMetadataResolver | None = None  # built on first use
         self._held: set[str] = set()
+        self._encoded: dict[str, set[str]] = {}  # request -> items encoded for it here
         self._fetch_since: dict[tuple[str, str], float] = {}  # (request, mm_hash) -> first ask
         self._unobtainable: set[str] = set()
         self._dropped: OrderedDict[str, None] = OrderedDict()
@@ -85,8 +93,12 @@ class RequestItems:
 
     # ------------------------------------------------- vLLM's encoder cache
 
-    def allocated(self, mm_hash: str) -> None:
+    def allocated(self, mm_hash: str, request_id: str = "", encoded: bool = False) -> None:
+        """vLLM allocated `mm_hash` in its encoder cache for `request_id`:
+        loaded, or `encoded` here (a producer's save follows)."""
         self._held.add(mm_hash)
+        if encoded:
+            self._encoded.setdefault(request_id, set()).add(mm_hash)
 
     def freed(self, mm_hashes: Iterable[str]) -> None:
         self._held.difference_update(mm_hashes)
@@ -145,17 +157,14 @@ class RequestItems:
         self._metadata_only_failures += 1
 
     def saves_dropped(self, mm_hashes: Iterable[str]) -> None:
-        """A worker reported these items' saves dropped (no entry made)."""
+        """A worker reported these items' saves dropped (no entry made): not
+        announced until the cache holds them."""
         dropped = self._dropped
         for mm_hash in mm_hashes:
             dropped[mm_hash] = None
             dropped.move_to_end(mm_hash)
         while len(dropped) > MAX_DROPPED:
             dropped.popitem(last=False)
-
-    def save_dropped(self, mm_hash: str) -> bool:
-        """Was the last save of `mm_hash` reported dropped?"""
-        return mm_hash in self._dropped
 
     def take_stats(self) -> dict[str, int]:
         """Items that came without media, and requests failed for one, since
@@ -175,14 +184,22 @@ class RequestItems:
         for feature in request.mm_features:
             self._fetch_since.pop((request.request_id, feature.identifier), None)
         self._unobtainable.discard(request.request_id)
+        self._encoded.pop(request.request_id, None)
+
+    def announced(self, request_id: str, mm_hash: str, cached: Callable[[str], bool]) -> bool:
+        """Does a producer announce `mm_hash` for `request_id` (see the
+        module's docstring)? `cached(mm_hash)`: the cache holds it."""
+        if cached(mm_hash):
+            return True
+        return mm_hash in self._encoded.get(request_id, ()) and mm_hash not in self._dropped
 
     def transfer_params(self, request: Request,
-                        saved: Callable[[str], bool]) -> dict[str, Any] | None:
+                        announce: Callable[[str], bool]) -> dict[str, Any] | None:
         """A producer's `ec_transfer_params` for a finished request: vLLM's
-        one entry per item, keyed by mm_hash; empty metadata for an item that
-        was not `saved` to the cache."""
+        one entry per item, keyed by mm_hash; empty metadata for an item not
+        to `announce` (call before `finished`)."""
         items = collect_ec_item_metadata(request.mm_features, self.resolver)
         for mm_hash, item in items.items():
-            if not saved(mm_hash):
+            if not announce(mm_hash):
                 item["metadata"] = {}
         return items or None
