@@ -131,9 +131,7 @@ class RequestItems:
         nobody will make, else after `max_defer_seconds`."""
         now = time.monotonic()
         for mm_hash in mm_hashes:
-            if (request_id, mm_hash) not in self._fetch_since:
-                self._fetch_since[(request_id, mm_hash)] = now
-                self._metadata_only += 1
+            self._fetch_since.setdefault((request_id, mm_hash), now)
         missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
         if not missing:
             return True
@@ -167,8 +165,8 @@ class RequestItems:
             dropped.popitem(last=False)
 
     def take_stats(self) -> dict[str, int]:
-        """Items that came without media, and requests failed for one, since
-        the last call."""
+        """Items of finished requests that came without media, and requests
+        failed for one, since the last call."""
         stats = {"metadata_only_items": self._metadata_only,
                  "metadata_only_failures": self._metadata_only_failures}
         self._metadata_only = self._metadata_only_failures = 0
@@ -183,6 +181,8 @@ class RequestItems:
     def finished(self, request: Request) -> None:
         for feature in request.mm_features:
             self._fetch_since.pop((request.request_id, feature.identifier), None)
+            if self.metadata_only(request, feature):  # (counted once, loaded or not)
+                self._metadata_only += 1
         self._unobtainable.discard(request.request_id)
         self._encoded.pop(request.request_id, None)
 

@@ -42,8 +42,8 @@ COUNTERS = {
     "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",
                        "Time the scheduler waited for those answers"),
     "metadata_only_items": ("vllm:ec_daemon_metadata_only_items",
-                            "Items that came without their media (an encoder instance "
-                            "announced them): loaded from the cache, never preprocessed here"),
+                            "Items of finished requests that came without their media (an "
+                            "encoder instance announced them): never preprocessed here"),
     "metadata_only_failures": ("vllm:ec_daemon_metadata_only_failures",
                                "Requests failed: an item that came without its media was not "
                                "in the cache and nobody would make it, or not in time"),
