@@ -118,3 +118,53 @@ def test_make_help_lists_every_target_with_a_line():
                            capture_output=True, text=True, check=True, timeout=60).stdout
     listed = [line.split()[0] for line in shown.splitlines()]
     assert sorted(listed) == sorted(set(targets))
+
+
+# A socket a doc names is the daemon's default or the systemd unit's path, and
+# the doc says which (in its paragraph or code block, or the paragraph that
+# introduces the block): a reader copying a command knows where it points.
+SOCKET = re.compile(r"(?:unix://)?(?:\$\w+|/)[\w$./-]*\.sock\b")
+DEFAULT_SOCKETS = {"$XDG_RUNTIME_DIR/ec-daemon/ec.sock", "/tmp/ec-daemon-$UID/ec.sock"}
+SYSTEMD_SOCKET = "/run/ec-daemon/ec.sock"
+
+
+def _blocks(text: str) -> list[str]:
+    """Paragraphs and fenced code blocks, in order."""
+    blocks, current, fenced = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if not fenced and current:
+                blocks.append("\n".join(current))
+                current = []
+            current.append(line)
+            fenced = not fenced
+            if not fenced:
+                blocks.append("\n".join(current))
+                current = []
+        elif fenced or line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    return [*blocks, "\n".join(current)] if current else blocks
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_socket_a_doc_names_is_the_default_or_systemds_and_says_which(doc: Path):
+    wrong = []
+    blocks = _blocks(doc.read_text())
+    for i, block in enumerate(blocks):
+        context = (blocks[i - 1] + "\n" + block if i else block).lower()
+        for found in SOCKET.findall(block):
+            path = found.removeprefix("unix://")
+            if path == SYSTEMD_SOCKET:
+                said = "systemd" in context
+            elif path in DEFAULT_SOCKETS:
+                said = "default" in context
+            else:
+                wrong.append(f"{found} (neither the daemon's default nor {SYSTEMD_SOCKET})")
+                continue
+            if not said:
+                whose = "the systemd unit's" if path == SYSTEMD_SOCKET else "the default"
+                wrong.append(f"{found} (its paragraph does not say it is {whose})")
+    assert not wrong, f"{doc.relative_to(ROOT)}: {wrong}"

@@ -40,7 +40,7 @@ import pytest
 
 from benchmarks.serve_hosts import STOP_S, Daemon, Engine, EngineSetup, start_engines
 from benchmarks.serve_stream import make_images
-from benchmarks.vllm_proxy import VLLMProxy
+from benchmarks.vllm_proxy import ENCODER_FLAGS, VLLMProxy
 from tests.vllm.chat import chat, sigkill_engine, wait_forwards
 from tests.vllm.slow_encode import SECONDS_ENV, TRIGGER_ENV
 from tests.vllm.tiny_qwen2vl import MAX_SIDE, image_embeddings
@@ -52,7 +52,6 @@ LARGE = MAX_SIDE  # 16 embeddings, 8 KiB: more than the encoder instance's save 
 SAVE_QUEUE_BYTES = 6 << 10
 MAX_DEFER_S = 120  # PD's bound on a wait: far above what any test here may take
 SLOW_ENCODE_S = 8.0  # the encode the claim tests catch the encoder instance in
-ENCODER_FLAGS = ["--no-enable-prefix-caching", "--max-num-batched-tokens", "16384"]
 
 
 class Topology:
