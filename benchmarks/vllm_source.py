@@ -45,7 +45,14 @@ CHUNK = 1 << 20
 
 
 class SourceUnavailable(Exception):
-    """vLLM's source release could not be had; the message says why."""
+    """vLLM's source release could not be had; the message says why.
+    `unreachable`: PyPI (or the download) could not be reached, as opposed
+    to an answer that is wrong (no such release, a sha256 that differs, no
+    proxy in it)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def installed_version() -> str:
@@ -92,7 +99,8 @@ def sdist_link(version: str) -> tuple[str, str]:
         with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as reply:
             page = reply.read().decode("utf-8", errors="replace")
     except OSError as exc:
-        raise SourceUnavailable(f"PyPI's index ({INDEX}) is unreachable: {exc}") from exc
+        raise SourceUnavailable(f"PyPI's index ({INDEX}) is unreachable: {exc}",
+                                unreachable=True) from exc
     name = re.escape(f"vllm-{version}.tar.gz")
     found = re.search(rf'href="([^"#]*/{name})#sha256=([0-9a-f]{{64}})"', page)
     if found is None:
@@ -117,7 +125,7 @@ def _download(url: str, sha256: str, folder: Path) -> Path:
                 digest.update(chunk)
                 out.write(chunk)
     except OSError as exc:
-        raise SourceUnavailable(f"downloading {url} failed: {exc}") from exc
+        raise SourceUnavailable(f"downloading {url} failed: {exc}", unreachable=True) from exc
     if digest.hexdigest() != sha256:
         raise SourceUnavailable(f"{url} does not match the index's sha256 {sha256} "
                                 f"(got {digest.hexdigest()})")
