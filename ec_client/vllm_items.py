@@ -149,8 +149,8 @@ class RequestItems:
         return False
 
     def _fail(self, request_id: str, why: str) -> None:
-        log.error("ec-daemon: request %s came without the media of items this engine cannot "
-                  "load: %s; failing the request", request_id, why)
+        log.error("ec-daemon: request %s came without the media of an image it needs, and %s: "
+                  "failing the request", request_id, why)
         self._unobtainable.add(request_id)
         self._metadata_only_failures += 1
 
