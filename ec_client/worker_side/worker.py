@@ -114,8 +114,16 @@ class WorkerDelegate(LinkListener):
             return False
         if self.link.attachment is None:
             self.stats["saves_skipped_detached"] += 1
+            self.saver.drop(mm_hash)
             return False
         return self.saver.put(mm_hash, output)
+
+    def take_dropped(self) -> list[str]:
+        """The saves that ended without their entry in the cache since the
+        last call (skipped, refused, failed, lost; not those another engine
+        had cached already), by mm_hash: the scheduler's producer then
+        announces no metadata for them."""
+        return self.saver.take_dropped()
 
     def follow_scheduler(self, namespace: str) -> None:
         """The engine's scheduler answers hits from `namespace` (each step's

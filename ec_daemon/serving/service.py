@@ -114,7 +114,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         return pb.AttachReply(
             session_id=session.session_id, session_index=session.index, region=self.region,
             namespace=session.namespace, lease_ms=int(lease_seconds * 1000),
-            heartbeat_ms=heartbeat_ms, stream_saves=True)
+            heartbeat_ms=heartbeat_ms, stream_saves=True, producer_claims=True)
 
     @grpc_errors
     async def Detach(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
