@@ -73,7 +73,8 @@ class CopyBackend(Protocol):
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         """Copy `extents` into `out` (contiguous, on `device`, whose byte size
         is their total; best made by `empty`); return `out` once the bytes
-        landed. Raises TypeError for a non-contiguous `out` or one elsewhere."""
+        landed. Raises TypeError for a non-contiguous `out` or one elsewhere,
+        `mapping.RegionCut` (an OSError) when the file was cut short of them."""
 
     def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
         """Each load of a step, as `load` does it, returning once every copy
