@@ -283,7 +283,7 @@ class SessionLink:
         attachment = Attachment(
             session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
             region=RegionInfo(region.path, region.size_bytes, region.generation,
-                              region.page_bytes, region.data_offset),
+                              region.page_bytes, region.data_offset, region.canary),
             lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms,
             stream_saves=reply.stream_saves, producer_claims=reply.producer_claims)
         lease = attachment.lease_ms / 1000

@@ -18,10 +18,16 @@ the saves queued at once, up to SAVE_BATCH:
   call, a copy and a Report call.
 
 Either way, once a copy landed the saver reads the bytes back from the
-region and reports their checksum with `saved` (xxh3-64, `ec_protocol.checksums`):
-the daemon records it and sends it with the entry, so a loader can tell the
-saved bytes from ones another process wrote since. It costs the saver thread
-a pass over the bytes, never the engine (docs/performance.md).
+region file (pread: never the mapping's pages, which a worker that truncates
+the file would make a SIGBUS) and reports their checksum with `saved`
+(xxh3-64, `ec_protocol.checksums`): the daemon records it and sends it with
+the entry, so a loader can tell the saved bytes from ones another process
+wrote since. It costs the saver thread a pass over the bytes, never the
+engine (docs/performance.md). Then it reads the file's canary
+(`Regions.intact`): changed, the file was cut since it was mapped, and the
+copy may have landed in pinned pages the file no longer has while the
+read-back vouched for what the file holds instead, so the save is given up
+(`saves_region_cut`) and never reported saved.
 
 Either way a save copies only while the session is fresh and its pages carry
 its allocation's stamp (a writer frozen past its lease never overwrites), a
@@ -42,6 +48,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Hashable
 from typing import Any
@@ -50,6 +57,7 @@ import grpc
 
 from ec_client.common.session import Attachment, SessionLink
 from ec_client.copy import CopyBackend, describe, storage_of
+from ec_client.copy.mapping import RegionDamaged
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.stream_saves import Report, StreamSaves
 from ec_protocol.checksums import checksum
@@ -60,6 +68,8 @@ log = logging.getLogger(__name__)
 
 # How often the idle saver thread unmaps retired regions.
 PRUNE_SECONDS = 1.0
+# Saves given up for a cut region are logged at most this often (counted each).
+CUT_LOG_SECONDS = 10.0
 # On the save queue: report the saves skipped so far (the queue was too full).
 _REPORT_SKIPS: Any = object()
 # Dropped saves remembered until taken (`take_dropped`: every engine step).
@@ -104,6 +114,7 @@ class Saver:
         # Saves waiting until the saves' namespace is confirmed (`held`);
         # None once released (later saves are queued at once).
         self._waiting: list[QueuedSave] | None = [] if held else None
+        self._cut_logged = -CUT_LOG_SECONDS
         self._thread = threading.Thread(target=self._save_loop, name=name, daemon=True)
         self._thread.start()
 
@@ -363,20 +374,34 @@ class Saver:
     def _copy(self, attachment: Attachment, output: Any, ready: Any, entry_id: int,
               extents: list[tuple[int, int]]) -> int | None:
         """Copy `output` into its allocated extents; the checksum of the bytes
-        that landed (read back from the region), or None (stale, nothing
-        copied) unless the allocation's session is the link's and fresh, and
-        the pages carry its stamp."""
-        with self.regions.use(attachment.region) as (mapping, stamps):
-            # A writer frozen past its lease and its quarantine must not
-            # copy into pages reused since: copy only while the session is
-            # known alive and the pages still carry this allocation's stamp.
-            if self.link.attachment is not attachment or not self.link.fresh() \
-                    or not stamps.holds(extents, entry_id):
-                self.stats["saves_stale"] += 1
-                return None
-            self.backend.save(output, mapping, extents, ready)
-            view = mapping.view  # what every loader will read: the region's pages
-            return checksum(view[offset:offset + length] for offset, length in extents)
+        that landed (read back from the region file), or None (give it up)
+        unless the allocation's session is the link's and fresh, the pages
+        carry its stamp (else nothing is copied), and the file was not cut
+        under the copy (its canary)."""
+        try:
+            with self.regions.use(attachment.region) as (mapping, stamps):
+                # A writer frozen past its lease and its quarantine must not
+                # copy into pages reused since: copy only while the session is
+                # known alive and the pages still carry this allocation's stamp.
+                if self.link.attachment is not attachment or not self.link.fresh() \
+                        or not stamps.holds(extents, entry_id):
+                    self.stats["saves_stale"] += 1
+                    return None
+                self.backend.save(output, mapping, extents, ready)
+                # What every loader will read: the file's pages, read with pread.
+                sums = checksum(mapping.chunks(extents))
+                if not self.regions.intact(mapping):  # after the read-back
+                    self.stats["saves_region_cut"] += 1
+                    return None
+                return sums
+        except RegionDamaged as exc:  # cut under the copy, or not repaired yet
+            self.stats["saves_region_cut"] += 1
+            now = time.monotonic()
+            if now >= self._cut_logged + CUT_LOG_SECONDS:  # (once a while: saves go on)
+                self._cut_logged = now
+                log.warning("ec-daemon save given up (%d so far): %s",
+                            self.stats["saves_region_cut"], exc)
+            return None
 
     def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
         attachment = self.link.attachment

@@ -204,6 +204,9 @@ class WorkerDelegate(LinkListener):
                                                 for spec, _, out, m in planned])
             except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
                 errors = [exc] * len(planned)
+            # The region's canary, after the copies landed: a file another
+            # process cut under them fails their loads (`Regions.intact`).
+            errors = self.regions.check_loads([m for *_, m in planned], errors)
             for (spec, stamps, out, _), error in zip(planned, errors, strict=True):
                 if error is not None:
                     reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"
