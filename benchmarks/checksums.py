@@ -3,18 +3,21 @@ loader's (`ec_daemon_verify_checksum`), and the daemon's check of a reported
 mismatch.
 
 - A save's copy on the save rank's saver thread: the cpu backend's copy of
-  an output into a real /dev/shm mapping (the baseline, in the same run),
-  then that copy and the xxh3-64 of the pages that landed, read back through
-  the mapping as the saver does. The ratio is what the saver thread spends
-  per save with the checksum over without; the engine's thread spends
-  nothing either way (the saver runs beside it).
+  an output into a real /dev/shm region file (the baseline, in the same
+  run), then that copy and the xxh3-64 of the pages that landed, read back
+  from the file with pread a MiB at a time, as the saver does (never through
+  a mapping: a worker that truncates the file would make it a SIGBUS). The
+  ratio is what the saver thread spends per save with the checksum over
+  without; the engine's thread spends nothing either way (the saver runs
+  beside it).
 - A load's copy on a worker (`WorkerDelegate.load`): the cpu backend's copy
-  of an entry out of the mapping into an output (the baseline), then that
-  copy and the check `ec_daemon_verify_checksum` adds: the xxh3-64 of the
-  output (the cpu backend's outputs are host memory), and of the region's
-  pages (what a CUDA worker reads on the host after its copy landed; its
-  device copy's own time is benchmarks/gpu.py's). The ratio is what a load
-  costs with the check over without: under 1.05 would make it the default.
+  of an entry out of the region file into an output (the baseline), then
+  that copy and the check `ec_daemon_verify_checksum` adds: the xxh3-64 of
+  the output (the cpu backend's outputs are host memory), and of the
+  region's pages read back with pread (what a CUDA worker reads on the host
+  after its copy landed; its device copy's own time is benchmarks/gpu.py's).
+  The ratio is what a load costs with the check over without: under 1.05
+  would make it the default.
 - The daemon's check of an entry a loader reported: pread of its pages and
   their xxh3-64 (off the event loop), against the pread alone.
 
@@ -62,18 +65,18 @@ def measure(sizes: tuple[int, ...] = SIZES, repeat: int = 20) -> list[dict[str, 
 
 def _rows(backend: Any, mapping: RegionMapping, fd: int, size: int,
           repeat: int) -> list[dict[str, Any]]:
-    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    source = backend.empty((size,), "uint8")  # (aligned, as an engine's output is)
+    source[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     extents = [(0, size)]
-    view = mapping.view
 
     def save() -> None:
         backend.save(source, mapping, extents)
 
     def save_and_sum() -> None:
         backend.save(source, mapping, extents)
-        checksum(view[offset:offset + length] for offset, length in extents)
+        checksum(mapping.chunks(extents))
 
-    out = np.empty(size, dtype=np.uint8)
+    out = backend.empty((size,), "uint8")  # (aligned, as a load's output is)
 
     def load() -> None:
         backend.load(mapping, extents, out)
@@ -84,7 +87,7 @@ def _rows(backend: Any, mapping: RegionMapping, fd: int, size: int,
 
     def load_and_sum_pages() -> None:
         backend.load(mapping, extents, out)
-        checksum(view[offset:offset + length] for offset, length in extents)
+        checksum(mapping.chunks(extents))
 
     def pread() -> bytes:
         return os.pread(fd, size, 0)

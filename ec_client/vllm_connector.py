@@ -145,17 +145,21 @@ class ECDaemonConnectorMetadata(StepMetadata, ECConnectorMetadata):
 @dataclass
 class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
     """Workers -> scheduler each step: one entry per rank and transfer staged
-    (`done`) or not (`failed`: with what failed), and the worker's counters
-    (vLLM aggregates over the ranks)."""
+    (`done`) or not (`failed`: with what failed), the items whose save ended
+    without an entry (`dropped`: the scheduler's producer announces no
+    metadata for them), and the worker's counters (vLLM aggregates over the
+    ranks)."""
 
     done: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     failed: list[tuple[int, str]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, ECDaemonWorkerMetadata)
         self.done.extend(other.done)
         self.failed.extend(other.failed)
+        self.dropped.extend(other.dropped)
         self.stats = merge_stats(self.stats, other.stats)
         return self
 
@@ -318,6 +322,8 @@ class ECDaemonConnector(ECConnectorBase):
         # Requests with items from when vLLM first asks about them until they
         # finish: when none is left, the stats go out (get_ec_connector_stats).
         self._active: set[str] = set()
+        # `vllm:ec_daemon_attached` as vLLM was last told (-1: not yet).
+        self._attached_said = -1
         self._done: list[int] = []
         self._failed: list[tuple[int, str]] = []
         self._load_seconds: list[float] = []
@@ -465,9 +471,10 @@ class ECDaemonConnector(ECConnectorBase):
         # Load times from one rank only: every rank loads the same entries.
         stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
         self._load_seconds = []
-        if not self._done and not self._failed and not stats:
+        dropped = self._worker.take_dropped()
+        if not self._done and not self._failed and not stats and not dropped:
             return None
-        meta = ECDaemonWorkerMetadata(self._done, stats, self._failed)
+        meta = ECDaemonWorkerMetadata(self._done, stats, self._failed, dropped)
         self._done, self._failed = [], []
         return meta
 
@@ -484,8 +491,10 @@ class ECDaemonConnector(ECConnectorBase):
         cache and its load is being staged (it is a hit next time), or it is
         being made by another engine of this host or promoted from the second
         tier (bounded; see `SchedulerDelegate.ensure`), or came without media
-        and is not in the cache yet (`RequestItems.fetched`). An item whose
-        load failed is encoded, or fails a request without its media. Items
+        and is not in the cache yet (`RequestItems.fetched`: failed at once
+        when nobody will make it). An item whose load failed is encoded, or
+        fails a request without its media. A producer claims the items it is
+        about to encode and is never deferred. Items
         already computed, or held in vLLM's encoder cache, need no transfer
         and are not asked about (vLLM asks every step, decodes included)."""
         scheduler = self._scheduler
@@ -511,15 +520,16 @@ class ECDaemonConnector(ECConnectorBase):
                 encodable.append(mm_hash)
         ready = not encodable or scheduler.ensure(encodable, request_id)
         fetched = not fetch or items.fetched(
-            request_id, fetch, lambda mm_hash: scheduler.stage(mm_hash, request_id))
+            request_id, fetch, lambda mm_hash: scheduler.stage(mm_hash, request_id),
+            scheduler.unobtainable)
         return ready and fetched
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
         self._active.add(request.request_id)
         mm_hash = request.mm_features[index].identifier
-        self._items.allocated(mm_hash)
-        self._scheduler.after_alloc(request.request_id, mm_hash)
+        loaded = self._scheduler.after_alloc(request.request_id, mm_hash)
+        self._items.allocated(mm_hash, request.request_id, encoded=not loaded)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
@@ -535,6 +545,8 @@ class ECDaemonConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, ECDaemonWorkerMetadata):
             self._scheduler.apply_worker_output(meta.done, meta.failed)
+            if meta.dropped:
+                self._items.saves_dropped(meta.dropped)
             if meta.stats:
                 self._worker_stats = merge_stats(self._worker_stats, meta.stats)
 
@@ -548,18 +560,25 @@ class ECDaemonConnector(ECConnectorBase):
         released (an aborted request must not keep other engines waiting).
         A producer reports vLLM's `ec_transfer_params` for its items
         (`RequestItems.transfer_params`): a consumer given them with
-        metadata-only items loads those from the cache."""
+        metadata-only items loads those from the cache. Metadata is announced
+        only for an item the cache holds, or that this request encoded and
+        whose save was not reported dropped: one dropped in this very step is
+        not known yet, and the daemon tells a consumer that asks (see
+        `RequestItems`)."""
         self._active.discard(request.request_id)
         if self._scheduler is None or not request.mm_features:
             return False, None
-        self._scheduler.request_finished(request.request_id,
-                                         (f.identifier for f in request.mm_features))
-        self._items.finished(request)
-        if not self.is_producer:
-            return False, None
-        reachable = self._scheduler.link.fresh()  # else its workers' saves were skipped
-        return False, self._items.transfer_params(
-            request, lambda mm_hash: reachable and not self._private(mm_hash))
+        scheduler, items = self._scheduler, self._items
+        scheduler.request_finished(request.request_id,
+                                   (f.identifier for f in request.mm_features))
+        params = None
+        if self.is_producer:
+            reachable = scheduler.link.fresh()  # else its workers' saves were skipped
+            params = items.transfer_params(request, lambda mm_hash: (
+                reachable and not self._private(mm_hash)
+                and items.announced(request.request_id, mm_hash, scheduler.holds)))
+        items.finished(request)
+        return False, params
 
     # ------------------------------------------------------------ metrics
 
@@ -579,15 +598,34 @@ class ECDaemonConnector(ECConnectorBase):
         if self._scheduler is None:
             return None
         now = time.monotonic()
-        if now < self._next_stats and self._active:
-            return None
-        data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
-        self._worker_stats = {}
+        attached = self._attached()
+        paced = now < self._next_stats and bool(self._active)
+        data: dict[str, Any] = {}
+        if not paced:
+            data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
+            data = merge_stats(data, self._items.take_stats())
+            self._worker_stats = {}
+            if any(data.values()):
+                self._next_stats = now + STATS_INTERVAL_SECONDS
+        if attached != self._attached_said:  # a state goes out at once, counts or not
+            data["attached"] = self._attached_said = attached
         stats = ECDaemonStats(data=data)
-        if stats.is_empty():
-            return None
-        self._next_stats = now + STATS_INTERVAL_SECONDS
-        return stats
+        return None if stats.is_empty() else stats
+
+    def _attached(self) -> int:
+        """1 while the scheduler's session is attached and fresh (hits can be
+        answered), else 0: `vllm:ec_daemon_attached`."""
+        assert self._scheduler is not None
+        link = self._scheduler.link
+        return int(link.attachment is not None and link.fresh())
+
+    def has_pending_push_work(self) -> bool:
+        """True while `vllm:ec_daemon_attached` has changed and vLLM has not
+        been told: vLLM asks for connector stats only inside a step, and an
+        idle engine runs none, so this keeps its loop stepping (empty steps)
+        until the stats that say it went out. vLLM asks every loop
+        iteration: two attribute reads and a clock read."""
+        return self._scheduler is not None and self._attached() != self._attached_said
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECDaemonStats:

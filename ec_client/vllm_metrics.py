@@ -5,8 +5,11 @@ counters since the previous step (the scheduler's lookups, hits, loads and
 load failures; the workers' saves and skipped saves, carried to the
 scheduler in their metadata) and the workers' per-step load times. vLLM's
 logger aggregates and logs them; `ECDaemonPromMetrics` turns them into
-`vllm:ec_daemon_*` counters and a load-time histogram, labelled per engine
-like vLLM's other metrics.
+`vllm:ec_daemon_*` counters, a load-time histogram and the `attached` gauge
+(is the engine's scheduler attached to its daemon: 1, or serving without
+the cache: 0), labelled per engine like vLLM's other metrics. A gauge is a
+state, not a count: merging keeps its latest value, and stats that carry
+only a gauge are not empty (vLLM drops empty stats, and "detached" is 0).
 """
 
 from __future__ import annotations
@@ -51,19 +54,35 @@ COUNTERS = {
                      "Times the scheduler waited for the daemon's answer to a cold miss"),
     "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",
                        "Time the scheduler waited for those answers"),
+    "metadata_only_items": ("vllm:ec_daemon_metadata_only_items",
+                            "Items of finished requests that came without their media (an "
+                            "encoder instance announced them): never preprocessed here"),
+    "metadata_only_failures": ("vllm:ec_daemon_metadata_only_failures",
+                               "Requests failed: an item that came without its media was not "
+                               "in the cache and nobody would make it, or not in time"),
     "pin_refused": ("vllm:ec_daemon_pin_refused",
                     "Region mappings a CUDA worker could not pin (cudaHostRegister refused): "
                     "its copies run unpinned, slower and still correct"),
+}
+# stats key -> (metric name, help): states, the latest value wins
+GAUGES = {
+    "attached": ("vllm:ec_daemon_attached",
+                 "1 while the engine's scheduler is attached to its ec-daemon (hits are "
+                 "answered), 0 while it serves without the cache (the daemon is unreachable: "
+                 "its log says which socket it tries)"),
 }
 LOAD_SECONDS = "load_seconds"
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)
 
 
 def merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Sum counters, concatenate lists; neither argument is changed."""
+    """Sum counters, concatenate lists, keep `b`'s gauges; neither argument
+    is changed."""
     merged = dict(a)
     for key, value in b.items():
-        if isinstance(value, list):
+        if key in GAUGES:
+            merged[key] = value
+        elif isinstance(value, list):
             merged[key] = [*merged.get(key, []), *value]
         else:
             merged[key] = merged.get(key, 0) + value
@@ -90,7 +109,7 @@ class ECDaemonStats(ECConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data.values()) and not any(k in self.data for k in GAUGES)
 
 
 class ECDaemonPromMetrics(ECConnectorPromMetrics):
@@ -105,6 +124,11 @@ class ECDaemonPromMetrics(ECConnectorPromMetrics):
             name="vllm:ec_daemon_load_seconds",
             documentation="Time a worker spent loading one step's encoder outputs",
             buckets=LOAD_BUCKETS, labelnames=labelnames))
+        # Children made on their first value: no sample until the engine said.
+        self._gauges = {key: self._gauge_cls(name=name, documentation=doc,
+                                             multiprocess_mode="mostrecent",
+                                             labelnames=labelnames)
+                        for key, (name, doc) in GAUGES.items()}
 
     def _per_engine(self, metric: Counter | Histogram) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
@@ -115,3 +139,7 @@ class ECDaemonPromMetrics(ECConnectorPromMetrics):
                 self._counters[key][engine_idx].inc(value)
         for seconds in transfer_stats_data.get(LOAD_SECONDS, []):
             self._load_time[engine_idx].observe(seconds)
+        for key, gauge in self._gauges.items():
+            if key in transfer_stats_data:
+                gauge.labels(*self.per_engine_labelvalues[engine_idx]).set(
+                    transfer_stats_data[key])

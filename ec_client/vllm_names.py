@@ -131,7 +131,12 @@ USES: tuple[Use, ...] = (
     Use(f"{METRICS}:ECConnectorPromMetrics.__init__", "ECDaemonPromMetrics",
         call=("self", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")),
     *_fields(f"{METRICS}:ECConnectorPromMetrics",
-             "_counter_cls _histogram_cls per_engine_labelvalues", "ECDaemonPromMetrics"),
+             "_counter_cls _histogram_cls _gauge_cls per_engine_labelvalues",
+             "ECDaemonPromMetrics"),
+    # vLLM keeps an idle engine stepping while this says so: how the attached
+    # gauge reaches /metrics without a request.
+    Use(f"{BASE}:ECConnectorBase.has_pending_push_work", "has_pending_push_work",
+        call=("self",)),
     # The plugin (vllm_plugin).
     Use(f"{FACTORY}:ECConnectorFactory.register_connector", "vllm_plugin.register",
         call=("name", "module_path", "class_name")),

@@ -26,7 +26,7 @@ DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 # Each load checked against its entry's checksum: off, since it costs more
 # than 5% of a load (docs/performance.md, 2b: the cpu backend's load of 1-64
-# MiB takes 1.6-1.8x as long with it; a CUDA worker reads the pages on the
+# MiB takes 1.3-1.5x as long with it; a CUDA worker reads the pages on the
 # host after its copy: benchmarks/gpu.py's `verify_cost`). Turn it on where
 # other processes that map the region (any engine's workers, a --group) are
 # not trusted.

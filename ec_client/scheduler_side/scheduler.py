@@ -20,10 +20,16 @@ media, fails: the vLLM shell decides). Recency and load counts reach the
 daemon as touches on the next heartbeat. Saves need nothing from the
 scheduler.
 
-An item the view does not hold is *wanted* where another engine shares the
-namespace or a second tier is on (the daemon says which): the daemon
-answers encode it, or wait for another engine's save or a promotion, which
-ends with a ready event (`ec_client.scheduler_side.wants`).
+An item the view does not hold is *wanted* (one stream message) and the
+daemon answers: encode it (nobody else is), or wait for another engine's
+save or a promotion from the second tier, which ends with a ready event
+(then it is staged); a producer only claims what it encodes (never
+deferred), and a consumer given an item without its media learns at once
+when nobody will make it (`unobtainable`). What is asked and told, and every
+bound on waiting for it, is `ec_client.scheduler_side.wants`'s. This is the
+one wait on the scheduler's path, for a miss only, bounded per step; hits
+never wait. Wants are sent only where they help: another engine shares the
+namespace, or a second tier is on (the daemon says which).
 
 Hits are answered only once every worker rank of the engine has mapped the
 daemon's region (the daemon counts their open session streams and says so on
@@ -126,10 +132,8 @@ class SchedulerDelegate(LinkListener):
         to, `ec_daemon_verify_checksum`)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
-        self.answer_wait_seconds = answer_wait_seconds
-        self.wants = Wants(self._send_items, max_defer_seconds=max_defer_seconds,
-                           answer_wait_seconds=answer_wait_seconds)
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
+        self._producer_claims = False  # the daemon takes a producer's wants (at attach)
         # Every worker rank mapped the session's region (EngineRanks, link thread).
         self._ranks_mapped = False
         self._ranks_seen = (0, 1)  # (mapped, needed), as last told
@@ -143,6 +147,8 @@ class SchedulerDelegate(LinkListener):
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
+        self.wants = Wants(self.view, self._send_items, max_defer_seconds=max_defer_seconds,
+                           answer_wait_seconds=answer_wait_seconds)
         self.staging = Staging(self.view, self._send, ranks=ranks, limit_bytes=staging_bytes,
                                admit_seconds=max_defer_seconds, verify_checksum=verify_checksum)
         self._current: _Current | None = None
@@ -212,6 +218,11 @@ class SchedulerDelegate(LinkListener):
         region mapped, how many hits need), as last told."""
         return self._ranks_seen
 
+    def holds(self, mm_hash: str) -> bool:
+        """Is `mm_hash` ready in the daemon, as far as this view knows (any
+        role: a producer's view follows its namespace too)? Claims nothing."""
+        return self._current is not None and self.view.get(mm_hash) is not None
+
     def serving(self) -> bool:
         """Would a ready item be staged now? Attached and fresh, the
         snapshot in, and every worker rank mapped the region."""
@@ -225,7 +236,13 @@ class SchedulerDelegate(LinkListener):
         engine or a promotion is making one, or the daemon has not answered
         yet. An item whose load failed goes ahead, as a miss. Waits only for
         the answers to items wanted here for the first time,
-        `answer_wait_seconds` per step in all (`Wants`)."""
+        `answer_wait_seconds` per step in all (`Wants`). A producer (it
+        cannot load) claims the items it is about to encode and is never
+        deferred."""
+        if not self.can_load:
+            if self._producer_claims and self._wanting and self.link.fresh():
+                self.wants.claim(mm_hashes, request_id)  # (an older daemon refuses them)
+            return True
         ready = True
         misses: list[str] = []
         now = time.monotonic()
@@ -235,16 +252,27 @@ class SchedulerDelegate(LinkListener):
                 ready = False
             elif state is Stage.ABSENT:
                 misses.append(mm_hash)
-        if misses and self._wanting and self._ranks_mapped and self.can_load \
-                and self.link.fresh():
+        if misses and self._wanting and self._ranks_mapped and self.link.fresh():
             view = self.view
-            if not self.wants.ensure(misses, request_id, lambda h: view.get(h) is not None):
+            if not self.wants.ensure(misses, request_id):
                 ready = False
             for mm_hash in misses:  # landed while the step waited for answers
                 if view.get(mm_hash) is not None \
                         and self.stage(mm_hash, request_id, now) is Stage.WAIT:
                     ready = False
         return ready
+
+    def unobtainable(self, mm_hashes: Iterable[str], request_id: str = "") -> list[str]:
+        """Of these items, which this engine cannot encode (they came without
+        media), those nobody will make: not ready, not being saved, claimed
+        by no engine (a producer's save was dropped or refused, or the
+        producer is gone). Asks the daemon about each once, whether or not
+        another engine shares the namespace, and waits for the answers as
+        `ensure` does. An item being made, or not answered yet, is not
+        listed: the caller bounds that wait. Empty while detached or stale."""
+        if not self.can_load or self._current is None or not self.link.fresh():
+            return []
+        return self.wants.lost(mm_hashes, request_id)
 
     def request_finished(self, request_id: str, mm_hashes: Iterable[str]) -> None:
         """Request `request_id`, which needed these items, finished or was
@@ -323,14 +351,11 @@ class SchedulerDelegate(LinkListener):
     def take_stats(self) -> Counter[str]:
         """Counters since the previous call (vLLM's connector stats)."""
         lookups, hits = self._counts_since("stats")
-        counts, wants = self.staging.counts, self.wants
+        counts = self.staging.counts
         stats = Counter(lookups=lookups, hits=hits, loads=counts.loads,
                         load_bytes=counts.load_bytes, load_failures=counts.load_failures,
-                        loads_inline=counts.inline, deferred=wants.deferred,
-                        defer_timeouts=wants.defer_timeouts, answer_waits=wants.answer_waits,
-                        answer_wait_us=wants.answer_wait_us)
+                        loads_inline=counts.inline, **self.wants.take_stats())
         counts.loads = counts.load_bytes = counts.load_failures = counts.inline = 0
-        wants.deferred = wants.defer_timeouts = wants.answer_waits = wants.answer_wait_us = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
@@ -376,9 +401,10 @@ class SchedulerDelegate(LinkListener):
         os.close(open_region(attachment.region.path, owner))
         self.staging.region_owner = owner
         self._wanting = False  # until the new session's NamespaceInfo
+        self._producer_claims = attachment.producer_claims
         self._ranks_mapped = False  # until the new session's EngineRanks
         self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
-        self.wants.reset()
+        self.wants.clear()
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
         self.view.clear(keep_loads=same_region)
@@ -399,7 +425,7 @@ class SchedulerDelegate(LinkListener):
     def on_message(self, message: Any) -> None:
         self.view.apply(message, self._send)  # ready events before the answers
         if message.answers:
-            self.wants.on_answers(message.answers)
+            self.wants.answered(message.answers)
         if message.HasField("namespace_info"):
             info = message.namespace_info
             wanting = info.engines > 1 or info.remote_tier

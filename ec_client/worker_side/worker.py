@@ -57,7 +57,7 @@ from ec_client.common.settings import (
 )
 from ec_client.common.trust import attached_socket_owner
 from ec_client.copy import CopyBackend, get_backend
-from ec_client.copy.mapping import RegionMapping
+from ec_client.copy.mapping import RegionDamaged, RegionMapping
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.saver import Saver
 from ec_client.worker_side.staging import StagingArea
@@ -143,8 +143,16 @@ class WorkerDelegate(LinkListener):
             return False
         if self.link.attachment is None:
             self.stats["saves_skipped_detached"] += 1
+            self.saver.drop(mm_hash)
             return False
         return self.saver.put(mm_hash, output)
+
+    def take_dropped(self) -> list[str]:
+        """The saves that ended without their entry in the cache since the
+        last call (skipped, refused, failed, lost; not those another engine
+        had cached already), by mm_hash: the scheduler's producer then
+        announces no metadata for them."""
+        return self.saver.take_dropped()
 
     def follow_scheduler(self, namespace: str) -> None:
         """The engine's scheduler answers hits from `namespace` (each step's
@@ -225,6 +233,9 @@ class WorkerDelegate(LinkListener):
                                                 for spec, _, out, m in planned])
             except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
                 errors = [exc] * len(planned)
+            # The region's canary, after the copies landed: a file another
+            # process cut under them fails their loads (`Regions.intact`).
+            errors = self.regions.check_loads([m for *_, m in planned], errors)
             for (spec, stamps, out, mapping), error in zip(planned, errors, strict=True):
                 if error is not None:
                     reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"
@@ -234,7 +245,10 @@ class WorkerDelegate(LinkListener):
                                                  "the bytes are not the entry's")
                     result.kinds[spec.transfer_id] = STAMP_MISMATCH
                 elif self.verify_checksum and spec.checksum \
-                        and not self._checksum_holds(spec, out, mapping):
+                        and (holds := self._checksum_holds(spec, out, mapping)) is not True:
+                    if holds is not False:  # the file ended under the read: a cut
+                        reasons[spec.transfer_id] = f"{type(holds).__name__}: {holds}"
+                        continue
                     self.stats["loads_checksum_mismatch"] += 1
                     reasons[spec.transfer_id] = ("its bytes do not match the checksum its "
                                                  "writer recorded: another process rewrote them")
@@ -254,7 +268,8 @@ class WorkerDelegate(LinkListener):
                 self.stats["loads_failed"] += 1
         return result
 
-    def _checksum_holds(self, spec: LoadSpec, out: Any, mapping: RegionMapping) -> bool:
+    def _checksum_holds(self, spec: LoadSpec, out: Any,
+                        mapping: RegionMapping) -> bool | RegionDamaged:
         """Do the loaded bytes hash to the entry's checksum? Read after the
         copy landed (and the stamps, which held). Where the backend's
         outputs are host memory (`cpu`) that is the output itself: what the
@@ -268,9 +283,12 @@ class WorkerDelegate(LinkListener):
         loaded = self.backend.loaded_bytes(out)
         if loaded is not None:
             return checksum((loaded,)) == spec.checksum
-        view = mapping.view
-        return checksum(view[offset:offset + length]
-                        for offset, length in spec.extents) == spec.checksum
+        # Read with pread, never through the mapping: a page another process
+        # cut would make that a SIGBUS (RegionCut here, a failed load).
+        try:
+            return checksum(mapping.chunks(spec.extents)) == spec.checksum
+        except RegionDamaged as exc:
+            return exc
 
     def stage(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo],
               step: int = 0) -> LoadResult:

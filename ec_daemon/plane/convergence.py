@@ -81,7 +81,7 @@ CLAIM_START_SECONDS = 2.0
 # A promotion is a store read and a copy; past this its waiters encode.
 PROMOTE_SECONDS = 10.0
 # A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
-# well within the view's bound on an answer (ec_client.scheduler_side.scheduler ANSWER_SECONDS).
+# well within the view's bound on an answer (ec_client.scheduler_side.wants ANSWER_SECONDS).
 ANSWER_SECONDS = 0.25
 COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
             "promotion_failures", "promoted_bytes", "slow_resolutions")

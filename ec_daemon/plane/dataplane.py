@@ -224,10 +224,12 @@ class DataPlane:
                 or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
                                      "lookups or report mismatches")
-        if (m.wants or m.releases or m.yields or m.encoding) and not (session.is_scheduler
-                                                                       and session.can_load):
+        if (m.wants or m.releases or m.encoding) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions want, release or encode items")
+        if m.yields and not (session.is_scheduler and session.can_load):
+            # (a producer never waits: it cannot take another's claim in its place)
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
-                                     "want, release, yield or encode items")
+                                     "yield items")
         if (m.allocations or m.reports) and session.rank is None:
             raise FailedPrecondition("only worker sessions save")
         if m.engine_token and session.rank is None:
@@ -386,27 +388,38 @@ class DataPlane:
         self.verify()
 
     def _check_region(self) -> None:
-        """A region file a client truncated (every engine worker opens it
-        read-write): give it its size back and drop what was cut, so nothing
-        is served from a short file (`Cache.cut_off`)."""
-        if self.region_file is None:
+        """A region file a client cut (every engine worker opens it
+        read-write): give it its size back, drop what was cut, so nothing
+        is served from a short or zeroed file (`Cache.cut_off`), then write
+        a new canary, which tells every worker that mapped the file before
+        that what it copied since may not be the file's. A short file was cut
+        where its size says; one whose canary changed at full size was cut
+        and regrown before this look (or its trailer written), where is
+        unknown: every entry is dropped."""
+        region = self.region_file
+        if region is None:
             return
-        size = self.region_file.shortfall()
+        size = region.shortfall()
         if size is None:
-            return
+            if region.canary_intact():
+                return
+            first, how = 0, "truncated and regrown (its canary changed)"
+        else:
+            first = max(0, (size - self.cache.data_offset) // self.cache.page_bytes)
+            how = f"truncated to {size} bytes"
         cache = self.cache
         cache.counters["region_truncations"] += 1
-        first = max(0, (size - cache.data_offset) // cache.page_bytes)
         try:
-            self.region_file.restore()
+            region.restore()
         except OSError as exc:
-            log.error("the region %s was truncated to %d bytes by a client, and cannot be "
-                      "given its size back (%s): trying again", self.region_path, size, exc)
+            log.error("the region %s was %s by a client, and cannot be given its size back "
+                      "(%s): trying again", self.region_path, how, exc)
             return
         lost = cache.cut_off(first)
-        log.error("the region %s was truncated to %d bytes by a client of the socket: its size "
-                  "is restored, and the %d entries it cut are dropped (never served)",
-                  self.region_path, size, len(lost))
+        region.renew_canary()  # last: what was cut is dropped by now
+        log.error("the region %s was %s by a client of the socket: its size is restored, the "
+                  "%d entries it cut are dropped (never served), and its canary renewed",
+                  self.region_path, how, len(lost))
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

@@ -234,7 +234,7 @@ def test_a_value_that_cannot_be_cached_here_is_fetched_once(hosts):
         forge(store, two, "img", (1 << 16,), "not-a-dtype", np.zeros(1 << 16, np.uint8))
         indexed(two, 1)
         for _ in range(3):
-            two.scheduler.wants.reset()  # a later request for the same item
+            two.scheduler.wants.clear()  # a later request for the same item
             ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
             assert ok and not staged.servable(two.scheduler, "img")
         tier = two.tier()

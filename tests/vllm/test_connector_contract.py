@@ -244,7 +244,9 @@ def test_a_copy_backend_for_another_device_is_refused_at_start():
 
 def test_stats_count_this_engines_lookups_hits_and_loads(engine):
     scheduler, worker = engine
-    assert scheduler.get_ec_connector_stats() is None  # nothing happened yet
+    first = scheduler.get_ec_connector_stats()  # nothing happened yet: attached, said once
+    assert first is not None and first.data == {"attached": 1}
+    assert scheduler.get_ec_connector_stats() is None
     hit_cycle(scheduler, worker, "img-5", 5)
 
     stats = scheduler.get_ec_connector_stats()
@@ -301,6 +303,7 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     (line,) = lines
     assert "lookups=4" in line and "hits=2" in line and "loads=2" in line
+    assert "attached=1" in line  # a state, not summed over the steps
     assert "hit_rate=0.5" in line and "avg_load_ms=" in line
 
     # /metrics, built as vLLM's PrometheusStatLogger builds it.
@@ -315,6 +318,9 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     assert sample("vllm:ec_daemon_lookups_total") == 4
     assert sample("vllm:ec_daemon_hits_total") == 2
     assert sample("vllm:ec_daemon_loads_total") == 2
+    assert data["attached"] == 1 and sample("vllm:ec_daemon_attached") == 1  # a state
+    prom.observe({"attached": 0}, 0)  # the daemon went away
+    assert sample("vllm:ec_daemon_attached") == 0
     assert sample("vllm:ec_daemon_load_bytes_total") == 2 * data["load_bytes"]
     assert sample("vllm:ec_daemon_saves_total") == 2
     assert sample("vllm:ec_daemon_pin_refused_total") == 2

@@ -51,11 +51,13 @@ IMPLEMENTED: dict[str, tuple[tuple[str, str], ...]] = {
     "build_ec_connector_stats": (("cls", POS), ("data", POS)),
     "build_prom_metrics": (("cls", POS), ("vllm_config", POS), ("metric_types", POS),
                            ("labelnames", POS), ("per_engine_labelvalues", POS)),
+    # (keeps an idle engine stepping until vLLM heard vllm:ec_daemon_attached)
+    "has_pending_push_work": (("self", POS),),
 }
 
 # Hooks whose default the connector relies on (it has nothing to do there):
-# no asynchronous sends (get_finished), nothing pushed (start_save_caches,
-# has_pending_push_work), no services, frees seen through
+# no asynchronous sends (get_finished), nothing pushed (start_save_caches),
+# no services, frees seen through
 # SchedulerOutput.free_encoder_mm_hashes instead (update_state_after_free).
 DEFAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "_get_connector_metadata": (("self", POS),),
@@ -64,7 +66,6 @@ DEFAULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "start_save_caches": (("self", POS), ("kwargs", KW)),
     "start_worker_services": (("self", POS),),
     "update_state_after_free": (("self", POS), ("request", POS), ("index", POS)),
-    "has_pending_push_work": (("self", POS),),
 }
 
 

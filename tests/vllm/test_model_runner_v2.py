@@ -272,3 +272,20 @@ def test_the_step_that_ends_activity_hands_vllm_every_count(engines, monkeypatch
     steps = r2.run_to_end(engine, r2.request("r3", "img-c", max_tokens=3))
     assert loads_reported(steps) == [0, 0, 0, 1]
     assert steps[-1].ec_stats is not None and steps[-1].ec_stats["lookups"] == 1
+
+
+def test_an_idle_engine_tells_vllms_metrics_whether_it_is_attached(engines, daemon):
+    """`vllm:ec_daemon_attached`: vLLM asks for connector stats only in a
+    step, and an idle engine runs none. The connector keeps vLLM's loop
+    stepping (`has_pending_push_work`, which vLLM's `has_requests` asks) until
+    the stats that say the change went out; then the engine idles again."""
+    engine = engines("ec_both", "idle")
+    scheduler = engine.scheduler
+    assert scheduler.has_requests()  # nothing to run, but /metrics must hear "attached"
+    step = engine.step()
+    assert not step.output.num_scheduled_tokens and step.ec_stats == {"attached": 1}
+    assert not scheduler.has_requests()  # told: the loop may idle
+    daemon.kill()
+    h.wait_until(scheduler.has_requests, timeout=20)  # the link noticed
+    assert engine.step().ec_stats == {"attached": 0}
+    assert not scheduler.has_requests()
