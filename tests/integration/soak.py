@@ -63,18 +63,32 @@ def engine_main(socket: str, index: int, seconds: float, conn: Any) -> None:
         keys = rng.sample(range(KEYS), rng.randint(1, 4))
         started = time.perf_counter()
         request += 1
-        hits, meta = staged.plan(scheduler, [f"k{key}" for key in keys], f"r{request}")
-        misses = [key for key, hit in zip(keys, hits, strict=True) if not hit]
-        stats["hits"] += sum(hits)
-        stats["step_us"].append((time.perf_counter() - started) * 1e6)
+        # Two steps, as vLLM's: the first asks about the request's items and
+        # stages the loads of those the cache holds (the workers copy, verify
+        # and report them); the second looks them up (hits, counted by the
+        # daemon) and adopts what was staged. step_us: the scheduler's calls.
+        hashes = [f"k{key}" for key in keys]
+        _, meta = staged.plan(scheduler, hashes, f"r{request}", finish=False)
+        scheduler_us = (time.perf_counter() - started) * 1e6
         stats["loads"] += len(meta.loads)
-        result = worker.load(meta.loads, meta.regions)
+        worker.regions.step(meta.keep)
+        try:
+            result = worker.stage(meta.loads, meta.regions, meta.step)
+        finally:
+            worker.regions.step_done()
         staged.report(scheduler, result)
         stats["loads_failed"] += len(result.failed)
-        for mm_hash, array in result.loaded.items():
-            key = int(mm_hash[1:])
+        started = time.perf_counter()
+        hits, used = staged.use(scheduler, hashes, f"r{request}")
+        stats["step_us"].append(scheduler_us + (time.perf_counter() - started) * 1e6)
+        stats["hits"] += sum(hits)
+        misses = [key for key, hit in zip(keys, hits, strict=True) if not hit]
+        worker.drop(used.drop)
+        for adopt in used.adopt:  # every hit, adopted: exactly the saved bytes
+            array = worker.adopt(adopt.transfer_id)
+            key = int(adopt.mm_hash[1:])
             want = checksums.setdefault(key, crc(payload(key)))
-            if crc(array) == want and array.shape == payload(key).shape:
+            if array is not None and crc(array) == want and array.shape == payload(key).shape:
                 stats["loads_verified"] += 1
             else:
                 stats["corrupt"] += 1

@@ -304,7 +304,7 @@ def test_a_producer_claims_what_it_encodes_and_a_consumer_waits_for_its_save(dae
         e.build_step_metadata()
         assert e.rank.save("img", DATA) and e.rank.flush(WAIT)
         ok, _ = ensure_within(pd, ["img"], WAIT)
-        assert ok and pd.has_item("img")  # PD loads E's save
+        assert ok and staged.servable(pd, "img")  # PD loads E's save
         assert pd.take_stats().get("defer_timeouts", 0) == 0
         assert daemon.stats()["convergence"]["waits"] >= 1
     finally:
@@ -339,7 +339,7 @@ def test_a_consumer_without_the_media_learns_at_once_that_nobody_will_make_it(da
         wait_until(lambda: pd.unobtainable(["img"], "p1") == ["img"],
                    "PD was not told that nobody will make the item", WAIT)
         assert time.monotonic() - started < WAIT < pd.max_defer_seconds
-        assert not pd.has_item("img")
+        assert not staged.servable(pd, "img")
     finally:
         e.close()
         pd.close()

@@ -277,10 +277,10 @@ def test_an_engine_in_a_step_longer_than_the_bound_reads_the_saved_bytes(world):
     assert world.state().state == engines.pb.HIDDEN  # its ghost still awaits it
     assert not world.filler.take(daemon.stats()["capacity_bytes"])  # KEY's pages stay
     _, failed, loaded = worker.call("load", (step.loads, step.regions))
-    assert failed == {} and loaded == {KEY: engines.describe(DATA)}
+    assert failed == [] and loaded == {KEY: engines.describe(DATA)}
     daemon.wait_for(lambda: world.state().state == engines.pb.ABSENT, timeout=4 * LEASE,
                     what="KEY reclaimed once the ghost's lease ran out")
     other = np.full(4 * MiB, 0xCD, np.uint8)  # the whole cache: it reuses KEY's pages
     world.save("other", other)
     _, failed, loaded = worker.call("load", (step.loads, step.regions))
-    assert loaded == {} and "stamp mismatch" in failed[step.loads[0].transfer_id]
+    assert loaded == {} and failed == [(step.loads[0].transfer_id, STAMP_MISMATCH)]

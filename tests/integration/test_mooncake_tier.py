@@ -154,7 +154,7 @@ def test_a_master_that_dies_costs_misses_and_the_tier_recovers(master, hosts):
                    seconds=WAIT)
         ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
         assert ok, "host 2 was deferred past its bound"
-        if not two.scheduler.has_item(mm_hash):
+        if not staged.servable(two.scheduler, mm_hash):
             return False
         assert two.load(mm_hash).tobytes() == array.tobytes()
         return True
