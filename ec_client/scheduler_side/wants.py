@@ -137,7 +137,10 @@ class Wants:
         save ends the claim)."""
         want = self._wants.get(mm_hash)
         if want is not None:
-            if not want.computing and want.verdict == pb.VERDICT_ENCODE:
+            # Told to encode it, or not answered yet (a producer's claim, asked
+            # and encoded in one step): the daemon, which reads the stream in
+            # order, takes it only from the claim's holder.
+            if not want.computing and want.verdict in (0, pb.VERDICT_ENCODE):
                 self._encoding.append(mm_hash)
             want.computing = True
             self._claimed.pop(mm_hash, None)

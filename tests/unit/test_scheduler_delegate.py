@@ -812,6 +812,22 @@ def test_a_producer_claims_what_it_encodes_and_is_never_deferred():
         d.transport.close()
 
 
+def test_a_producer_says_it_encodes_what_it_claimed_in_the_step_it_encodes_it():
+    """An encoder instance claims an item and encodes it in one step, before
+    the daemon's answer can arrive: it still says so at the step's end, or
+    its claim would pass to a waiting engine within seconds (E/PD: PD would
+    encode the image a second time)."""
+    d = make(role="producer")
+    try:
+        sent = wanting(d)
+        assert d.ensure(["new"], "e1")
+        assert not d.after_alloc("e1", "new")  # encoded here, no answer yet
+        d.build_step_metadata(scheduled={"e1"})
+        assert [list(m.encoding) for m in sent if m.encoding] == [["new"]]
+    finally:
+        d.transport.close()
+
+
 def test_a_producer_alone_in_its_namespace_or_on_an_older_daemon_asks_nothing():
     d = make(role="producer")
     try:
