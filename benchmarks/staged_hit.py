@@ -176,11 +176,17 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, float]:
 
 def run(before: Path, hits: int, samples: dict[str, Any] | None = None
         ) -> list[dict[str, Any]]:
-    """The table's rows; `samples` gets every request's result."""
+    """The table's rows; `samples` gets every request's result. The model
+    and the engines' working folder are removed after."""
+    with tempfile.TemporaryDirectory(prefix="staged-hit-") as name:
+        return _run(Path(name), before, hits, samples)
+
+
+def _run(folder: Path, before: Path, hits: int, samples: dict[str, Any] | None
+         ) -> list[dict[str, Any]]:
     from tests.integration.daemon import Daemon
     from tests.vllm.tiny_model import build_tiny_paligemma
 
-    folder = Path(tempfile.mkdtemp(prefix="staged-hit-"))
     model = build_tiny_paligemma(folder / "model")
     trees = {"before": before, "after": ROOT, "none": ROOT}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
