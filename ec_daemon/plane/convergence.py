@@ -27,6 +27,14 @@ Why claims and not a lock: an engine that is told to wait loses nothing it
 would not have spent encoding, and the daemon, which sees every save and
 every session end, is the one place that knows when to pass a claim on.
 
+A claim lasts CLAIM_SECONDS once its engine says it is encoding the item
+(`started`: vLLM allocated the encoder output, in the step that was told
+ENCODE), and CLAIM_START_SECONDS until then: an engine that wants an item
+and never encodes it (a client that only wants, a request that never runs
+and is not yielded) no longer holds every other engine's request for it
+for their whole bound (10 s, a request without media failing meanwhile);
+a waiting engine is told to encode within seconds.
+
 What a client can hold, and what it costs the loop: the items a view claims
 or waits for are indexed by session, so a session's end touches its own
 items only, and bounds come due from a heap, so upkeep touches only the
@@ -66,6 +74,10 @@ log = logging.getLogger(__name__)
 # A claimant's save normally lands within an encoder step and a copy; past
 # this its claim goes to a waiting engine (views give up sooner on their own).
 CLAIM_SECONDS = 30.0
+# A claimant says it encodes the item in the step it was told to (vLLM's
+# steps take milliseconds to a second): a claim it said nothing of in this
+# long goes to a waiting engine.
+CLAIM_START_SECONDS = 2.0
 # A promotion is a store read and a copy; past this its waiters encode.
 PROMOTE_SECONDS = 10.0
 # A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
@@ -84,6 +96,8 @@ class Making:
     holder: Session | None
     deadline: float
     waiters: list[Session] = field(default_factory=list)
+    # Its holder said it encodes it (`Convergence.started`).
+    started: bool = False
     # Being resolved by the second tier (`Convergence.resolve`): it takes the
     # resolution's outcome, and no other (see `resolved`).
     resolving: bool = False
@@ -95,6 +109,7 @@ class Convergence:
     def __init__(self, cache: Cache, *,
                  remote_available: Callable[[str, str], int | None] | None = None,
                  claim_seconds: float = CLAIM_SECONDS,
+                 claim_start_seconds: float = CLAIM_START_SECONDS,
                  promote_seconds: float = PROMOTE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`remote_available(namespace, mm_hash)`: the entry's size when the
@@ -102,6 +117,7 @@ class Convergence:
         self.cache = cache
         self.remote_available = remote_available
         self.claim_seconds = claim_seconds
+        self.claim_start_seconds = claim_start_seconds
         self.promote_seconds = promote_seconds
         self.clock = clock
         self.making: dict[Key, Making] = {}
@@ -235,6 +251,18 @@ class Convergence:
                 self._add_waiter(key, after, session)
                 session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
 
+    def started(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine encodes these items now: the claims it holds on
+        them last until their saves land (or CLAIM_SECONDS)."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None or making.holder is not session or making.started:
+                continue
+            making.started = True
+            self._postpone(key, making, self.claim_seconds)
+
     def promoted(self, key: Key, nbytes: int) -> None:
         self.counters["promotions"] += 1
         self.counters["promoted_bytes"] += nbytes
@@ -338,7 +366,7 @@ class Convergence:
                 self.call_later(ANSWER_SECONDS, lambda: self.answer_meanwhile(key, making))
             return None
         if session.can_save:
-            self._put(key, Making(Verdict.ENCODING, session, now + self.claim_seconds))
+            self._put(key, Making(Verdict.ENCODING, session, now + self.claim_start_seconds))
             self.counters["claims"] += 1
         return Verdict.ENCODE
 
@@ -353,7 +381,7 @@ class Convergence:
                 waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
             return
         waiters.remove(heir)
-        self._put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
+        self._put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_start_seconds,
                               waiters))
         self.counters["handovers"] += 1
         (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
