@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from ec_daemon.core.allocator import ExtentAllocator
 from ec_daemon.core.events import (
@@ -63,7 +63,7 @@ from ec_daemon.core.limits import validate_mm_hash, validate_save
 from ec_daemon.core.quotas import PendingCaps, PendingQuota
 from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
 from ec_daemon.core.sessions import SessionTable
-from ec_daemon.durable.index import ID_BLOCK, NoIndex
+from ec_daemon.durable.index import ID_BLOCK, Index, NoIndex
 from ec_daemon.durable.journal import Record
 from ec_daemon.durable.stamp_file import LOST
 from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -81,9 +81,20 @@ COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "b
             "region_truncations")
 
 
-class Stamps:
-    """Where the cache writes allocation stamps (the region's stamp table);
-    this default keeps none, for a cache without a region (unit tests)."""
+class Stamps(Protocol):
+    """Where the cache writes allocation stamps: the region's stamp table
+    (`durable.stamp_file.StampFile`; `ec_protocol.stamps.StampTable` over
+    memory in tests)."""
+
+    def write(self, runs: Iterable[Run], stamp: int) -> None: ...
+
+    def clear(self, runs: Iterable[Run]) -> None: ...
+
+    def holds(self, extents: Iterable[Extent], stamp: int) -> bool: ...
+
+
+class NoStamps:
+    """The stamps of a cache without a region (unit tests): none kept."""
 
     def write(self, runs: Iterable[Run], stamp: int) -> None:
         return None
@@ -95,19 +106,43 @@ class Stamps:
         return True  # no table, no region: nothing was read from pages
 
 
+class CacheListener(Protocol):
+    """Who hears what the cache announces beyond its views: the data plane
+    (`plane.dataplane`), passed to the cache when it is made."""
+
+    def entry_changed(self, entry: Entry) -> None:
+        """`entry` just became READY (its views were told first) or HIDDEN:
+        the one announcement watchers, convergence and the second tier hear."""
+
+    def pages_reclaimed(self) -> None:
+        """Pages came back to the allocator: a save may be waiting for them."""
+
+
+class Unheard:
+    """The listener of a cache nobody listens to (unit tests, tools)."""
+
+    def entry_changed(self, entry: Entry) -> None:
+        return None
+
+    def pages_reclaimed(self) -> None:
+        return None
+
+
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
                  policy: EvictionPolicy | None = None, data_offset: int = 0,
-                 stamps: Any = None, index: Any = None,
+                 stamps: Stamps | None = None, index: Index | NoIndex | None = None,
                  quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS,
                  pending_caps: PendingCaps | None = None,
-                 ack_wait_seconds: float | None = None) -> None:
+                 ack_wait_seconds: float | None = None,
+                 listener: CacheListener | None = None) -> None:
         """`capacity_bytes` of payload pages starting at byte `data_offset` of
-        the region; `stamps` is the region's StampTable (or a `Stamps`),
-        `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
-        bound each session's pending saves (`quotas`; None: unbounded);
+        the region; `stamps` is the region's stamp table (None: none kept),
+        `index` its journal (None: a `NoIndex`); `pending_caps` bound each
+        session's pending saves (`quotas`; None: unbounded);
         `ack_wait_seconds` bounds how long an eviction waits on a live view
-        (`overdue_views`; None: three leases, the daemon's default)."""
+        (`overdue_views`; None: three leases, the daemon's default);
+        `listener` hears entries change and pages come back (None: nobody)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -116,8 +151,9 @@ class Cache:
         self.capacity_bytes = self.allocator.total_pages * page_bytes
         self.sessions = sessions
         self.policy: EvictionPolicy = policy or LRUPolicy()
-        self.stamps = stamps if stamps is not None else Stamps()
-        self.index = index if index is not None else NoIndex()
+        self.stamps: Stamps = stamps if stamps is not None else NoStamps()
+        self.index: Index | NoIndex = index if index is not None else NoIndex()
+        self.listener: CacheListener = listener if listener is not None else Unheard()
         self.quarantine_seconds = quarantine_seconds
         self.ack_wait_seconds = 3 * sessions.lease_seconds if ack_wait_seconds is None \
             else ack_wait_seconds
@@ -140,15 +176,9 @@ class Cache:
         self.namespace_usage: dict[str, list[int]] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.namespace_counters: dict[str, dict[str, int]] = {}
-        # Hook for the data plane: pages came back (a save may be waiting).
-        self.on_reclaim: Callable[[], None] = lambda: None
         # Ghosts of the views of the daemon whose region was adopted, by
         # (engine, namespace): each until its engine re-attaches.
         self._previous: dict[tuple[str, str], Session] = {}
-        # Hook for the data plane, the one announcement of an entry that just
-        # became READY (its views were told first) or HIDDEN: watchers,
-        # convergence and the second tier listen there (`dataplane`).
-        self.on_entry_change: Callable[[Entry], None] = lambda entry: None
 
     # ----------------------------------------------------------- sessions
 
@@ -268,7 +298,8 @@ class Cache:
 
         On ALLOCATED the caller copies into the extents, then must `commit`
         (or `abort`); if the session ends first the pages are quarantined.
-        WAIT: victims were hidden, ask again after `on_reclaim`. Raises
+        WAIT: victims were hidden, ask again once pages came back
+        (`CacheListener.pages_reclaimed`). Raises
         ResourceExhausted when no room can be made, or past the session's cap
         of pending saves (`quotas`, nothing evicted): the caller drops the save.
         `count_hidden`: hidden pages count as coming back (acknowledgements
@@ -577,7 +608,7 @@ class Cache:
             for view in views:
                 view.send(event)
                 view.seen_upto = max(view.seen_upto, entry.entry_id)
-        self.on_entry_change(entry)  # after the views: a waiter's answer follows its event
+        self.listener.entry_changed(entry)  # after the views: a waiter's answer follows its event
         return ReportStatus.ACCEPTED
 
     def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
@@ -612,7 +643,7 @@ class Cache:
         self.ready_entries -= 1
         self.hidden_entries += 1
         self.counters["evictions"] += 1
-        self.on_entry_change(entry)
+        self.listener.entry_changed(entry)
         if not awaiting:
             self._reclaim(entry)
             return
@@ -666,7 +697,7 @@ class Cache:
     def _free_runs(self, runs: list[Run]) -> None:
         self.stamps.clear(runs)
         self.allocator.free(runs)
-        self.on_reclaim()  # an allocation may be waiting for these pages
+        self.listener.pages_reclaimed()  # an allocation may be waiting for these pages
 
     def _forget(self, entry: Entry) -> None:
         namespace = self._namespaces[entry.key[0]]

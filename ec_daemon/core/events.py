@@ -12,7 +12,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from ec_daemon.core.records import Entry
 
 Extent = tuple[int, int]  # (byte offset, byte length)
 
@@ -42,7 +44,7 @@ class Snapshot:
 
     __slots__ = ("_at", "_entries", "_make")
 
-    def __init__(self, entries: list[Any], make: Callable[[Any], ReadyEvent]) -> None:
+    def __init__(self, entries: list[Entry], make: Callable[[Entry], ReadyEvent]) -> None:
         self._entries = entries
         self._make = make
         self._at = 0
@@ -110,7 +112,7 @@ class AllocOutcome(enum.Enum):
     ALREADY_READY = "already_ready"
     ALREADY_HIDDEN = "already_hidden"
     # Victims are hidden and their pages come back once the views acknowledge:
-    # ask again after `Cache.on_reclaim` fires.
+    # ask again once pages came back (`CacheListener.pages_reclaimed`).
     WAIT = "wait"
 
 
@@ -193,3 +195,15 @@ class ReportAnswer(NamedTuple):
 
     request_id: int
     status: ReportStatus
+
+
+class Resolution(enum.Enum):
+    """How the second tier's resolution of a wanted key ended
+    (`plane.second_tier.SecondTier.resolve`). The data plane and the tier
+    (`remote`) both name it and neither imports the other: it sits below both."""
+
+    FOUND = "found"  # the store holds it: promote (its size is `available`'s now)
+    CLAIMED = "claimed"  # nobody holds it and this host claimed it: encode here
+    ELSEWHERE = "elsewhere"  # another host claimed it: waiting for its value
+    ABSENT = "absent"  # not held, not claimable (claims off, or waited past the claim)
+    FAILED = "failed"  # the store could not say (down, slow): encode here

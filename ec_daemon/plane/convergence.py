@@ -44,15 +44,17 @@ Not thread-safe: the daemon's event loop is the only caller.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Verdict
+from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Resolution, Verdict
 from ec_daemon.core.limits import (
     MAX_ITEMS_MAKING,
     MAX_ITEMS_PER_INSTANCE,
@@ -75,6 +77,27 @@ COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
             "promotion_failures", "promoted_bytes", "slow_resolutions")
 
 
+class Promoted(enum.Enum):
+    """How a promotion ended (`Promoter.start`'s `done`)."""
+
+    WRITTEN = "written"  # fetched, written and committed: the entry is ready
+    SAVING = "saving"  # a worker here is saving the key: its waiters wait for that save
+    READY = "ready"  # the key became ready meanwhile (saved here)
+    FAILED = "failed"  # not promoted: a waiting engine encodes it
+
+
+# Told once how a promotion of a key ended, and the bytes it promoted.
+PromotionDone = Callable[[Key, Promoted, int], None]
+
+
+class Promoter(Protocol):
+    """Who fetches a key another host published into this host's region
+    (`promotions.Promotions`)."""
+
+    def start(self, key: Key, nbytes: int, done: PromotionDone) -> None:
+        """Promote `key` (`nbytes` announced); `done` is called once, on the loop."""
+
+
 @dataclass(eq=False, slots=True)
 class Making:
     """An item someone is making: an engine encoding it (`holder`), a save
@@ -94,13 +117,24 @@ class Making:
 class Convergence:
     def __init__(self, cache: Cache, *,
                  remote_available: Callable[[str, str], int | None] | None = None,
+                 promoter: Promoter | None = None,
+                 resolve: Callable[[Key, bool], bool] | None = None,
+                 call_later: Callable[[float, Callable[[], None]], object] | None = None,
                  claim_seconds: float = CLAIM_SECONDS,
                  promote_seconds: float = PROMOTE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`remote_available(namespace, mm_hash)`: the entry's size when the
-        second tier holds it (a local index, no network), else None."""
+        """With a second tier (all None without one): `remote_available(namespace,
+        mm_hash)`, the entry's size when the tier holds it (a local index, no
+        network), else None; `promoter` fetches what it holds; `resolve(key,
+        claim)` asks the tier about a key off the loop, claiming it across
+        hosts if `claim` (an engine here would save it), True when started
+        (the outcome comes back to `resolved`, on the loop); `call_later(
+        seconds, fn)` calls `fn()` on the loop after `seconds`."""
         self.cache = cache
         self.remote_available = remote_available
+        self.promoter = promoter
+        self.resolve = resolve
+        self.call_later = call_later
         self.claim_seconds = claim_seconds
         self.promote_seconds = promote_seconds
         self.clock = clock
@@ -117,14 +151,6 @@ class Convergence:
         # Items that wait for a save landing with no engine holding them
         # (a pending entry's): looked at by upkeep, in case it was dropped.
         self._landing: set[Key] = set()
-        # Set by the service: fetch `key` (of `nbytes`) from the second tier.
-        self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
-        # Set by the service: resolve `key` with the second tier, claiming it
-        # across hosts if the flag says an engine here would save it; True
-        # when started (`resolved` is called with the outcome, on the loop).
-        self.resolve: Callable[[Key, bool], bool] | None = None
-        # Set by the service: call `fn()` on the loop after `seconds`.
-        self.call_later: Callable[[float, Callable[[], None]], object] | None = None
 
     def info(self, namespace: str) -> NamespaceInfoEvent:
         return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
@@ -141,11 +167,10 @@ class Convergence:
             log.debug("session %d wants %s: %s", session.index, mm_hash, verdict.value)
             session.send(AnswerEvent(mm_hash, verdict))
 
-    def resolved(self, key: Key, outcome: str, nbytes: int | None = None) -> None:
-        """The second tier resolved `key` (`remote.tier.Outcome`'s value):
-        "found" (promote `nbytes`), "elsewhere" (another host encodes: wait
-        for its value, "found" or a final outcome follows), anything else:
-        an engine here encodes.
+    def resolved(self, key: Key, outcome: Resolution, nbytes: int | None = None) -> None:
+        """The second tier resolved `key`: FOUND (promote `nbytes`),
+        ELSEWHERE (another host encodes: wait for its value, FOUND or a final
+        outcome follows), anything else: an engine here encodes.
 
         Only a Making being resolved takes an outcome: one that outlived its
         Making (made meanwhile, handed over past its bound, released) must
@@ -155,16 +180,18 @@ class Convergence:
         making = self.making.get(key)
         if making is None or not making.resolving:
             return
-        making.resolving = outcome == "elsewhere"  # (its value, or the end of its claim, follows)
+        # (its value, or the end of its claim, follows)
+        making.resolving = outcome is Resolution.ELSEWHERE
         first, making.unanswered = making.unanswered, None
-        if outcome == "found" and nbytes is not None and nbytes <= self.cache.capacity_bytes:
+        if outcome is Resolution.FOUND and nbytes is not None \
+                and nbytes <= self.cache.capacity_bytes:
             self._postpone(key, making, self.promote_seconds)
-            self.start_promotion(key, nbytes)
-        elif outcome == "elsewhere":
+            self._promote(key, nbytes)
+        elif outcome is Resolution.ELSEWHERE:
             self._postpone(key, making, self.claim_seconds)
         else:
-            self._hand_over(key, making, f"the second tier does not hold it ({outcome})",
-                            quiet=True)
+            self._hand_over(key, making,
+                            f"the second tier does not hold it ({outcome.value})", quiet=True)
             after = self.making.get(key)
             if first is None or not first.alive or after is None or after.holder is first:
                 return  # (told ENCODE just now)
@@ -235,10 +262,21 @@ class Convergence:
                 self._add_waiter(key, after, session)
                 session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
 
-    def promoted(self, key: Key, nbytes: int) -> None:
-        self.counters["promotions"] += 1
-        self.counters["promoted_bytes"] += nbytes
-        self.ready(key)
+    def promotion_ended(self, key: Key, ended: Promoted, nbytes: int) -> None:
+        """A promotion of `key` ended (`Promoter.start`'s `done`): its waiters
+        hit (WRITTEN: its ready event went out), wait for the worker saving
+        it (SAVING), or one of them encodes it (FAILED)."""
+        if ended is Promoted.WRITTEN:
+            self.counters["promotions"] += 1
+            self.counters["promoted_bytes"] += nbytes
+            self.ready(key)
+        elif ended is Promoted.SAVING:
+            self._await_save(key)
+        elif ended is Promoted.FAILED:
+            self.counters["promotion_failures"] += 1
+            making = self.making.get(key)
+            if making is not None and making.kind is Verdict.PROMOTING:
+                self._hand_over(key, making, "its promotion failed")
 
     def save_given_up(self, key: Key, instance: str) -> None:
         """A save of `key` by engine instance `instance` (`Session.engine_key`)
@@ -250,7 +288,7 @@ class Convergence:
                 making.holder is None or making.holder.engine_key == instance):
             self._hand_over(key, making, "its save was given up")
 
-    def await_save(self, key: Key) -> None:
+    def _await_save(self, key: Key) -> None:
         """A promotion found a worker saving `key`: its waiters wait for that."""
         making = self.making.get(key)
         if making is not None and making.kind is Verdict.PROMOTING:
@@ -258,12 +296,6 @@ class Convergence:
             if making.holder is None:
                 self._landing.add(key)
             self._postpone(key, making, self.claim_seconds)
-
-    def promotion_failed(self, key: Key) -> None:
-        self.counters["promotion_failures"] += 1
-        making = self.making.get(key)
-        if making is not None and making.kind is Verdict.PROMOTING:
-            self._hand_over(key, making, "its promotion failed")
 
     def session_ended(self, session: Session) -> None:
         """A view ended: its claims pass on, it waits for nothing (its own
@@ -328,7 +360,7 @@ class Convergence:
         if nbytes is not None and nbytes <= self.cache.capacity_bytes:
             self._put(key, Making(Verdict.PROMOTING, None, now + self.promote_seconds,
                                   [session]))
-            self.start_promotion(key, nbytes)
+            self._promote(key, nbytes)
             return Verdict.PROMOTING
         if self.resolve is not None and self.resolve(key, session.can_save):
             making = Making(Verdict.PROMOTING, None, now + self.promote_seconds, [session],
@@ -341,6 +373,12 @@ class Convergence:
             self._put(key, Making(Verdict.ENCODING, session, now + self.claim_seconds))
             self.counters["claims"] += 1
         return Verdict.ENCODE
+
+    def _promote(self, key: Key, nbytes: int) -> None:
+        """Fetch `key` from the second tier (`promoter`); its end comes back
+        to `promotion_ended`."""
+        if self.promoter is not None:
+            self.promoter.start(key, nbytes, self.promotion_ended)
 
     def _hand_over(self, key: Key, making: Making, why: str, *, quiet: bool = False) -> None:
         """The claim goes to the first live waiter that can save; with none,

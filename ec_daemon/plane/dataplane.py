@@ -9,9 +9,10 @@ protobuf and calls in here, as MLServer's servicers hand their work to its
 data plane, so the waiting, retrying and announcing are read (and tested)
 without gRPC.
 
-"An entry became ready" is said in one place, `_entry_changed`: the cache
-tells the views itself (their events carry its bookkeeping), then calls it
-once per entry that became READY, and every other listener hears it there:
+"An entry became ready" is said in one place, `entry_changed`: the cache
+tells the views itself (their events carry its bookkeeping), then tells the
+plane, its listener from its making (`CacheListener`), once per entry that
+became READY, and every other listener hears it there:
 the watchers, convergence (the entry's waiters hit now) and the second tier
 (a save of this host is published). A new way of making an entry ready
 cannot forget one of them. Eviction (HIDDEN) reaches the watchers the same way.
@@ -30,11 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ec_daemon.core import invariants, stats
-from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import ClientMessage, HeartbeatEcho
+from ec_daemon.core.cache import Cache, CacheListener
+from ec_daemon.core.events import ClientMessage, HeartbeatEcho, Resolution
 from ec_daemon.core.limits import MAX_WATCHERS, MAX_WATCHERS_PER_PEER, validate_mm_hash
 from ec_daemon.core.records import Entry, Key, Session, State
 from ec_daemon.core.sessions import engine_key
+from ec_daemon.durable.region import Region
 from ec_daemon.errors import (
     CacheError,
     FailedPrecondition,
@@ -44,26 +46,31 @@ from ec_daemon.errors import (
 from ec_daemon.plane import watch
 from ec_daemon.plane.convergence import Convergence
 from ec_daemon.plane.promotions import Promotions
-from ec_daemon.plane.saves import SPACE, Saves
+from ec_daemon.plane.room import Room
+from ec_daemon.plane.saves import Saves
+from ec_daemon.plane.second_tier import SecondTier
 from ec_daemon.plane.verify import Verifier
-from ec_daemon.plane.wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
 
 class DataPlane:
-    def __init__(self, cache: Cache, *, lease_seconds: float, alloc_wait_seconds: float,
-                 check_invariants: bool = False, generation: int = 0, region_path: str = "",
-                 region_file: Any = None, tier: Any = None,
-                 max_watchers: int = MAX_WATCHERS,
+    def __init__(self, make_cache: Callable[[CacheListener], Cache], *, lease_seconds: float,
+                 alloc_wait_seconds: float, check_invariants: bool = False,
+                 generation: int = 0, region_path: str = "", region_file: Region | None = None,
+                 tier: SecondTier | None = None, max_watchers: int = MAX_WATCHERS,
                  max_watchers_per_peer: int = MAX_WATCHERS_PER_PEER,
                  adoption: dict[str, int] | None = None) -> None:
-        """`generation` and `region_path` name the region in stats, `adoption`
+        """`make_cache(listener)` makes the cache the plane runs, with the
+        plane as its listener (`entry_changed`, `pages_reclaimed`).
+        `generation` and `region_path` name the region in stats, `adoption`
         says what this start found of the previous daemon's (`adoption.Found`);
-        `region_file` is the `region.Region` (its size watched, pages read to
-        check reported mismatches), `tier` a `remote.tier.RemoteTier` (only
-        with a second tier)."""
-        self.cache = cache
+        `region_file` is the region (its size watched, pages read to check
+        reported mismatches, promotions written into), `tier` the second tier
+        (None: none; it needs the region file)."""
+        if tier is not None and region_file is None:
+            raise ValueError("a second tier promotes into the region file: give it")
+        self.cache = make_cache(self)
         self.lease_seconds = lease_seconds
         self.alloc_wait_seconds = alloc_wait_seconds
         self.check_invariants = check_invariants
@@ -72,40 +79,37 @@ class DataPlane:
         self.adoption = dict(adoption or {})
         self.started = time.monotonic()
         self.closing = False
-        self.wakeups = Wakeups()
-        cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
+        cache = self.cache
+        self.room = Room(cache, alloc_wait_seconds)
         self.watchers = watch.Watchers(max_watchers=max_watchers,
                                        max_per_peer=max_watchers_per_peer)
-        cache.on_entry_change = self._entry_changed
         self.region_file = region_file
         self.tier = tier
-        self.convergence = Convergence(
-            cache, remote_available=tier.available if tier is not None else None)
-        self.saves = Saves(cache, self.convergence, self.wakeups, alloc_wait_seconds)
-        self.verifier = Verifier(cache, region_file)
         self.promotions: Promotions | None = None
-        if tier is not None:
-            self.promotions = Promotions(cache, self.convergence, tier, region_file,
-                                         allocate=self.saves.allocate_waiting,
-                                         verify=self.verify)
-            self.convergence.start_promotion = self.promotions.start
-            self.convergence.resolve = self._resolve
-            self.convergence.call_later = \
-                lambda seconds, fn: asyncio.get_running_loop().call_later(seconds, fn)
+        if tier is not None and region_file is not None:
+            self.promotions = Promotions(cache, tier, region_file, self.room, verify=self.verify)
+        self.convergence = Convergence(
+            cache, remote_available=tier.available if tier is not None else None,
+            promoter=self.promotions, resolve=self._resolve if tier is not None else None,
+            call_later=_call_later)
+        self.saves = Saves(cache, self.convergence, self.room)
+        self.verifier = Verifier(cache, region_file)
 
     def _resolve(self, key: Key, claim: bool) -> bool:
         """Ask the second tier about a wanted key (`Convergence.resolve`);
         its answer comes back on the loop."""
+        assert self.tier is not None
         loop = asyncio.get_running_loop()
 
-        def done(outcome: Any) -> None:
+        def done(outcome: Resolution) -> None:
             loop.call_soon_threadsafe(self._resolved, key, outcome)
 
-        return bool(self.tier.resolve(key[0], key[1], done, claim))
+        return self.tier.resolve(key[0], key[1], done, claim)
 
-    def _resolved(self, key: Key, outcome: Any) -> None:
-        nbytes = self.tier.available(*key) if outcome.value == "found" else None
-        self.convergence.resolved(key, outcome.value, nbytes)
+    def _resolved(self, key: Key, outcome: Resolution) -> None:
+        assert self.tier is not None
+        nbytes = self.tier.available(*key) if outcome is Resolution.FOUND else None
+        self.convergence.resolved(key, outcome, nbytes)
         self.verify()
 
     # ----------------------------------------------------------- sessions
@@ -317,11 +321,11 @@ class DataPlane:
 
     # ----------------------------------------------------- announcements
 
-    def _entry_changed(self, entry: Entry) -> None:
+    def entry_changed(self, entry: Entry) -> None:
         """The cache's one announcement that `entry` became READY (its views
-        were told just before) or HIDDEN: watchers hear both; a ready entry's
-        waiters hit now, and a save of this host is published (write-behind;
-        a promoted entry came from the second tier)."""
+        were told just before) or HIDDEN (`CacheListener`): watchers hear
+        both; a ready entry's waiters hit now, and a save of this host is
+        published (write-behind; a promoted entry came from the second tier)."""
         self.watchers.publish(entry)
         if entry.state is not State.READY:
             return
@@ -329,8 +333,13 @@ class DataPlane:
         if self.promotions is not None and not self.promotions.writing(entry.key):
             self._publish(entry)
 
+    def pages_reclaimed(self) -> None:
+        """Pages came back (`CacheListener`): saves waiting for room ask again."""
+        self.room.pages_came_back()
+
     def _publish(self, entry: Entry) -> None:
         """Queue a ready entry for the second tier, sent from its pages off the loop."""
+        assert self.tier is not None and self.region_file is not None
         extents, stamp = self.cache.extents(entry), entry.entry_id
         stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
 
@@ -415,3 +424,8 @@ class DataPlane:
             self.promotions.cancel()
         self.saves.cancel()
         self.verifier.cancel()
+
+
+def _call_later(seconds: float, fn: Callable[[], None]) -> object:
+    """`fn()` on the running loop after `seconds` (`Convergence.call_later`)."""
+    return asyncio.get_running_loop().call_later(seconds, fn)

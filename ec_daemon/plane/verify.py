@@ -27,11 +27,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import Extent
 from ec_daemon.core.records import Entry, Session, State
+from ec_daemon.durable.region import Region
 from ec_protocol.checksums import NONE, checksum
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ REMEMBERED = 4096  # entries found whole, remembered for WHOLE_SECONDS at most
 
 
 class Verifier:
-    def __init__(self, cache: Cache, region_file: Any) -> None:
-        """`region_file`: the `durable.region.Region` the pages are read from
+    def __init__(self, cache: Cache, region_file: Region | None) -> None:
+        """`region_file`: the region the pages are read from
         (None: reports are counted, nothing is read: a cache without a region)."""
         self.cache = cache
         self.region_file = region_file
@@ -81,10 +81,12 @@ class Verifier:
         return entry_id in self._whole
 
     async def _check(self, entry: Entry) -> None:
+        region = self.region_file
+        assert region is not None  # (`_skip` checks nothing without one)
         try:
             extents, stamp, expected = self.cache.extents(entry), entry.entry_id, entry.checksum
             whole = await asyncio.get_running_loop().run_in_executor(
-                None, self._pages_hold, extents, stamp, expected)
+                None, self._pages_hold, region, extents, stamp, expected)
             if whole:
                 self._whole[stamp] = time.monotonic()
                 while len(self._whole) > REMEMBERED:
@@ -102,9 +104,10 @@ class Verifier:
         finally:
             self._checking.pop(entry.entry_id, None)
 
-    def _pages_hold(self, extents: tuple[Extent, ...], stamp: int, expected: int) -> bool:
+    def _pages_hold(self, region: Region, extents: tuple[Extent, ...], stamp: int,
+                    expected: int) -> bool:
         """(In a thread.) Do the pages carry `stamp`, and their bytes `expected`?"""
-        parts = self.region_file.read(extents)
+        parts = region.read(extents)
         if not self.cache.stamps.holds(extents, stamp):
             return False
         return expected == NONE or checksum(parts) == expected

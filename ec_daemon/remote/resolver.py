@@ -24,8 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
+from ec_daemon.core.events import Resolution
 from ec_daemon.remote.backend import ProbedStore, RemoteAuthError
 from ec_daemon.remote.core import TierCore, tell_breaker
 
@@ -49,20 +49,10 @@ RESOLVE_WORKERS = 16
 RESOLVE_KEY_S = 2.0
 
 
-class Outcome(Enum):
-    """How a resolution ended (`RemoteTier.resolve`)."""
-
-    FOUND = "found"  # the store holds it: promote (nbytes known to `available`)
-    CLAIMED = "claimed"  # nobody holds it and this host claimed it: encode here
-    ELSEWHERE = "elsewhere"  # another host claimed it: waiting for its value
-    ABSENT = "absent"  # not held, not claimable (claims off, or waited past the claim)
-    FAILED = "failed"  # the store could not say (down, slow): encode here
-
-
 @dataclass
 class _Resolving:
     key: tuple[str, str]
-    done: Callable[[Outcome], None]
+    done: Callable[[Resolution], None]
     claim: bool = True  # False: only looked up (no engine here would save it)
     deadline: float = 0.0  # (ELSEWHERE) waited for until then
     answer_by: float = 0.0  # told by then, settled or not (monotonic; RESOLVE_KEY_S)
@@ -103,13 +93,13 @@ class Resolver:
             pending, self._resolving, self._elsewhere = \
                 self._resolving + self._elsewhere, [], []
         for item in pending:
-            _tell(item, Outcome.FAILED)
+            _tell(item, Resolution.FAILED)
         self._resolve_pool.shutdown(wait=False, cancel_futures=True)
         with self._resolve_cond:
             self._resolve_cond.wait_for(lambda: not self._settling,
                                         max(1.0, deadline - time.monotonic()))
 
-    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Outcome], None],
+    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Resolution], None],
                 claim: bool = True) -> bool:
         """Find out, off the caller's thread, whether another host has or
         makes the key, and claim it if nobody does (`claim`: an engine here
@@ -157,14 +147,14 @@ class Resolver:
                 waiting, self._elsewhere = self._elsewhere, []
             if self.core.stopping.is_set():
                 for item in batch + waiting:
-                    _tell(item, Outcome.FAILED)
+                    _tell(item, Resolution.FAILED)
                 return
             try:
                 self._resolve_round(batch, waiting)
             except Exception:
                 log.exception("resolving %d keys failed", len(batch) + len(waiting))
                 for item in batch + waiting:
-                    _tell(item, Outcome.FAILED)
+                    _tell(item, Resolution.FAILED)
 
     def _resolve_round(self, batch: list[_Resolving], waiting: list[_Resolving]) -> None:
         """One round: look the keys up (batched), claim the absent ones
@@ -179,19 +169,19 @@ class Resolver:
             item.answer_by = time.monotonic() + RESOLVE_KEY_S
         held = self._held(items)
         claiming: list[_Resolving] = []
-        apart: list[tuple[_Resolving, Callable[[], Outcome]]] = []
+        apart: list[tuple[_Resolving, Callable[[], Resolution]]] = []
         still: list[_Resolving] = []
         for item, state in zip(items, held, strict=True):
             if state is None:
-                _tell(item, Outcome.FAILED)
+                _tell(item, Resolution.FAILED)
             elif state is True:
                 store = self.core.store
                 if store.indexed:
-                    self._settle(item, Outcome.FOUND, still)
+                    self._settle(item, Resolution.FOUND, still)
                 else:  # (listed: its header is read apart, it may sit on a dead host)
                     apart.append((item, functools.partial(self._head_then_claim, store, item)))
             elif item.deadline or not item.claim:
-                self._settle(item, Outcome.ABSENT, still)
+                self._settle(item, Resolution.ABSENT, still)
             else:
                 claiming.append(item)
         for item, outcome in zip(claiming, self._claims([i.key for i in claiming]),
@@ -205,38 +195,38 @@ class Resolver:
             with self._resolve_cond:
                 self._elsewhere.extend(still)
 
-    def _settle(self, item: _Resolving, outcome: Outcome, still: list[_Resolving]) -> None:
+    def _settle(self, item: _Resolving, outcome: Resolution, still: list[_Resolving]) -> None:
         """Tell `item` its outcome. A key waited for (another host's claim)
         that is still not found waits on (`still`) until its deadline."""
         now = time.monotonic()
-        if outcome is Outcome.FOUND:
+        if outcome is Resolution.FOUND:
             self.core.count(lookup_hits=1)
         elif item.deadline:  # waited for another host's value: not there yet
             if now < item.deadline:
                 still.append(item)
                 return
             self.core.count(claim_timeouts=1)
-            outcome = Outcome.ABSENT
-        elif outcome is Outcome.ELSEWHERE:
+            outcome = Resolution.ABSENT
+        elif outcome is Resolution.ELSEWHERE:
             item.deadline = now + self.claim_s
             still.append(item)
-        if outcome is Outcome.ABSENT:
+        if outcome is Resolution.ABSENT:
             self._not_found(item.key)
         _tell(item, outcome)
 
-    def _settle_apart(self, apart: list[tuple[_Resolving, Callable[[], Outcome]]],
+    def _settle_apart(self, apart: list[tuple[_Resolving, Callable[[], Resolution]]],
                       still: list[_Resolving]) -> None:
         """Run each key's `settle` on the resolve pool and tell it as it ends;
         one not settled by its `answer_by` is told FAILED (a key waited for
         waits on), and what its call returns later is dropped."""
         if not apart:
             return
-        running: dict[concurrent.futures.Future[Outcome], _Resolving] = {}
+        running: dict[concurrent.futures.Future[Resolution], _Resolving] = {}
         for item, settle in apart:
             try:
                 running[self._resolve_pool.submit(self._unless_late, item, settle)] = item
             except RuntimeError:  # (the pool was shut down: stopping)
-                _tell(item, Outcome.FAILED)
+                _tell(item, Resolution.FAILED)
         while running:
             first = min(item.answer_by for item in running.values())
             done, _ = concurrent.futures.wait(
@@ -248,22 +238,22 @@ class Resolver:
                     outcome = future.result()
                 except Exception:
                     log.exception("resolving %s failed", item.key[1])
-                    outcome = Outcome.FAILED
+                    outcome = Resolution.FAILED
                 self._settle(item, outcome, still)
             now = time.monotonic()
             for future, item in list(running.items()):
                 if now >= item.answer_by:
                     del running[future]
                     self.core.count(lookups_late=1)
-                    self._settle(item, Outcome.FAILED, still)
+                    self._settle(item, Resolution.FAILED, still)
 
-    def _unless_late(self, item: _Resolving, settle: Callable[[], Outcome]) -> Outcome:
+    def _unless_late(self, item: _Resolving, settle: Callable[[], Resolution]) -> Resolution:
         """`settle()` on the pool, unless `item` was told already (it waited
         in the pool's queue past its `answer_by`) or the tier is stopping:
         no store call is made for it then."""
         with self._resolve_cond:
             if self.core.stopping.is_set() or time.monotonic() >= item.answer_by:
-                return Outcome.FAILED
+                return Resolution.FAILED
             self._settling += 1
         try:
             return settle()
@@ -272,18 +262,18 @@ class Resolver:
                 self._settling -= 1
                 self._resolve_cond.notify_all()
 
-    def _head_then_claim(self, store: ProbedStore, item: _Resolving) -> Outcome:
+    def _head_then_claim(self, store: ProbedStore, item: _Resolving) -> Resolution:
         """(A store without an index) a key the store lists: FOUND once its
         header is read; else (gone meanwhile, unreadable) claimed as a key
         nobody holds."""
         head = self.core.read_head(store, *item.key)
         if head is not None:
             self.core.remember(*item.key, head)
-            return Outcome.FOUND
+            return Resolution.FOUND
         if item.deadline or not item.claim:
-            return Outcome.ABSENT
+            return Resolution.ABSENT
         if time.monotonic() >= item.answer_by:  # (told already)
-            return Outcome.FAILED
+            return Resolution.FAILED
         outcome = self._claims([item.key])[0]
         return self._claim_alone(item) if outcome is None else outcome
 
@@ -314,12 +304,12 @@ class Resolver:
                 out[i] = bool(there)
         return out
 
-    def _claims(self, keys: list[tuple[str, str]]) -> list[Outcome | None]:
+    def _claims(self, keys: list[tuple[str, str]]) -> list[Resolution | None]:
         """Claim each key across hosts: CLAIMED, ELSEWHERE, FAILED (or
         ABSENT: claims are off), or None: to be claimed alone (`_claim_alone`).
         One batch per failure domain where the store claims in batches
         (Mooncake: 200 keys in 5 ms, where one at a time takes 0.45 ms each)."""
-        out: list[Outcome | None] = [Outcome.ABSENT] * len(keys)
+        out: list[Resolution | None] = [Resolution.ABSENT] * len(keys)
         if self.claim_s <= 0 or not keys:
             return out
         by_domain: dict[str, list[int]] = {}
@@ -329,7 +319,7 @@ class Resolver:
             breaker = self.core.breakers.get(domain)
             if not breaker.allow():
                 for i in indexes:
-                    out[i] = Outcome.FAILED
+                    out[i] = Resolution.FAILED
                 continue
             named = [(self.core.keyspace(keys[i][0]), keys[i][1]) for i in indexes]
             try:
@@ -339,25 +329,25 @@ class Resolver:
                 self.claim_s = 0.0
                 log.warning("cross-host claims are off: the store refused them (%s); every "
                             "host that misses a new item encodes it", exc)
-                return [Outcome.ABSENT] * len(keys)
+                return [Resolution.ABSENT] * len(keys)
             except Exception as exc:
                 tell_breaker(breaker, exc)
                 self.core.count(errors=1)
                 log.debug("claiming %d keys failed: %s", len(indexes), exc)
                 for i in indexes:
-                    out[i] = Outcome.FAILED
+                    out[i] = Resolution.FAILED
                 continue
             breaker.success()
             for i, taken in zip(indexes, mine, strict=True):
                 out[i] = None if taken is None else self._claimed_now(keys[i], taken)
         return out
 
-    def _claim_alone(self, item: _Resolving) -> Outcome:
+    def _claim_alone(self, item: _Resolving) -> Resolution:
         """Claim one key the batch could not settle (its claim was already
         there: another host's, live or dead), within its `answer_by`."""
         breaker = self.core.breakers.get(self.core.store.domain(*item.key))
         if not breaker.allow():
-            return Outcome.FAILED
+            return Resolution.FAILED
         try:
             taken = self.core.store.claim(self.core.keyspace(item.key[0]), item.key[1],
                                           self.core.token, self.claim_s, deadline=item.answer_by)
@@ -365,23 +355,23 @@ class Resolver:
             tell_breaker(breaker, exc)
             self.core.count(errors=1)
             log.debug("claiming %s failed: %s", item.key[1], exc)
-            return Outcome.FAILED
+            return Resolution.FAILED
         breaker.success()
         return self._claimed_now(item.key, bool(taken))
 
-    def _claimed_now(self, key: tuple[str, str], taken: bool) -> Outcome:
+    def _claimed_now(self, key: tuple[str, str], taken: bool) -> Resolution:
         """Count a claim's outcome; remember one taken (released once its
         value is published)."""
         if not taken:
             self.core.count(claims_elsewhere=1)
-            return Outcome.ELSEWHERE
+            return Resolution.ELSEWHERE
         self.core.count(claims_taken=1)
         now = time.monotonic()
         with self._resolve_cond:
             if len(self._claimed) >= NEGATIVE_KEYS:  # (values that never came)
                 self._claimed = {k: t for k, t in self._claimed.items() if t > now}
             self._claimed[key] = now + self.claim_s
-        return Outcome.CLAIMED
+        return Resolution.CLAIMED
 
     def _not_found(self, key: tuple[str, str]) -> None:
         with self._resolve_cond:
@@ -405,7 +395,7 @@ class Resolver:
             log.debug("releasing the claim on %s failed: %s", mm_hash, exc)
 
 
-def _tell(item: _Resolving, outcome: Outcome) -> None:
+def _tell(item: _Resolving, outcome: Resolution) -> None:
     try:
         item.done(outcome)
     except Exception:

@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ec_daemon.core.events import Resolution
 from ec_daemon.remote.backend import (
     AnyStore,
     Head,
@@ -44,7 +45,7 @@ from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.core import COUNTERS, TierCore, tell_breaker
 from ec_daemon.remote.follower import Follower
 from ec_daemon.remote.publisher import Publisher
-from ec_daemon.remote.resolver import RESOLVER_THREADS, Outcome, Resolver
+from ec_daemon.remote.resolver import RESOLVER_THREADS, Resolver
 from ec_daemon.remote.values import BadValue, RegionFile, Value, decode, size_bounds
 
 log = logging.getLogger("ec_daemon.remote")
@@ -357,7 +358,7 @@ class RemoteTier:
         """How long a key nobody holds is claimed across hosts (0: no claims)."""
         return self.resolver.claim_s
 
-    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Outcome], None],
+    def resolve(self, namespace: str, mm_hash: str, done: Callable[[Resolution], None],
                 claim: bool = True) -> bool:
         """`Resolver.resolve`: whether another host has or makes the key,
         found out off the caller's thread; `done(outcome)` called once."""

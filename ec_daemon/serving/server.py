@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ec_daemon.core.cache import Cache
+from ec_daemon.core.cache import Cache, CacheListener
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
@@ -278,33 +278,37 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                         data_offset: int, stop: asyncio.Event,
                         adoption: Adoption | None, adoption_counters: dict[str, int]) -> None:
     table = region.stamps(config.page_bytes, data_offset)  # never mapped: `stamp_file`
-    cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
-                  sessions=SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
-                                        max_per_engine=config.max_sessions_per_engine,
-                                        max_tokenless=config.max_tokenless_sessions),
-                  data_offset=data_offset, stamps=table, index=region.index,
-                  quarantine_seconds=config.quarantine_seconds,
-                  ack_wait_seconds=config.ack_wait_seconds,
-                  pending_caps=PendingCaps(config.session_pending_bytes,
-                                           config.session_pending_entries,
-                                           config.total_pending_bytes))
-    if region.index is not None:
-        region.index.flush_with(asyncio.get_running_loop().call_soon)
-    if adoption is not None:
-        v = adoption.verified
-        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
-                      cache.sessions.previous_daemon)
+    sessions = SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
+                            max_per_engine=config.max_sessions_per_engine,
+                            max_tokenless=config.max_tokenless_sessions)
+    caps = PendingCaps(config.session_pending_bytes, config.session_pending_entries,
+                       config.total_pending_bytes)
+
+    def make_cache(listener: CacheListener) -> Cache:
+        return Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
+                     sessions=sessions, data_offset=data_offset, stamps=table,
+                     index=region.index, quarantine_seconds=config.quarantine_seconds,
+                     ack_wait_seconds=config.ack_wait_seconds, pending_caps=caps,
+                     listener=listener)
+
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
     tier = _start_tier(config, region)
-    plane = DataPlane(cache, lease_seconds=config.lease_seconds,
+    plane = DataPlane(make_cache, lease_seconds=config.lease_seconds,
                       alloc_wait_seconds=config.alloc_wait_seconds,
                       check_invariants=config.check_invariants,
                       generation=region.generation, region_path=str(region.path),
                       max_watchers=config.max_watchers,
                       max_watchers_per_peer=config.max_watchers_per_peer,
                       region_file=region, tier=tier, adoption=adoption_counters)
+    cache = plane.cache
+    if region.index is not None:
+        region.index.flush_with(asyncio.get_running_loop().call_soon)
+    if adoption is not None:
+        v = adoption.verified
+        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
+                      cache.sessions.previous_daemon)
     service = ECDaemonService(plane, region_info)
     try:
         plane.verify()  # with --check-invariants: an adopted region is checked whole

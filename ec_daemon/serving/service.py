@@ -87,10 +87,10 @@ def _why_dropped(watcher: watch.Watcher) -> Ended | None:
 
 
 class ECDaemonService(rpc.ECDaemonServicer):
-    def __init__(self, plane: DataPlane, region: Any) -> None:
-        """`region` is the pb.Region clients are told."""
+    def __init__(self, plane: DataPlane, region: pb.Region) -> None:
+        """`region` is the region clients are told."""
         self.plane = plane
-        self.region = region  # pb.Region
+        self.region = region
         self.rpc_seconds = rpc_histogram()
         # Calls blocked writing to a client that stopped reading are cut
         # after a lease (a live client's link reads all the time).

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from ec_daemon.core.events import Resolution
 from ec_daemon.remote import mooncake, values
 from ec_daemon.remote.mooncake import (
     CLAIM,
@@ -37,7 +38,7 @@ from ec_daemon.remote.mooncake import (
     value_key,
 )
 from ec_daemon.remote.store import RemoteError
-from ec_daemon.remote.tier import Outcome, RemoteTier, StoredValue
+from ec_daemon.remote.tier import RemoteTier, StoredValue
 from ec_daemon.serving import cli, config
 from tests import mooncake_servers
 from tests.remote.conftest import NAMESPACE, needs_mooncake, payload, wait_for
@@ -842,12 +843,12 @@ def tiers(hosts: tuple[Host, Host], monkeypatch: pytest.MonkeyPatch
 
 class Outcomes:
     def __init__(self) -> None:
-        self.seen: list[Outcome] = []
+        self.seen: list[Resolution] = []
 
-    def __call__(self, outcome: Outcome) -> None:
+    def __call__(self, outcome: Resolution) -> None:
         self.seen.append(outcome)
 
-    def became(self, outcome: Outcome, timeout_s: float = 5.0) -> bool:
+    def became(self, outcome: Resolution, timeout_s: float = 5.0) -> bool:
         return wait_for(lambda: bool(self.seen) and self.seen[-1] is outcome, timeout_s)
 
 
@@ -860,17 +861,18 @@ def test_tiers_claim_wait_and_promote(hosts: tuple[Host, Host], raw: Any,
 
     first, second = Outcomes(), Outcomes()
     assert tier1.resolve(NAMESPACE, mm_hash, first)
-    assert first.became(Outcome.CLAIMED)
+    assert first.became(Resolution.CLAIMED)
     assert raw.get(value_key(STORE_NS, mm_hash) + CLAIM).decode().startswith(tier1.token + " ")
     assert tier2.resolve(NAMESPACE, mm_hash, second)
-    assert second.became(Outcome.ELSEWHERE)
+    assert second.became(Resolution.ELSEWHERE)
     assert tier2.available(NAMESPACE, mm_hash) is None
 
     one.write(WRITE_AT, data)
     assert tier1.publish(NAMESPACE, mm_hash, shape, "bfloat16", len(data), lambda: None,
                          extents=list(WRITE_AT))
-    assert second.became(Outcome.FOUND)
-    assert second.seen == [Outcome.ELSEWHERE, Outcome.FOUND] and first.seen == [Outcome.CLAIMED]
+    assert second.became(Resolution.FOUND)
+    assert second.seen == [Resolution.ELSEWHERE, Resolution.FOUND]
+    assert first.seen == [Resolution.CLAIMED]
     assert tier2.available(NAMESPACE, mm_hash) == len(data)
     # Under the engine's store namespace (vLLM's key), and the claim released.
     assert raw.get(value_key(STORE_NS, mm_hash)) == vllm_value(shape, "bfloat16", data)

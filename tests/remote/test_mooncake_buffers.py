@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ec_daemon.core.events import Resolution
 from ec_daemon.remote.mooncake import MooncakeStore, buffer_bytes, parse_url
-from ec_daemon.remote.tier import Outcome, RemoteTier, StoredValue
+from ec_daemon.remote.tier import RemoteTier, StoredValue
 from tests import mooncake_servers
 from tests.remote.conftest import needs_mooncake, wait_for
 
@@ -101,9 +102,9 @@ def publish(moon: MooncakeStore, region: memoryview, mm_hash: str, seed: int) ->
 
 
 def found(tier: RemoteTier, mm_hash: str) -> None:
-    told: list[Outcome] = []
+    told: list[Resolution] = []
     assert tier.resolve(NS, mm_hash, told.append, claim=False)
-    assert wait_for(lambda: told, 10) and told[0] is Outcome.FOUND, told
+    assert wait_for(lambda: told, 10) and told[0] is Resolution.FOUND, told
 
 
 def test_promotions_within_the_budget_never_hold_more_buffers_than_it(tier: Any) -> None:

@@ -122,8 +122,9 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
     import threading
     import time
 
+    from ec_daemon.core.events import Resolution
     from ec_daemon.remote.mooncake import CLAIM, MooncakeStore, parse_url
-    from ec_daemon.remote.tier import Outcome, RemoteTier
+    from ec_daemon.remote.tier import RemoteTier
     from tests.remote.conftest import wait_for
 
     claims = [f"claimed-{i}" for i in range(8)]
@@ -142,11 +143,11 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
     moon = MooncakeStore(parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB")))
     tier = RemoteTier(moon, ttl_s=3600, publish_queue_bytes=1 << 20, claim_s=30)
     tier.follow(DAEMON_NS, NAMESPACE)
-    told: list[tuple[str, Outcome]] = []
+    told: list[tuple[str, Resolution]] = []
     lock = threading.Lock()
 
     def teller(name: str) -> Any:
-        def done(outcome: Outcome) -> None:
+        def done(outcome: Resolution) -> None:
             with lock:
                 told.append((name, outcome))
         return done
@@ -167,8 +168,9 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
         order = [name for name, _ in told]
         outcome = dict(told)
         assert set(order[:len(new)]) == set(new), order  # the new keys first
-        assert all(outcome[n] is Outcome.CLAIMED for n in new), told
-        assert all(outcome[n] in (Outcome.FAILED, Outcome.CLAIMED) for n in claims + held), told
+        assert all(outcome[n] is Resolution.CLAIMED for n in new), told
+        assert all(outcome[n] in (Resolution.FAILED, Resolution.CLAIMED)
+                   for n in claims + held), told
         assert len(order) == len(everyone), told  # each told once
         assert tier.snapshot()["claims_taken"] >= len(new)
         assert took < 8, took

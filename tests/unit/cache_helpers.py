@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ec_daemon.core import invariants
-from ec_daemon.core.cache import AllocResult, Cache
+from ec_daemon.core.cache import AllocResult, Cache, CacheListener
 from ec_daemon.core.events import Snapshot
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import Session, SessionTable
+from ec_daemon.plane.dataplane import DataPlane
 from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
@@ -61,14 +62,24 @@ def stamp_table(pages: int) -> StampTable:
 
 def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = None, *,
                stamps: StampTable | None = None, quarantine: float = 300.0,
-               pending_caps: PendingCaps | None = None) -> Cache:
+               pending_caps: PendingCaps | None = None,
+               listener: CacheListener | None = None) -> Cache:
     """A checked cache of `pages` pages; with `stamps`, payload starts at its
     data_offset and allocations are stamped into it."""
     table = SessionTable(lease, clock=clock or FakeClock())
     return CheckedCache(capacity_bytes=pages * PAGE, page_bytes=PAGE, sessions=table,
                         data_offset=stamps.data_offset if stamps is not None else 0,
                         stamps=stamps, quarantine_seconds=quarantine,
-                        pending_caps=pending_caps)
+                        pending_caps=pending_caps, listener=listener)
+
+
+def make_plane(pages: int = 16, clock: FakeClock | None = None, *,
+               alloc_wait_seconds: float = 5.0) -> DataPlane:
+    """A data plane (invariants checked) running a checked cache of `pages`
+    pages (`plane.cache`), its listener."""
+    return DataPlane(lambda listener: make_cache(pages, clock=clock, listener=listener),
+                     lease_seconds=10.0, alloc_wait_seconds=alloc_wait_seconds,
+                     check_invariants=True)
 
 
 def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns", *,
