@@ -207,3 +207,19 @@ class Resolution(enum.Enum):
     ELSEWHERE = "elsewhere"  # another host claimed it: waiting for its value
     ABSENT = "absent"  # not held, not claimable (claims off, or waited past the claim)
     FAILED = "failed"  # the store could not say (down, slow): encode here
+
+
+@dataclass(frozen=True)
+class Found:
+    """A value the second tier found (`plane.second_tier.SecondTier.fetch`):
+    the tensor it holds, which pages are allocated for, and what its store's
+    backend needs to write them (`fetch_into`): the payload, read and
+    verified whole (Redis), or the header it is verified against on its way
+    into the pages (Mooncake: ec-daemon's, beside the value; None for a
+    value vLLM wrote, checked for its format only)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    payload: tuple[memoryview, ...] = ()
+    header: bytes | None = None

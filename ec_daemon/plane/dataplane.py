@@ -340,8 +340,7 @@ class DataPlane:
     def _publish(self, entry: Entry) -> None:
         """Queue a ready entry for the second tier, sent from its pages off the loop."""
         assert self.tier is not None and self.region_file is not None
-        extents, stamp = self.cache.extents(entry), entry.entry_id
-        stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
+        extents, stamp, stamps = self.cache.extents(entry), entry.entry_id, self.cache.stamps
 
         def current() -> bool:
             """Whether the pages still hold the entry (reused, their stamp
@@ -349,9 +348,8 @@ class DataPlane:
             return stamps.holds(extents, stamp)
 
         namespace, mm_hash = entry.key
-        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
-                          lambda: region_file.read(extents), current=current,
-                          extents=list(extents))
+        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, self.region_file,
+                          extents, current)
 
     # ------------------------------------------------------------ upkeep
 

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import AllocOutcome, AllocResult
+from ec_daemon.core.events import AllocOutcome, AllocResult, Found
 from ec_daemon.core.records import Key, Session
 from ec_daemon.durable.region import Region
 from ec_daemon.errors import CacheError
 from ec_daemon.plane.convergence import Promoted, PromotionDone
 from ec_daemon.plane.room import Room
-from ec_daemon.plane.second_tier import Fetched, SecondTier
+from ec_daemon.plane.second_tier import SecondTier
 from ec_protocol.protocol import BOTH
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,14 @@ class Promotions:
         try:
             if reservation is None:
                 return  # the budget is spent, or the key's announcement is gone
-            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
+            found = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
                                                reservation.nbytes)
             fetched = time.perf_counter()
-            if value is None:
-                return  # (the tier counted and logged why, and forgot the key)
+            if found is None:
+                return  # (the tier counted and logged why)
             promoter = self._promoter(namespace)
-            result = await self.room.allocate(lambda: promoter, mm_hash, value.nbytes,
-                                              tuple(value.shape), value.dtype)
+            result = await self.room.allocate(lambda: promoter, mm_hash, found.nbytes,
+                                              tuple(found.shape), found.dtype)
             if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
                 ended = Promoted.SAVING
                 return
@@ -121,11 +121,11 @@ class Promotions:
                 return
             if result.outcome is not AllocOutcome.ALLOCATED:
                 return
-            if not await self._write(key, promoter, result, value):
+            if not await self._write(key, promoter, result, found):
                 return  # (the tier counted and logged why, and forgot the key)
-            ended, nbytes = Promoted.WRITTEN, value.nbytes
+            ended, nbytes = Promoted.WRITTEN, found.nbytes
             log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
-                      value.nbytes, (time.perf_counter() - started) * 1e3,
+                      found.nbytes, (time.perf_counter() - started) * 1e3,
                       (fetched - started) * 1e3)
         except CacheError as exc:
             # A value that verified but cannot be cached here (too large, a
@@ -144,17 +144,17 @@ class Promotions:
             self.verify()
 
     async def _write(self, key: Key, promoter: Session, result: AllocResult,
-                     value: Fetched) -> bool:
-        """Write the fetched value into its pages (`write_into`: a value in
-        memory written there, or one the store reads in, verified there) and
-        commit (the entry is announced ready); aborted if the write fails
-        (raises) or the value fails to read or verify (False)."""
+                     found: Found) -> bool:
+        """Write the value the tier found into its pages (`fetch_into`:
+        verified on the way) and commit (the entry is announced ready);
+        aborted if it fails to read, verify or write (False)."""
         loop = asyncio.get_running_loop()
         self._writing.add(key)
         try:
             try:
                 written = await loop.run_in_executor(
-                    self._pool, value.write_into, self.region_file, result.extents)
+                    self._pool, self.tier.fetch_into, key[0], key[1], found, self.region_file,
+                    result.extents)
             except Exception:  # (cancelled only at shutdown: the write may still run)
                 self.cache.abort(promoter, [key[1]])
                 raise

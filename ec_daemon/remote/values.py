@@ -30,10 +30,10 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -56,13 +56,6 @@ MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_HASH_
 Buffer = bytes | bytearray | memoryview
 
 
-class RegionFile(Protocol):
-    """Where a promotion writes a value: the daemon's region (`region.Region`)."""
-
-    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
-        """Write the concatenation of `parts` across `extents`, in order."""
-
-
 class BadValue(Exception):
     """A value that must not be served; str() is the precise reason."""
 
@@ -70,9 +63,9 @@ class BadValue(Exception):
 @dataclass(frozen=True)
 class Value:
     """A verified value. Its payload may arrive in several parts (a chunked
-    read): `parts` are views of them in order, without a copy; `payload`
-    joins them (a copy) when there is more than one; `copy_into` scatters them
-    over destination buffers (the region's extents) with one copy in all."""
+    read): `parts` are views of them in order, without a copy (written into
+    the region as they are: pwritev); `payload` joins them (a copy) when
+    there is more than one."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -85,33 +78,6 @@ class Value:
         if len(self.parts) == 1:
             return self.parts[0]
         return memoryview(b"".join(self.parts))
-
-    def copy_into(self, targets: Sequence[Any]) -> None:
-        """Copy the payload into `targets` (writable buffers, in order, whose
-        sizes add up to nbytes). Raises ValueError on a size mismatch."""
-        views = [memoryview(t).cast("B") for t in targets]
-        if sum(len(v) for v in views) != self.nbytes:
-            raise ValueError(f"targets hold {sum(len(v) for v in views)} bytes, "
-                             f"the value has {self.nbytes}")
-        source = iter(self.parts)
-        part = memoryview(b"")
-        for view in views:
-            done = 0
-            while done < len(view):
-                if not part:
-                    part = next(source)
-                step = min(len(part), len(view) - done)
-                view[done:done + step] = part[:step]
-                part = part[step:]
-                done += step
-
-    def write_into(self, region_file: RegionFile, extents: Sequence[tuple[int, int]]) -> bool:
-        """Write the payload across `extents` of the region (pwritev, no
-        joining copy); True. Raises what the write raises (the pages then
-        hold nothing to serve). (`tier.StoredValue.write_into`: the same
-        call for a value the store reads into the pages itself.)"""
-        region_file.write(extents, self.parts)
-        return True
 
 
 def _bytes_of(payload: Any) -> memoryview:

@@ -81,13 +81,13 @@ def _mode(text: str) -> int:
 
 def _remote_url(text: str) -> str:
     if text.lower().startswith("mooncake://"):
-        from ec_daemon.remote.mooncake import check_backend
-        from ec_daemon.remote.mooncake import parse_url as parse_mooncake
+        from ec_daemon.remote.mooncake.url import check_backend
+        from ec_daemon.remote.mooncake.url import parse_url as parse_mooncake
 
         parse_mooncake(text)  # raises ValueError naming the accepted form
         check_backend()  # before anything is started: the binding loads here
     elif text:
-        from ec_daemon.remote.store import parse_url
+        from ec_daemon.remote.redis.url import parse_url
 
         parse_url(text)  # raises ValueError naming the accepted forms
     return text

@@ -52,7 +52,6 @@ from ec_protocol import stamps
 from ec_protocol.protocol import default_socket_uri, pb, rpc, unix_path
 
 if TYPE_CHECKING:  # (imported only when --remote is set: `_start_tier`)
-    from ec_daemon.remote.backend import AnyStore
     from ec_daemon.remote.tier import RemoteTier
 
 log = logging.getLogger("ec_daemon")
@@ -192,40 +191,25 @@ def _other_regions(shm_dir: str) -> str:
             "start: `ec-daemon clean --all` removes those of stopped daemons)")
 
 
-def _start_tier(config: DaemonConfig, region: Region) -> RemoteTier | None:
+def _start_tier(config: DaemonConfig) -> RemoteTier | None:
     """The second tier's threads, or None when --remote is off. The URL's
-    scheme chooses the backend, once. A store that cannot be reached now is
-    not fatal: the tier keeps trying (misses meanwhile). A store that moves
-    bytes in place (`ProbedStore`: Mooncake) maps the region."""
+    scheme chooses the backend, once (`remote.tier.open_tier`). A store that
+    cannot be reached now is not fatal: the tier keeps trying (misses
+    meanwhile)."""
     if not config.remote:
         return None
-    from ec_daemon.remote import mooncake
-    from ec_daemon.remote.store import open_store
-    from ec_daemon.remote.tier import RemoteTier
+    from ec_daemon.remote.tier import open_tier
 
-    store: AnyStore
     try:
-        if config.remote.lower().startswith("mooncake://"):
-            store = mooncake.open_store(config.remote, token_file=config.remote_token_file)
-        else:
-            store = open_store(config.remote, token_file=config.remote_token_file)
+        tier = open_tier(config.remote, token_file=config.remote_token_file,
+                         ttl_s=config.remote_ttl, publish_queue_bytes=config.remote_queue_bytes,
+                         index_bytes=config.remote_index_bytes,
+                         promotion_bytes=config.remote_promotion_bytes,
+                         claim_s=config.remote_claim_seconds)
     except (ValueError, OSError) as exc:
         raise StartupError(f"--remote: {exc}") from None
-    tier = RemoteTier(store, ttl_s=config.remote_ttl,
-                      publish_queue_bytes=config.remote_queue_bytes,
-                      index_bytes=config.remote_index_bytes,
-                      promotion_bytes=config.remote_promotion_bytes,
-                      claim_s=config.remote_claim_seconds)
-    if not store.indexed:
-        store.use_region(region.fileno(), region.size)
     tier.start()
-    if tier.indexed:
-        log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
-                 "published", _redacted(config.remote), config.remote_ttl)
-    else:
-        log.info("second tier %s: publishing saves from the region in place, asking the "
-                 "store for wanted items and promoting them into it (connecting in the "
-                 "background)", _redacted(config.remote))
+    log.info("second tier %s: %s", _redacted(config.remote), tier.backend.describe())
     return tier
 
 
@@ -294,7 +278,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset)
-    tier = _start_tier(config, region)
+    tier = _start_tier(config)
     plane = DataPlane(make_cache, lease_seconds=config.lease_seconds,
                       alloc_wait_seconds=config.alloc_wait_seconds,
                       check_invariants=config.check_invariants,

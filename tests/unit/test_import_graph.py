@@ -18,6 +18,7 @@ PACKAGES = ("ec_daemon", "ec_protocol", "ec_client", "benchmarks")
 
 DURABLE, CORE, PLANE = "ec_daemon.durable", "ec_daemon.core", "ec_daemon.plane"
 REMOTE, SERVING = "ec_daemon.remote", "ec_daemon.serving"
+REDIS, MOONCAKE = f"{REMOTE}.redis", f"{REMOTE}.mooncake"  # the second tier's backends
 # The daemon's modules outside its layer folders: each imports nothing of the
 # daemon (`__main__` only starts `serving.cli`).
 DAEMON_ROOT = {"ec_daemon", "ec_daemon.errors", "ec_daemon.sizes", "ec_daemon.__main__"}
@@ -169,14 +170,32 @@ def test_the_second_tier_never_imports_the_data_plane_or_serving():
     assert imports_of(import_graph(), REMOTE, (PLANE, SERVING)) == {}
 
 
-def test_the_second_tiers_parts_hold_the_core_never_the_tier_or_one_another():
+def test_the_second_tiers_parts_hold_what_they_share_never_the_tier_or_one_another():
     # The tier composes them; a part that reached for the tier (or another
     # part) would tie the threads' life cycles back together.
     graph = import_graph()
-    parts = [f"{REMOTE}.{name}" for name in ("core", "publisher", "follower", "resolver")]
+    parts = [f"{REMOTE}.{name}" for name in ("common", "publisher", "resolver")]
     assert {part: sorted(graph[part] & {f"{REMOTE}.tier", *parts}) for part in parts} == {
-        f"{REMOTE}.core": [], f"{REMOTE}.publisher": [f"{REMOTE}.core"],
-        f"{REMOTE}.follower": [f"{REMOTE}.core"], f"{REMOTE}.resolver": [f"{REMOTE}.core"]}
+        f"{REMOTE}.common": [], f"{REMOTE}.publisher": [f"{REMOTE}.common"],
+        f"{REMOTE}.resolver": [f"{REMOTE}.common"]}
+
+
+def test_the_second_tiers_backends_never_import_each_other_nor_what_composes_them():
+    graph = import_graph()
+    above = (f"{REMOTE}.tier", f"{REMOTE}.publisher", f"{REMOTE}.resolver")
+    assert imports_of(graph, REDIS, (MOONCAKE, *above)) == {}
+    assert imports_of(graph, MOONCAKE, (REDIS, *above)) == {}
+
+
+def test_only_the_tier_chooses_a_backend():
+    """The URL's scheme chooses a backend in one place (`tier.open_tier`);
+    the flag's check reads the URLs. No other part of the daemon names one."""
+    graph = import_graph()
+    naming = sorted(m for m, targets in graph.items()
+                    if within(m, "ec_daemon") and not within(m, REDIS)
+                    and not within(m, MOONCAKE)
+                    and any(within(t, REDIS) or within(t, MOONCAKE) for t in targets))
+    assert naming == [f"{REMOTE}.tier", f"{SERVING}.config"]
 
 
 def test_the_protocol_never_imports_the_daemon_or_the_client():
