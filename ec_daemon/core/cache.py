@@ -54,8 +54,8 @@ from ec_daemon.core.events import (
     Extent,
     RanksEvent,
     ReadyEvent,
+    ReadySnapshot,
     ReportStatus,
-    Snapshot,
     SnapshotDoneEvent,
 )
 from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
@@ -208,7 +208,7 @@ class Cache:
         ready = [e for e in self._namespaces.get(session.namespace, {}).values()
                  if e.state is State.READY]
         if ready:
-            session.outbox.append(Snapshot(ready, self._ready_event))  # events made as sent
+            session.outbox.append(ReadySnapshot(ready, self._ready_event))  # events made as sent
             session.seen_upto = max(session.seen_upto, max(e.entry_id for e in ready))
         session.outbox.append(SnapshotDoneEvent())
         session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_key)))

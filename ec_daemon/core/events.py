@@ -34,7 +34,7 @@ class EvictedEvent(NamedTuple):
     entry_id: int
 
 
-class Snapshot:
+class ReadySnapshot:
     """A view's snapshot of ready entries in its outbox, made into ready
     events only as its stream sends them (`make`): a stream that is never
     read holds one reference per entry, not the events (16,384 entries x 100
@@ -210,7 +210,7 @@ class Resolution(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Found:
+class Fetched:
     """A value the second tier found (`plane.second_tier.SecondTier.fetch`):
     the tensor it holds, which pages are allocated for, and what its store's
     backend needs to write them (`fetch_into`): the payload, read and

@@ -18,7 +18,10 @@ from ec_daemon.errors import InvalidArgument
 from ec_protocol.dtypes import entry_problem
 
 # Entries: a key (vLLM's mm_hash) and its shape; its element type is one of
-# ec_protocol.dtypes (the loaders' table).
+# ec_protocol.dtypes (the loaders' table). The second tier's value format
+# carries these shapes whole (`remote.values`: no host publishes more dims
+# than a save may have); vLLM's Mooncake values carry 2 dims only (tokens,
+# hidden: `remote.mooncake.codec.storable`), so other entries stay local there.
 MAX_KEY_BYTES = 512
 MAX_DIMS = 8
 # A layout's dtype (the model's, in its namespace).

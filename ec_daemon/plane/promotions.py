@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import AllocOutcome, AllocResult, Found
+from ec_daemon.core.events import AllocOutcome, AllocResult, Fetched
 from ec_daemon.core.records import Key, Session
 from ec_daemon.durable.region import Region
 from ec_daemon.errors import CacheError
@@ -144,7 +144,7 @@ class Promotions:
             self.verify()
 
     async def _write(self, key: Key, promoter: Session, result: AllocResult,
-                     found: Found) -> bool:
+                     found: Fetched) -> bool:
         """Write the value the tier found into its pages (`fetch_into`:
         verified on the way) and commit (the entry is announced ready);
         aborted if it fails to read, verify or write (False)."""

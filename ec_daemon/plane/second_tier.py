@@ -4,7 +4,7 @@ The plane never imports the tier (`ec_daemon.remote`): the server hands one
 in, and the plane runs, and is tested, without one. `SecondTier` is the
 whole contract, every call the plane makes, typed, so that mypy checks
 `remote.tier.RemoteTier` against it where the server hands the tier in. The
-values both sides name (`core.events.Resolution`, `Found`) sit below both.
+values both sides name (`core.events.Resolution`, `Fetched`) sit below both.
 
 The plane hands the tier the region (`durable.region.Region`) whenever the
 tier reads or writes pages: a publication is read from them, a promotion
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ec_daemon.core.events import Extent, Found, Resolution
+from ec_daemon.core.events import Extent, Fetched, Resolution
 from ec_daemon.durable.region import Region
 
 
@@ -65,12 +65,12 @@ class SecondTier(Protocol):
         """The promotion budget for the key's value (before `fetch`); None
         when the tier no longer holds it or the budget is spent."""
 
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Found | None:
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
         """What the stored value of `nbytes` payload bytes is, enough to
         allocate its pages (blocks on the store); None when absent or refused
         (counted, logged). Never raises."""
 
-    def fetch_into(self, namespace: str, mm_hash: str, found: Found, region: Region,
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: Region,
                    extents: Sequence[Extent]) -> bool:
         """Write the value `fetch` found into `extents` of `region`, verified
         before it may be served (blocks on the store); False when it failed

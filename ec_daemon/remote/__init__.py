@@ -7,7 +7,7 @@ declares, `plane.second_tier`); around one `backend` it composes the
 and claims across hosts), which share `common` (breakers, budget, counters,
 errors). `backend` declares what the tier asks of a store, and each store's
 folder does all of it its own way: `redis` (values in ec-daemon's format,
-announced on streams every daemon follows) and `mooncake` (vLLM's format,
+announced on an index every daemon follows) and `mooncake` (vLLM's format,
 asked for each wanted key, bytes moved between the region and the store).
 `values` is ec-daemon's verified value format (Redis's values, the checksum
 beside Mooncake's), `breaker` the circuit breakers, `budget` the promotion

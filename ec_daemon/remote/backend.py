@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
-from ec_daemon.core.events import Found
+from ec_daemon.core.events import Fetched
 from ec_daemon.remote.common import Common
 
 Extent = tuple[int, int]  # (byte offset in the region, byte length)
@@ -192,14 +192,14 @@ class Backend(ABC):
         return 0
 
     @abstractmethod
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Found | None:
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
         """What the stored value of `nbytes` payload bytes is (blocks on the
         store): enough to allocate its pages, and what `fetch_into` needs.
         None (counted, logged, the key forgotten where it must be) when it
         is absent, refused or the store cannot say. Never raises."""
 
     @abstractmethod
-    def fetch_into(self, namespace: str, mm_hash: str, found: Found, region: RegionPages,
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
                    extents: Sequence[Extent]) -> bool:
         """Write the value `fetch` found into `extents` of `region`, verified
         before it may be served; False (counted, logged, the key forgotten)

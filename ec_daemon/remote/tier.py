@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ec_daemon.core.events import Found, Resolution
+from ec_daemon.core.events import Fetched, Resolution
 from ec_daemon.remote.backend import Backend, Extent, Publication, RegionPages
 from ec_daemon.remote.breaker import CLOSED, STATE_CODES
 from ec_daemon.remote.budget import PromotionBudget, Reservation
@@ -183,14 +183,14 @@ class RemoteTier:
                 self.backend.forget(namespace, mm_hash)
         return reservation
 
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Found | None:
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
         """What the stored value of `nbytes` payload bytes is, blocking on the
         store (call it from a worker thread, within a reservation). None when
         absent, refused (counted, logged at most once per key a minute) or
         the key's node is down. Never raises."""
         return self.backend.fetch(namespace, mm_hash, nbytes)
 
-    def fetch_into(self, namespace: str, mm_hash: str, found: Found, region: RegionPages,
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
                    extents: Sequence[Extent]) -> bool:
         """Write what `fetch` found into `extents` of `region`, verified; False
         (counted, the key forgotten) when that failed. Never raises."""

@@ -15,10 +15,10 @@ Layout (little-endian)::
     0   magic       4s   b"ECDV"
     4   version     u8   FORMAT_VERSION
     5   algorithm   u8   1 = xxh3-64 of header[:-8] + payload
-    6   ndim        u8   0..MAX_DIMS
+    6   ndim        u8   0..MAX_DIMS (a save's shape: `core.limits`)
     7   dtype_len   u8   1..MAX_DTYPE_BYTES
     8   ns_len      u16  namespace, UTF-8 bytes, 1..MAX_NAMESPACE_BYTES
-    10  hash_len    u16  mm_hash, UTF-8 bytes, 1..MAX_HASH_BYTES
+    10  hash_len    u16  mm_hash, UTF-8 bytes, 1..MAX_KEY_BYTES
     12  header_len  u32  bytes before the payload (this header, checksum included)
     16  nbytes      u64  payload bytes
     24  shape       ndim x u64
@@ -37,20 +37,17 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from ec_daemon.core import limits
+from ec_daemon.core.limits import MAX_DIMS, MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 FORMAT_VERSION = 1
 MAGIC = b"ECDV"
 ALGORITHM_XXH3_64 = 1
-MAX_DIMS = 16
 MAX_DTYPE_BYTES = 64
-MAX_NAMESPACE_BYTES = limits.MAX_NAMESPACE_BYTES  # what the daemon accepts: any host reads it
-MAX_HASH_BYTES = limits.MAX_KEY_BYTES
 
 _FIXED = struct.Struct("<4sBBBBHHIQ")
 _CHECKSUM = struct.Struct("<Q")
 FIXED_BYTES = _FIXED.size  # 24
-MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_HASH_BYTES
+MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
                     + MAX_DTYPE_BYTES + _CHECKSUM.size)
 
 Buffer = bytes | bytearray | memoryview
@@ -101,7 +98,7 @@ def encode(namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
     not copied, only checksummed. Raises ValueError for arguments the format
     cannot carry."""
     ns = _text(namespace, "namespace", MAX_NAMESPACE_BYTES)
-    key = _text(mm_hash, "mm_hash", MAX_HASH_BYTES)
+    key = _text(mm_hash, "mm_hash", MAX_KEY_BYTES)
     try:
         kind = dtype.encode("ascii")
     except UnicodeEncodeError:
@@ -150,7 +147,7 @@ def _head(parts: Sequence[memoryview], size: int) -> bytes:
     return bytes(out)
 
 
-class Header(NamedTuple):
+class ValueHeader(NamedTuple):
     """A value's header, checked to name the key it was read for."""
 
     shape: tuple[int, ...]
@@ -179,7 +176,7 @@ def _fields(fixed: bytes) -> tuple[int, int, int, int, int, int]:
 
 
 def _named(head: bytes, fields: tuple[int, int, int, int, int, int], namespace: str,
-           mm_hash: str) -> Header:
+           mm_hash: str) -> ValueHeader:
     """The header in `head` (its first header_len bytes), checked to name the key."""
     ndim, dtype_len, ns_len, hash_len, header_len, nbytes = fields
     at = FIXED_BYTES
@@ -201,10 +198,10 @@ def _named(head: bytes, fields: tuple[int, int, int, int, int, int], namespace: 
     except UnicodeDecodeError:
         raise BadValue(f"malformed header: dtype {stored_dtype!r} is not ASCII") from None
     (stored_sum,) = _CHECKSUM.unpack_from(head, header_len - _CHECKSUM.size)
-    return Header(tuple(shape), dtype, nbytes, header_len, stored_sum)
+    return ValueHeader(tuple(shape), dtype, nbytes, header_len, stored_sum)
 
 
-def parse_header(header: Buffer, *, namespace: str, mm_hash: str) -> Header:
+def parse_header(header: Buffer, *, namespace: str, mm_hash: str) -> ValueHeader:
     """A header read alone (no payload after it: its length is the whole
     buffer), checked as `decode` checks it; raises BadValue with the reason."""
     head = bytes(header)
@@ -228,13 +225,13 @@ class Check:
         self._start(parse_header(header, namespace=namespace, mm_hash=mm_hash), bytes(header))
 
     @classmethod
-    def _parsed(cls, header: Header, head: bytes) -> Check:
+    def _parsed(cls, header: ValueHeader, head: bytes) -> Check:
         """A check of a header already parsed (`head`: its bytes, and maybe more)."""
         check = cls.__new__(cls)
         check._start(header, head)
         return check
 
-    def _start(self, header: Header, head: bytes) -> None:
+    def _start(self, header: ValueHeader, head: bytes) -> None:
         self.header = header
         self._digest = xxhash.xxh3_64(head[:header.length - _CHECKSUM.size])
         self._seen = 0

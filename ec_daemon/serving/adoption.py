@@ -68,7 +68,7 @@ class NotAdoptable(Exception):
 
 
 @dataclass(frozen=True)
-class Layout:
+class RegionSpec:
     """What the flags ask the region to be."""
 
     socket: str
@@ -205,15 +205,15 @@ def _valid(record: Record, page_bytes: int, pages: int, ids_reserved: int) -> bo
         and all(a + n <= b for (a, n), (b, _) in pairwise(runs))
 
 
-def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
-    """Adopt `dead` (its lock held) as a region of `layout`. Raises
+def adopt(dead: DeadRegion, spec: RegionSpec) -> Adoption:
+    """Adopt `dead` (its lock held) as a region of `spec`. Raises
     NotAdoptable; the caller then removes it."""
     started = time.perf_counter()
     header = dead.header
     if header is None:
         raise NotAdoptable(dead.problem)
-    _check_layout(dead, header, layout)
-    _check_access(dead, layout)
+    _check_size(dead, header, spec)
+    _check_access(dead, spec)
     path = index_path(dead.path)
     try:
         header, journal = read_index(path)
@@ -223,11 +223,11 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
         raise NotAdoptable(f"its index reserves ids up to {header.ids_reserved}, beyond any "
                            f"a daemon reserves ({MAX_IDS_RESERVED}): the index is corrupt",
                            "corrupt")
-    pages = (layout.region_size - layout.data_offset) // layout.page_bytes
+    pages = (spec.region_size - spec.data_offset) // spec.page_bytes
     table = os.pread(dead.fd, 8 * pages, 0)
     if len(table) != 8 * pages:
         raise NotAdoptable("its stamp table is short")
-    verified = verify(journal.records.values(), table, page_bytes=layout.page_bytes,
+    verified = verify(journal.records.values(), table, page_bytes=spec.page_bytes,
                       ids_reserved=header.ids_reserved)
     verified.views = sorted(journal.views)
     try:  # ids continuing above every old one; a torn tail cut
@@ -239,33 +239,33 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     return Adoption(dead.take(index), verified, time.perf_counter() - started)
 
 
-def _check_layout(dead: DeadRegion, header: Header, layout: Layout) -> None:
-    if header.page_bytes != layout.page_bytes:
+def _check_size(dead: DeadRegion, header: Header, spec: RegionSpec) -> None:
+    if header.page_bytes != spec.page_bytes:
         raise NotAdoptable(f"its pages are {format_size(header.page_bytes)} and --page-bytes "
-                           f"asks for {format_size(layout.page_bytes)}")
-    if header.region_size != layout.region_size or header.data_offset != layout.data_offset:
+                           f"asks for {format_size(spec.page_bytes)}")
+    if header.region_size != spec.region_size or header.data_offset != spec.data_offset:
         raise NotAdoptable(
             f"it caches {format_size(header.region_size - header.data_offset)} and "
-            f"--cpu-bytes asks for {format_size(layout.region_size - layout.data_offset)}")
-    if dead.size != layout.region_size:
+            f"--cpu-bytes asks for {format_size(spec.region_size - spec.data_offset)}")
+    if dead.size != spec.region_size:
         raise NotAdoptable(f"its file is {format_size(dead.size)}, not the "
-                           f"{format_size(layout.region_size)} its index says")
+                           f"{format_size(spec.region_size)} its index says")
     if dead.path != region_path(dead.path.parent, header.generation):
         raise NotAdoptable("its index names another generation")
 
 
-def _check_access(dead: DeadRegion, layout: Layout) -> None:
+def _check_access(dead: DeadRegion, spec: RegionSpec) -> None:
     """The region's mode and group are what the flags ask (its owner is this
     user: `dead_regions` locks no other). Else access taken away by the new
     flags would live on in what clients opened and mapped under the old."""
     info = os.fstat(dead.fd)
     mode = stat.S_IMODE(info.st_mode)
-    if mode != layout.mode:
+    if mode != spec.mode:
         raise NotAdoptable(f"its mode is {mode:04o} and --socket-mode asks for "
-                           f"{layout.mode:04o}", "access")
-    group = layout.gid if layout.gid is not None else _new_file_group(dead.path.parent)
+                           f"{spec.mode:04o}", "access")
+    group = spec.gid if spec.gid is not None else _new_file_group(dead.path.parent)
     if mode & 0o070 and info.st_gid != group:
-        asked = "--group asks for" if layout.gid is not None else "without --group it would be"
+        asked = "--group asks for" if spec.gid is not None else "without --group it would be"
         raise NotAdoptable(f"its group is {_group_name(info.st_gid)} and {asked} "
                            f"{_group_name(group)}", "access")
 
@@ -301,7 +301,7 @@ class Found(NamedTuple):
                 "refused_errors": self.refused.count("error")}
 
 
-def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
+def find(shm_dir: str, spec: RegionSpec, *, fresh_start: bool = False) -> Found:
     """Adopt the newest dead region of this socket, if one fits; remove the
     other dead regions of this socket and those without a readable index
     (older versions, or a daemon that died creating one). Regions of other
@@ -310,7 +310,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
     and that region removed (a start fresh, never a daemon that cannot start)."""
     mine: list[DeadRegion] = []
     unreadable = []
-    for dead in dead_regions(shm_dir, layout.socket):
+    for dead in dead_regions(shm_dir, spec.socket):
         if dead.header is None:
             log.info("removed stale region %s of a dead daemon (%s)", dead.path, dead.problem)
             unreadable.append(f"{dead.path.name}: {dead.problem}")
@@ -319,7 +319,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
             mine.append(dead)
     if not mine:
         removed = f" (removed {'; '.join(unreadable)})" if unreadable else ""
-        return Found(None, f"no region of a previous daemon on {layout.socket} in {shm_dir}"
+        return Found(None, f"no region of a previous daemon on {spec.socket} in {shm_dir}"
                      f"{removed}")
     if fresh_start:
         for dead in mine:
@@ -333,7 +333,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
             dead.remove()
             continue
         try:
-            adoption = adopt(dead, layout)
+            adoption = adopt(dead, spec)
         except NotAdoptable as exc:
             reasons.append(f"{dead.path.name}: {exc}")
             kinds.append(exc.kind)

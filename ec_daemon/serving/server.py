@@ -34,7 +34,7 @@ from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
 from ec_daemon.errors import InvariantViolated
 from ec_daemon.plane.dataplane import DataPlane
-from ec_daemon.serving.adoption import Adoption, Layout, find
+from ec_daemon.serving.adoption import Adoption, RegionSpec, find
 from ec_daemon.serving.auth import (
     READ_ONLY_SUMMARY,
     AuthError,
@@ -109,9 +109,9 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                 raise StartupError(str(exc)) from None
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
         data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
-        layout = Layout(socket_identity(config.socket), data_offset + capacity,
+        spec = RegionSpec(socket_identity(config.socket), data_offset + capacity,
                         config.page_bytes, data_offset, config.socket_mode, gid)
-        found = find(config.shm_dir, layout,
+        found = find(config.shm_dir, spec,
                      fresh_start=config.fresh_start or not config.warm_restart)
         adoption, why_not = found.adoption, found.why_not
         if not config.warm_restart:
@@ -123,7 +123,7 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         else:
             log.log(logging.WARNING if found.refused else logging.INFO,
                     "starting with an empty cache: %s", why_not)
-            region = await _create_region(config, layout, gid)
+            region = await _create_region(config, spec, gid)
         remove = config.on_exit == "remove" or not config.warm_restart
         try:
             await _serve_region(config, server, region, data_offset, stop or asyncio.Event(),
@@ -154,7 +154,7 @@ def socket_identity(uri: str) -> str:
     return f"unix://{os.path.join(os.path.realpath(folder), name)}"
 
 
-async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) -> Region:
+async def _create_region(config: DaemonConfig, spec: RegionSpec, gid: int | None) -> Region:
     """Create the region; while the tmpfs is short, wait up to
     SHM_WAIT_SECONDS (after a restart, clients still map the previous
     daemon's region for a few seconds), saying so. Raises StartupError."""
@@ -162,9 +162,9 @@ async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) 
     said = 0.0
     while True:
         try:
-            return Region.create(config.shm_dir, layout.region_size, mode=config.socket_mode,
+            return Region.create(config.shm_dir, spec.region_size, mode=config.socket_mode,
                                  gid=gid, progress=log.info,
-                                 index_header=layout.header if config.warm_restart else None)
+                                 index_header=spec.header if config.warm_restart else None)
         except RegionTooLarge as exc:
             now = time.monotonic()
             if now >= deadline:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from ec_daemon.core.events import Snapshot
+from ec_daemon.core.events import ReadySnapshot
 from ec_daemon.core.limits import MAX_MESSAGE_BYTES, MAX_SESSION_EVENTS_PER_MESSAGE
 from ec_daemon.core.records import Session as ClientSession
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
@@ -188,13 +188,13 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     def _next_message(self, session: ClientSession) -> Any:
         """The next message of `session`'s outbox; a snapshot's ready events
-        are made here, as they are sent (`events.Snapshot`)."""
+        are made here, as they are sent (`events.ReadySnapshot`)."""
         events: list[Any] = []
         size = 0
         outbox = session.outbox
         while outbox and len(events) < MAX_SESSION_EVENTS_PER_MESSAGE and size < MAX_MESSAGE_BYTES:
             head = outbox[0]
-            if type(head) is Snapshot:
+            if type(head) is ReadySnapshot:
                 event = head.next()
                 if event is None:
                     outbox.popleft()

@@ -219,8 +219,8 @@ def forge(store: Any, host: Host, mm_hash: str, shape: tuple[int, ...], dtype: s
           payload: Any) -> None:
     """A value whose header and checksum are consistent, written (and
     announced) by someone other than a daemon."""
+    from ec_daemon.remote.redis.shards import IndexShards
     from ec_daemon.remote.redis.store import open_store
-    from ec_daemon.remote.redis.streams import AnnouncementStreams
     from ec_daemon.remote.values import encode
 
     namespace = host.namespace
@@ -228,7 +228,7 @@ def forge(store: Any, host: Host, mm_hash: str, shape: tuple[int, ...], dtype: s
     store.client().set(value_key(namespace, mm_hash), bytes(parts[0]) + bytes(parts[1]),
                        px=600_000)
     writer = open_store(store.url)
-    AnnouncementStreams(writer).announce(namespace, mm_hash, len(parts[1]), 600)
+    IndexShards(writer).announce(namespace, mm_hash, len(parts[1]), 600)
     writer.close()
 
 

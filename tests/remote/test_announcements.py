@@ -20,8 +20,8 @@ from ec_daemon.remote.redis.announcements import (
     ServerClock,
     entry_bytes,
 )
+from ec_daemon.remote.redis.shards import IndexShards
 from ec_daemon.remote.redis.store import INDEX_SHARDS, index_key, open_store
-from ec_daemon.remote.redis.streams import AnnouncementStreams
 from tests import redis_servers
 from tests.remote.conftest import NAMESPACE, needs_redis, redis_tier, wait_for
 
@@ -149,18 +149,18 @@ def test_a_publisher_whose_clock_runs_ahead_trims_nobody_elses_announcements(
     client = own_node.client()
     client.config_set("stream-node-max-entries", 4)  # approximate trims act on few entries
     honest = open_store(own_node.url)
-    honest_streams = AnnouncementStreams(honest)
+    honest_streams = IndexShards(honest)
     for i in range(200):
         honest_streams.announce(NAMESPACE, f"honest-{i}", 10, 60.0)
     restore = wall_clock(monkeypatch, 2 * HOUR_S)  # ahead by more than the TTL
     ahead = open_store(own_node.url)
-    ahead_streams = AnnouncementStreams(ahead)
+    ahead_streams = IndexShards(ahead)
     for i in range(200):
         ahead_streams.announce(NAMESPACE, f"ahead-{i}", 10, 60.0)
     restore()
     assert sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)) == 400
     follower = open_store(own_node.url)
-    found, _ = AnnouncementStreams(follower).read(None, 0.1, 1000)
+    found, _ = IndexShards(follower).read(None, 0.1, 1000)
     assert {a.mm_hash for a in found} >= {f"honest-{i}" for i in range(200)}
     for store in (honest, ahead, follower):
         store.close()
@@ -175,8 +175,8 @@ def test_entries_live_their_ttl_whatever_the_hosts_clocks_say(
         publisher_skew: float, follower_skew: float) -> None:
     restore = wall_clock(monkeypatch, publisher_skew)
     publisher = open_store(own_node.url)
-    AnnouncementStreams(publisher).announce(NAMESPACE, "kept", 10, 60.0)
-    AnnouncementStreams(publisher).announce(NAMESPACE, "brief", 10, 1.0)
+    IndexShards(publisher).announce(NAMESPACE, "kept", 10, 60.0)
+    IndexShards(publisher).announce(NAMESPACE, "brief", 10, 1.0)
     publisher.close()
     restore()
     wall_clock(monkeypatch, follower_skew)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ec_daemon.core.events import Found, Resolution
+from ec_daemon.core.events import Fetched, Resolution
 from ec_daemon.durable.region import Region
 from ec_daemon.remote import values
 from ec_daemon.remote.common import Common, RemoteError
@@ -707,7 +707,7 @@ def _gil_gaps(since: float, seconds: float) -> float:
 
 
 def _every_call_refused(host: Host, match: str) -> None:
-    store, head, region = host.store, Found((1, 2), "float32", 8), host.region
+    store, head, region = host.store, Fetched((1, 2), "float32", 8), host.region
     calls: dict[str, Callable[[], object]] = {
         "ping": store.ping,
         "present": lambda: store.present([(NAMESPACE, "k")]),

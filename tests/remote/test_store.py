@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ec_daemon.remote.common import RemoteAuthError, RemoteError
+from ec_daemon.remote.redis.shards import IndexShards
 from ec_daemon.remote.redis.store import (
     CHUNK_BYTES,
     FIRST_READ_BYTES,
@@ -19,7 +20,6 @@ from ec_daemon.remote.redis.store import (
     open_store,
     value_key,
 )
-from ec_daemon.remote.redis.streams import AnnouncementStreams
 from ec_daemon.remote.redis.url import parse_url
 from ec_daemon.remote.values import decode, encode
 from tests import redis_servers
@@ -245,7 +245,7 @@ def test_ttl_expiry(node: redis_servers.RedisServer) -> None:
 @needs_redis
 def test_the_index(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
-    streams = AnnouncementStreams(store)
+    streams = IndexShards(store)
     node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
     before_ms = int(node.client().time()[0]) * 1000
     for i in range(30):
@@ -276,7 +276,7 @@ def test_the_index(node: redis_servers.RedisServer) -> None:
 @needs_redis
 def test_the_index_is_trimmed_to_the_ttl(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
-    streams = AnnouncementStreams(store)
+    streams = IndexShards(store)
     node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
     for i in range(200):
         streams.announce(NAMESPACE, f"old-{i}", 1, 0.2)
@@ -416,7 +416,7 @@ def test_a_put_to_a_key_that_moved_follows_the_redirection(
 def test_cluster_announcements_live_beside_their_values(cluster: redis_servers.Cluster) -> None:
     """A value's announcement goes to an index shard on the value's node."""
     store = open_store(cluster.url)
-    streams = AnnouncementStreams(store)
+    streams = IndexShards(store)
     store.ping()
     for n in cluster.nodes:
         keys = [k for k in range(INDEX_SHARDS) if cluster.node_of(index_key(k)) is n]
@@ -473,7 +473,7 @@ def test_a_password_in_a_bad_url_is_never_echoed() -> None:
 
 def test_index_entries_out_of_bounds_are_ignored() -> None:
     from ec_daemon.remote.redis.announcements import Announcement
-    from ec_daemon.remote.redis.streams import _announcement
+    from ec_daemon.remote.redis.shards import _announcement
 
     good = {b"ns": b"m|f16|image=8|", b"h": b"abc", b"n": b"4096", b"t": b"60000",
             b"e": b"1e15"}

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ec_daemon.remote.redis.announcements import entry_bytes
+from ec_daemon.remote.redis.shards import IndexShards
 from ec_daemon.remote.redis.store import INDEX_SHARDS, index_key, open_store, value_key
-from ec_daemon.remote.redis.streams import AnnouncementStreams
 from ec_daemon.remote.tier import RemoteTier
 from ec_daemon.remote.values import encode, size_bounds
 from tests import redis_servers
@@ -174,7 +174,7 @@ def test_pages_rewritten_while_published_are_not_announced(
     assert wait_for(lambda: tier.snapshot()["publish_skips"] == 2, 3.0)
     assert store.get(NAMESPACE, "rewritten-early") is None
     assert store.get(NAMESPACE, "rewritten-late") is not None
-    found, _ = AnnouncementStreams(store).read(None, 0.1, 1000)
+    found, _ = IndexShards(store).read(None, 0.1, 1000)
     assert not {a.mm_hash for a in found} & {"rewritten-early", "rewritten-late"}
     assert tier.snapshot()["publishes"] == 0
     assert publish(tier, pages, "in-place", b"0123456789")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ec_daemon.core import invariants
 from ec_daemon.core.cache import AllocResult, Cache, CacheListener
-from ec_daemon.core.events import Snapshot
+from ec_daemon.core.events import ReadySnapshot
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import Session, SessionTable
 from ec_daemon.plane.dataplane import DataPlane
@@ -120,7 +120,7 @@ def drain(session: Session) -> list[Any]:
     events made), emptied."""
     events: list[Any] = []
     for item in session.outbox:
-        if isinstance(item, Snapshot):
+        if isinstance(item, ReadySnapshot):
             events += iter(item.next, None)
         else:
             events.append(item)

@@ -25,7 +25,7 @@ from ec_daemon.durable.journal import encode_ready
 from ec_daemon.durable.region import Region, dead_regions
 from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.errors import ResourceExhausted
-from ec_daemon.serving.adoption import Layout, find
+from ec_daemon.serving.adoption import RegionSpec, find
 from ec_protocol.stamps import table_bytes
 from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
 
@@ -33,17 +33,17 @@ PAGE = 4096
 SOCKET = "unix:///run/ec-test/ec.sock"
 
 
-def layout(pages: int = 32, page: int = PAGE, socket: str = SOCKET) -> Layout:
+def region_spec(pages: int = 32, page: int = PAGE, socket: str = SOCKET) -> RegionSpec:
     offset = table_bytes(pages, page)
-    return Layout(socket, offset + pages * page, page, offset)
+    return RegionSpec(socket, offset + pages * page, page, offset)
 
 
 class Host:
     """A daemon's core over a real region in `folder` (no gRPC)."""
 
-    def __init__(self, folder: Path, shape: Layout, *, adopt: bool = True,
+    def __init__(self, folder: Path, shape: RegionSpec, *, adopt: bool = True,
                  clock: FakeClock | None = None) -> None:
-        self.layout = shape
+        self.spec = shape
         self.clock = clock or FakeClock()
         adoption, self.why_not, _ = find(str(folder), shape) if adopt else (None, "", ())
         self.adoption = adoption
@@ -62,8 +62,8 @@ class Host:
         invariants.check(self.cache)
 
     def save(self, writer: Any, mm_hash: str, pages: int, *, commit: bool = True) -> Any:
-        result = self.cache.allocate(writer, mm_hash, pages * self.layout.page_bytes,
-                                     (pages, self.layout.page_bytes), "uint8")
+        result = self.cache.allocate(writer, mm_hash, pages * self.spec.page_bytes,
+                                     (pages, self.spec.page_bytes), "uint8")
         if result.outcome is AllocOutcome.ALLOCATED:
             self.region.write(result.extents, [payload(result.entry_id, pages * PAGE)])
             if commit:
@@ -89,7 +89,7 @@ def entries(cache: Cache) -> dict[str, tuple[int, State, tuple[Any, ...]]]:
 
 
 def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     view, w = scheduler(first.cache), worker(first.cache)
     for name, pages in (("a", 2), ("b", 3), ("c", 1)):
         first.save(w, name, pages)
@@ -106,7 +106,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     drain(view)
     first.crash()
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert second.region.path == first.region.path
     assert second.region.generation == first.region.generation
     after = entries(second.cache)
@@ -139,7 +139,7 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     """The ghost of an engine's old view holds the evictions of its namespace
     only until that engine re-attaches and declares its loads (`hold`), not
     for a whole lease: saves of a full cache go on within moments."""
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     a_view, b_view = scheduler(first.cache, engine="A"), scheduler(first.cache, engine="B")
     w = worker(first.cache)
     first.save(w, "x", 30)
@@ -149,7 +149,7 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     drain(b_view)
     first.crash()
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     x = second.cache.get("ns", "x")
     assert x.state is State.HIDDEN and {g.engine_id for g in x.awaiting} == {"A", "B"}
     a_again = scheduler(second.cache, engine="A")
@@ -167,17 +167,17 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
 def test_an_engine_back_after_its_ghost_expired_stays_journaled(tmp_path):
     """Its old view's ghost ran out first: the engine's new session, attached
     later, is what the journal must still name (a crash now awaits it)."""
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     scheduler(first.cache, engine="A")
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     second.cache.serving()
     second.clock.now += 11
     assert [g.engine_id for g in second.cache.release_ghosts()] == ["A"]
     back = scheduler(second.cache, engine="A")
     second.cache.reattached(back)
     second.crash()
-    third = Host(tmp_path, layout())
+    third = Host(tmp_path, region_spec())
     assert [g.engine_id for g in third.cache.sessions.ghosts()] == ["A"]
     third.crash()
 
@@ -197,14 +197,14 @@ def test_an_entry_hidden_when_no_view_was_attached_is_freed_at_restore():
 
 
 def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     w = worker(first.cache)
     first.save(w, "a", 2)
     first.save(w, "b", 1)
     a = first.cache.get("ns", "a")
     first.table.write([(a.runs[0][0] + 1, 1)], 0)  # one page of a: free now
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert set(entries(second.cache)) == {"b"}
     assert second.adoption.verified.rejected == 1
     assert second.cache.quarantined_pages == 1  # a's page that kept its stamp
@@ -212,7 +212,7 @@ def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):
 
 
 def test_two_records_never_adopt_one_page(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     w = worker(first.cache)
     first.save(w, "a", 2)
     a = first.cache.get("ns", "a")
@@ -223,7 +223,7 @@ def test_two_records_never_adopt_one_page(tmp_path):
         f.write(encode_ready(a.entry_id + 100, "ns", "other", a.nbytes, a.shape, a.dtype,
                              a.runs))
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     adopted = entries(second.cache)
     assert list(adopted) == ["forged"] and second.adoption.verified.rejected == 1
     second.crash()
@@ -232,10 +232,10 @@ def test_two_records_never_adopt_one_page(tmp_path):
 @pytest.mark.parametrize(("change", "why"), [
     ({"pages": 64}, "--cpu-bytes"), ({"page": 8192, "pages": 16}, "--page-bytes")])
 def test_a_region_of_another_size_is_not_adopted(tmp_path, change, why):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.save(worker(first.cache), "a", 1)
     first.crash()
-    second = Host(tmp_path, layout(**change))
+    second = Host(tmp_path, region_spec(**change))
     assert second.adoption is None and why in second.why_not
     assert second.region.path != first.region.path and not first.region.path.exists()
     assert entries(second.cache) == {}
@@ -243,11 +243,11 @@ def test_a_region_of_another_size_is_not_adopted(tmp_path, change, why):
 
 
 def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path):
-    other = Host(tmp_path, layout(socket="unix:///other.sock"))
+    other = Host(tmp_path, region_spec(socket="unix:///other.sock"))
     other.crash()
-    mine = Host(tmp_path, layout())
+    mine = Host(tmp_path, region_spec())
     mine.crash()
-    adoption, why, _ = find(str(tmp_path), layout(), fresh_start=True)
+    adoption, why, _ = find(str(tmp_path), region_spec(), fresh_start=True)
     assert adoption is None and "--fresh-start" in why
     assert not mine.region.path.exists() and other.region.path.exists()
     for dead in dead_regions(tmp_path):
@@ -255,10 +255,10 @@ def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path
 
 
 def test_a_region_without_a_readable_index_is_removed(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.crash()
     index_path(first.region.path).write_bytes(b"garbage")
-    adoption, why, _ = find(str(tmp_path), layout())
+    adoption, why, _ = find(str(tmp_path), region_spec())
     assert adoption is None and "unreadable" in why and not first.region.path.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -354,7 +354,7 @@ def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path
         rng = random.Random(seed)
         seed += 1
         (folder / "live").mkdir()
-        host = Host(folder / "live", layout(pages=24))
+        host = Host(folder / "live", region_spec(pages=24))
         points = CrashPoints(monkeypatch, folder, rng, host, every=0.08)
         churn(host, rng, 250)
         monkeypatch.undo()
@@ -362,7 +362,7 @@ def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path
         monkeypatch.setattr(index_module, "ID_BLOCK", 8)
         snapshots += len(points.taken)
         for snap, handed_out in points.taken:
-            after = Host(snap, layout(pages=24), clock=FakeClock())
+            after = Host(snap, region_spec(pages=24), clock=FakeClock())
             assert after.adoption is not None, after.why_not
             invariants.check(after.cache)  # pages, counters, and every stamp
             for entry in after.cache.entries():
@@ -390,7 +390,7 @@ def test_a_format_1_index_is_still_adopted_and_becomes_format_2(tmp_path):
     from ec_daemon.durable.index import read_header
     from ec_daemon.durable.journal import HEADER_BYTES, VERSION_AT, _frame, decode_records
 
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.save(worker(first.cache), "a", 2)
     entry = first.cache.get("ns", "a")
     first.crash()
@@ -405,7 +405,7 @@ def test_a_format_1_index_is_still_adopted_and_becomes_format_2(tmp_path):
     data[VERSION_AT:VERSION_AT + 4] = struct.pack("<I", 1)
     path.write_bytes(bytes(data[:HEADER_BYTES]) + _frame(body))  # what format 1 wrote
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert entries(second.cache) == {"a": (entry.entry_id, State.READY,
                                            second.cache.extents(entry))}
     assert second.cache.get("ns", "a").checksum == 0
@@ -420,14 +420,14 @@ def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
     is reclaimed, and the bookkeeping adds up throughout."""
     import os
 
-    host = Host(tmp_path, layout(pages=8))
+    host = Host(tmp_path, region_spec(pages=8))
     view, w = scheduler(host.cache), worker(host.cache)
     host.save(w, "a", 2)
     host.save(w, "b", 2)
     host.save(w, "c", 1, commit=False)  # pending
     drain(view)
     a, b = host.cache.get("ns", "a"), host.cache.get("ns", "b")
-    cut_at = host.layout.data_offset + 3 * PAGE  # b's second page and everything after
+    cut_at = host.spec.data_offset + 3 * PAGE  # b's second page and everything after
     with open(host.region.path, "r+b") as f:
         os.ftruncate(f.fileno(), cut_at)
     assert host.region.shortfall() == cut_at

@@ -48,8 +48,8 @@ from ec_daemon.core.events import (
     AllocOutcome,
     EvictedEvent,
     ReadyEvent,
+    ReadySnapshot,
     ReportStatus,
-    Snapshot,
 )
 from ec_daemon.core.records import Session, State
 from ec_daemon.errors import ResourceExhausted
@@ -268,7 +268,7 @@ class CacheMachine(RuleBasedStateMachine):
             if not outbox:
                 break
             event = outbox[0]
-            if isinstance(event, Snapshot):  # its ready events, made as the stream sends them
+            if isinstance(event, ReadySnapshot):  # its ready events, made as the stream sends them
                 event = event.next()
                 if event is None:
                     outbox.popleft()

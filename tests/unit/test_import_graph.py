@@ -242,3 +242,56 @@ def test_nothing_below_the_vllm_shell_imports_it():
     offending = {m: sorted(graph[m] & shell) for m in graph
                  if any(within(m, f) for f in CLIENT_FOLDERS) and graph[m] & shell}
     assert offending == {}
+
+
+# ------------------------------------------------------------------ one name per idea
+
+LAYER_FOLDERS = ("durable", "core", "plane", "remote", "serving")
+# A module name repeats only for a part every second-tier backend has alike
+# (each backend's folder holds its own `backend`, `store` and `url`).
+BACKEND_PARTS = {"backend", "store", "url"}
+# A class name repeats only where one side declares, as a Protocol, the
+# interface of what another implements (the caller names what it needs).
+DECLARED_BY_CALLER = {"Reservation": ("ec_daemon.plane.second_tier", "ec_daemon.remote.budget")}
+
+
+def daemon_module_names() -> dict[str, list[str]]:
+    """Each module name of the daemon (no package faces) -> where it is."""
+    names: dict[str, list[str]] = {}
+    for module in modules():
+        if within(module, "ec_daemon") and module.rsplit(".", 1)[0] != module \
+                and not (ROOT / (module.replace(".", "/") + "/__init__.py")).exists():
+            names.setdefault(module.rsplit(".", 1)[1], []).append(module)
+    return names
+
+
+def test_no_daemon_module_is_named_after_a_layer_folder():
+    assert sorted(m for name, where in daemon_module_names().items() if name in LAYER_FOLDERS
+                  for m in where) == []
+
+
+def test_a_module_name_means_one_thing_in_the_daemon():
+    repeated = {name: sorted(where) for name, where in daemon_module_names().items()
+                if len(where) > 1}
+    assert {name for name in repeated if name not in BACKEND_PARTS} == set(), repeated
+    for name in repeated.keys() & BACKEND_PARTS:
+        assert all(within(m, REMOTE) for m in repeated[name]), repeated[name]
+
+
+def defined_classes() -> dict[str, list[str]]:
+    """Each class name defined at the top of a daemon or protocol module -> where."""
+    found: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        if within(module, "ec_daemon") or within(module, "ec_protocol"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_a_class_name_means_one_thing_in_the_daemon_and_the_protocol():
+    """(Layout was a model's fingerprint in the protocol and a region's
+    geometry in adoption; Found, Header and Snapshot were two things each.)"""
+    repeated = {name: tuple(sorted(where)) for name, where in defined_classes().items()
+                if len(where) > 1}
+    assert repeated == DECLARED_BY_CALLER

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ec_daemon.core.events import Found
+from ec_daemon.core.events import Fetched
 from ec_daemon.remote.backend import Backend, Extent, Publication, Published, RegionPages
 from ec_daemon.remote.common import Common, LocalWriteError, Refused
 from ec_daemon.remote.mooncake import codec
@@ -58,7 +58,7 @@ class MooncakeBackend(Backend):
         # entries are shared with vLLM's own connector).
         self._store_names: dict[str, str] = {}
         # Keys found, with what was found, until FOUND_S.
-        self._found: OrderedDict[tuple[str, str], tuple[float, Found]] = OrderedDict()
+        self._found: OrderedDict[tuple[str, str], tuple[float, Fetched]] = OrderedDict()
         self._found_max = max(1, index_bytes // 512)
 
     def __repr__(self) -> str:
@@ -155,12 +155,12 @@ class MooncakeBackend(Backend):
                 self._found.popitem(last=False)
         return True
 
-    def _remembered(self, namespace: str, mm_hash: str) -> Found | None:
+    def _remembered(self, namespace: str, mm_hash: str) -> Fetched | None:
         with self._lock:
             found = self._found.get((namespace, mm_hash))
         return found[1] if found is not None and found[0] > time.monotonic() else None
 
-    def _read_head(self, namespace: str, mm_hash: str) -> Found | None:
+    def _read_head(self, namespace: str, mm_hash: str) -> Fetched | None:
         """The value's header (`MooncakeStore.head`), through the breaker;
         None when absent, refused or unreachable (counted)."""
         common = self.common
@@ -227,7 +227,7 @@ class MooncakeBackend(Backend):
         """Free the pooled transfer buffers (their budget returned)."""
         return self.store.buffers.trim()
 
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Found | None:
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
         """The value's header, read when the key was resolved, or now; its
         payload is read later straight into the pages (`fetch_into`)."""
         found = self._remembered(namespace, mm_hash) or self._read_head(namespace, mm_hash)
@@ -239,7 +239,7 @@ class MooncakeBackend(Backend):
             return None
         return found
 
-    def fetch_into(self, namespace: str, mm_hash: str, found: Found, region: RegionPages,
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
                    extents: Sequence[Extent]) -> bool:
         """The value read into a transfer buffer and verified on its way into
         `extents` (`MooncakeStore.get_into`); a value and a checksum that do

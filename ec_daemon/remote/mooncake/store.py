@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ec_daemon.core.events import Found
+from ec_daemon.core.events import Fetched
 from ec_daemon.remote import values
 from ec_daemon.remote.backend import Extent, Published, RegionPages
 from ec_daemon.remote.budget import PromotionBudget
@@ -189,9 +189,9 @@ class MooncakeStore:
             raise RemoteError(f"put {key}{SIDECAR}: {error(code)}")
         return "stored"
 
-    def head(self, store_namespace: str, mm_hash: str) -> Found | None:
+    def head(self, store_namespace: str, mm_hash: str) -> Fetched | None:
         """The value's shape, dtype and size, and ec-daemon's checksum header
-        beside it (`Found.header`); None when absent. A value ec-daemon
+        beside it (`Fetched.header`); None when absent. A value ec-daemon
         published is described by its checksum's header, read alone (one
         store read: the value's own header is checked against it when the
         value is read, `get_into`); one vLLM wrote, by its header. (A
@@ -223,7 +223,7 @@ class MooncakeStore:
             else:
                 if storable(stated, dtype) and all(0 < d < 1 << 32 for d in stated) \
                         and nbytes == stated[0] * stated[1] * ITEM_BYTES[dtype]:
-                    return Found((int(stated[0]), int(stated[1])), dtype, nbytes,
+                    return Fetched((int(stated[0]), int(stated[1])), dtype, nbytes,
                                  header=sidecar)
                 refused = values.BadValue(f"ec-daemon's header says {dtype} {stated}, "
                                           f"{nbytes} bytes: no value of vLLM's format")
@@ -244,9 +244,9 @@ class MooncakeStore:
         shape, dtype = parse_header(header)
         if refused is not None:
             raise refused
-        return Found(shape, dtype, shape[0] * shape[1] * ITEM_BYTES[dtype])
+        return Fetched(shape, dtype, shape[0] * shape[1] * ITEM_BYTES[dtype])
 
-    def get_into(self, store_namespace: str, mm_hash: str, found: Found, region: RegionPages,
+    def get_into(self, store_namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
                  extents: Sequence[Extent]) -> bool:
         """Read the value and write its payload into `extents` of `region`,
         verified on its way in where no peer can change it (`_write_region`):

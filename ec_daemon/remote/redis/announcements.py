@@ -1,4 +1,4 @@
-"""What other hosts announced in the Redis store (`streams`), for the
+"""What other hosts announced in the Redis store's index (`shards`), for the
 namespaces this host follows: what the store holds, answered from memory.
 
 Bounded in bytes (`max_bytes`, the oldest announcements dropped first), since
@@ -14,7 +14,7 @@ node's clock at the XADD, in ms) plus its TTL, and `ServerClock` learns the
 server's "now" from the IDs read: the newest one seen, carried forward by
 this host's monotonic clock. A host whose wall clock runs ahead or behind
 neither drops nor keeps entries wrongly. A daemon that has not yet read to
-the end of the streams lags behind the server's time, so it may take an expired
+the end of the index lags behind the server's time, so it may take an expired
 entry as present: that costs one miss, never a wrong hit (values are verified).
 """
 
@@ -110,7 +110,7 @@ class Announcements:
         return True
 
     def take_rescan(self) -> bool:
-        """Whether the streams must be read again from their start (a
+        """Whether the index must be read again from their start (a
         namespace was followed since the last call, whose entries announced
         before were skipped): said once."""
         rescan, self._rescan = self._rescan, False

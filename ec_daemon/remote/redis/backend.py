@@ -1,14 +1,14 @@
 """How the tier uses a Redis store (`backend.Backend`): values in ec-daemon's
-own format (`values`), announced on streams every daemon follows.
+own format (`values`), announced on an index every daemon follows.
 
 - lookup: what other hosts published is known ahead of any want, from the
-  announcements followed (`follower` reads the streams into `announcements`),
+  announcements followed (`follower` reads the index's shards into `announcements`),
   so a key they do not hold is known absent without asking the store;
 - claim: a Lua script on the key's node (`store`);
 - publish: the pages read (pread), checksummed as a value, put with the TTL,
   then announced, unless the pages were reused meanwhile;
 - fetch: the whole value read and verified before any page is allocated for
-  it (its header says its shape), and held until written (`Found.payload`,
+  it (its header says its shape), and held until written (`Fetched.payload`,
   within the promotion budget); fetch_into writes it with pwritev.
 """
 
@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ec_daemon.core.events import Found
+from ec_daemon.core.events import Fetched
 from ec_daemon.remote.backend import Backend, Extent, Publication, Published, RegionPages
 from ec_daemon.remote.common import Common, Refused, RemoteError, UnexpectedSize
 from ec_daemon.remote.redis.announcements import Announcements
 from ec_daemon.remote.redis.follower import Follower
+from ec_daemon.remote.redis.shards import IndexShards
 from ec_daemon.remote.redis.store import RedisStore, open_store
-from ec_daemon.remote.redis.streams import AnnouncementStreams
 from ec_daemon.remote.values import BadValue, decode, encode, size_bounds
 
 log = logging.getLogger("ec_daemon.remote")
@@ -44,18 +44,18 @@ class RedisBackend(Backend):
                  block_s: float = 0.5, index_batch: int = 1000) -> None:
         """`ttl_s`: how long a published value and its announcement stay;
         `index_bytes` bounds the announcements followed; `block_s`: how long
-        one read of the streams waits; `index_batch`: the most one returns."""
+        one read of the index waits; `index_batch`: the most one returns."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self.common = common
         self.store = store
-        self.streams = AnnouncementStreams(store)
+        self.shards = IndexShards(store)
         self.ttl_s = ttl_s
         self.block_s = block_s
         self._lock = threading.Lock()  # guards the announcements
         self._announcements = Announcements(max_bytes=index_bytes,
                                             ttl_ms=max(1, int(ttl_s * 1000)))
-        self._follower = Follower(common, self.streams, self._announcements, self._lock,
+        self._follower = Follower(common, self.shards, self._announcements, self._lock,
                                   block_s=block_s, batch=index_batch)
 
     def __repr__(self) -> str:
@@ -153,7 +153,7 @@ class RedisBackend(Backend):
                 return "rewritten"  # perhaps sent rewritten: not announced
             # The announcement must not outlive the value: its TTL runs from the put.
             ttl_s = self.ttl_s - (time.monotonic() - started)
-            self.common.timed("announce", lambda: self.streams.announce(
+            self.common.timed("announce", lambda: self.shards.announce(
                 namespace, mm_hash, entry.nbytes, ttl_s))
             return "stored"
 
@@ -165,7 +165,7 @@ class RedisBackend(Backend):
         """The most a value of `nbytes` payload bytes takes, its header's too."""
         return size_bounds(namespace, mm_hash, nbytes)[1]
 
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Found | None:
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
         """The value read whole and verified (header and checksum); a stored
         value of another size is refused having read no more than such a
         value takes. Read once more when it does not verify: a rewrite or an
@@ -206,10 +206,10 @@ class RedisBackend(Backend):
                 self._bad_value(namespace, mm_hash, exc)
                 return None
             common.count(remote_hits=1, fetch_bytes=value.nbytes)
-            return Found(value.shape, value.dtype, value.nbytes, payload=value.parts)
+            return Fetched(value.shape, value.dtype, value.nbytes, payload=value.parts)
         return None
 
-    def fetch_into(self, namespace: str, mm_hash: str, found: Found, region: RegionPages,
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
                    extents: Sequence[Extent]) -> bool:
         """The verified payload `fetch` read, written across `extents` (pwritev)."""
         try:

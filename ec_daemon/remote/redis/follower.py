@@ -1,4 +1,4 @@
-"""The follower of a Redis store's announcement streams: the thread that
+"""The follower of a Redis store's index: the thread that
 reads other hosts' announcements into what this host follows
 (`announcements`), sweeps what expired, and keeps them dated by the store's
 clock.
@@ -6,7 +6,7 @@ clock.
 It is its own module because following is the one part a store with an
 index needs and Mooncake never runs: a blocking read loop with its own pacing
 (FOLLOW_PAUSE_S, UPKEEP_S) and failure handling. It holds the tier's common
-state (`common`: the stop, the breakers, the counters), the streams it reads
+state (`common`: the stop, the breakers, the counters), the index shards it reads
 and the announcements it fills, under its backend's lock.
 """
 
@@ -18,32 +18,32 @@ import time
 
 from ec_daemon.remote.common import Common, RemoteError
 from ec_daemon.remote.redis.announcements import Announcement, Announcements
-from ec_daemon.remote.redis.streams import AnnouncementStreams
+from ec_daemon.remote.redis.shards import IndexShards
 
 log = logging.getLogger("ec_daemon.remote")
 
 UPKEEP_S = 5.0  # the announcements: expired ones swept, the store's clock read, this often
-FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the streams are read again this late
+FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is read again this late
 
 
 class Follower:
     """The following thread (`run`) of one Redis store, until the tier
     stops. A read that fails is counted and retried after block_s."""
 
-    def __init__(self, common: Common, streams: AnnouncementStreams,
+    def __init__(self, common: Common, shards: IndexShards,
                  announcements: Announcements, lock: threading.Lock, *, block_s: float,
                  batch: int) -> None:
         """`lock` guards `announcements`; `block_s`: how long one read waits
         for announcements; `batch`: the most announcements one read returns."""
         self.common = common
-        self.streams = streams
+        self.shards = shards
         self.announcements = announcements
         self.lock = lock
         self.block_s = block_s
         self.batch = batch
 
     def run(self) -> None:
-        common, streams = self.common, self.streams
+        common, shards = self.common, self.shards
         cursor: str | None = None
         next_upkeep = time.monotonic()
         while not common.stopping.is_set():
@@ -51,7 +51,7 @@ class Follower:
                 if self.announcements.take_rescan():
                     cursor = None
             try:
-                found, cursor = streams.read(cursor, self.block_s, self.batch,
+                found, cursor = shards.read(cursor, self.block_s, self.batch,
                                              breakers=common.breakers)
             except RemoteError as exc:
                 if common.stopping.is_set():
@@ -84,11 +84,11 @@ class Follower:
         self.common.count(index_announcements=len(found), index_evictions=evicted)
 
     def _learn_time(self) -> None:
-        """Read the store's clock: a daemon that starts, or streams nobody
+        """Read the store's clock: a daemon that starts, or an index nobody
         announced on for a while, must still see which entries expired.
         (Store failures go to the breakers; the announcements keep their time.)"""
         try:
-            now_ms = self.streams.clock_ms(self.common.breakers)
+            now_ms = self.shards.clock_ms(self.common.breakers)
         except Exception:
             self.common.count(errors=1)
             log.exception("reading the store's clock failed")

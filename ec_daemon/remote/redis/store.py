@@ -1,6 +1,6 @@
 """The Redis store of the second tier: one node or a cluster, through
 redis-py, and the calls its backend (`backend`) makes of it: values, claims,
-and the announcement streams (`streams`).
+and the index (`shards`).
 
 It puts a value with a TTL, gets it back (in parts: large values are read in
 chunks, which is twice as fast as one GET of 8+ MiB through redis-py), says
@@ -14,7 +14,7 @@ Keys (`ecd1:` is the key scheme's version)::
     ecd1:v:{<fp>:<mm_hash>}   a value (values.py), with the TTL; the hash tag
                               spreads values over every slot of a cluster
     ecd1:c:{<fp>:<mm_hash>}   a claim on the value: its holder's token, a short TTL
-    ecd1:i:{<k>}              announcement stream k of INDEX_SHARDS (`streams`)
+    ecd1:i:{<k>}              index shard k of INDEX_SHARDS: a stream of announcements (`shards`)
 
 <fp> is the first 16 hex digits of the namespace's sha256.
 """

@@ -1,9 +1,9 @@
-"""The announcement streams of a Redis store: each daemon announces there
+"""The index of a Redis store, in shards: each daemon announces there
 what it published, and every daemon reads them (`follower`) into what it
 follows (`announcements`), so a want is answered from memory.
 
-Streams ``ecd1:i:{<k>}``, k of INDEX_SHARDS, hold announcements (ns, h, n,
-t, e), trimmed to the TTL. A publisher announces on a shard that lives on the
+Shards ``ecd1:i:{<k>}``, k of INDEX_SHARDS, are streams of announcements
+(ns, h, n, t, e), trimmed to the TTL. A publisher announces on a shard that lives on the
 same node as the value (in a cluster), so the node that holds a value holds
 its announcement: losing it costs exactly its keys.
 
@@ -12,7 +12,7 @@ by its stream entry ID (the milliseconds of the node's clock at the XADD), and
 each XADD trims its shard by the ID the previous XADD on that shard returned,
 less the TTL; no host's clock is trusted. (`e`, the expiry by the publisher's
 clock, is still written for daemons that predate `t`.) Anyone who can write
-to the store can write the streams: an entry out of bounds is ignored.
+to the store can write the index: an entry out of bounds is ignored.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ec_daemon.core import limits
+from ec_daemon.core.limits import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 from ec_daemon.remote.breaker import CLOSED, Breakers
 from ec_daemon.remote.common import RemoteError
 from ec_daemon.remote.redis.announcements import Announcement
@@ -38,14 +38,9 @@ from ec_daemon.remote.redis.store import (
     value_key,
 )
 
-# Bounds on announcements: larger ones are ignored (the streams are writable
-# by anyone who can write to the store; a daemon must not hold what they say).
-MAX_NAMESPACE_BYTES = limits.MAX_NAMESPACE_BYTES
-MAX_HASH_BYTES = limits.MAX_KEY_BYTES
 
-
-class AnnouncementStreams:
-    """The announcement streams of one Redis store. Thread-safe."""
+class IndexShards:
+    """The index shards of one Redis store. Thread-safe."""
 
     def __init__(self, store: RedisStore) -> None:
         self.store = store
@@ -211,11 +206,12 @@ def _stamp_ms(entry_id: bytes | str) -> int:
 
 
 def _announcement(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Announcement | None:
-    """An index entry, or None when it is malformed or out of bounds
-    (anyone who can write to the store can write the index)."""
+    """An index entry, or None when it is malformed or out of bounds: the
+    daemon's bounds on a key and a namespace (anyone who can write to the
+    store can write the index; a daemon must not hold what it says)."""
     try:
         namespace, mm_hash = fields[b"ns"], fields[b"h"]
-        if len(namespace) > MAX_NAMESPACE_BYTES or not 0 < len(mm_hash) <= MAX_HASH_BYTES:
+        if len(namespace) > MAX_NAMESPACE_BYTES or not 0 < len(mm_hash) <= MAX_KEY_BYTES:
             return None
         nbytes = int(fields[b"n"])
         ttl_ms = int(fields[b"t"]) if b"t" in fields else None
