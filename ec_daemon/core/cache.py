@@ -59,22 +59,23 @@ from ec_daemon.core.events import (
     SnapshotDoneEvent,
 )
 from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
-from ec_daemon.core.limits import validate_mm_hash, validate_save
+from ec_daemon.core.limits import (
+    ACK_WAIT_LEASES,
+    DEFAULT_QUARANTINE_SECONDS,
+    EVICTION_BATCH_DIVISOR,
+    ID_BLOCK,
+    OUTBOX_MIN_EVENTS,
+    validate_mm_hash,
+    validate_save,
+)
 from ec_daemon.core.quotas import PendingCaps, PendingQuota
-from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
+from ec_daemon.core.records import Entry, Key, Run, Session, State
 from ec_daemon.core.sessions import SessionTable
-from ec_daemon.durable.index import ID_BLOCK, Index, NoIndex
+from ec_daemon.durable.index import Index, NoIndex
 from ec_daemon.durable.journal import Record
 from ec_daemon.durable.stamp_file import LOST
 from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-# Evict at least 1/64 of the cache at a time: each eviction round costs one
-# event message to every view and one acknowledgement back from each, so
-# batching the victims divides that traffic (measured: benchmarks/concurrency).
-EVICTION_BATCH_DIVISOR = 64
-# A writer that vanished may still be copying (a frozen process resumed, a
-# DMA in flight): its pages are reused only after this, by default.
-DEFAULT_QUARANTINE_SECONDS = 300.0
 COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
             "bytes_loaded", "capped_saves", "refused_attaches", "preempted_sessions",
             "ack_timeouts", "stalled_streams", "mismatch_reports", "checksum_mismatches",
@@ -155,8 +156,8 @@ class Cache:
         self.index: Index | NoIndex = index if index is not None else NoIndex()
         self.listener: CacheListener = listener if listener is not None else Unheard()
         self.quarantine_seconds = quarantine_seconds
-        self.ack_wait_seconds = 3 * sessions.lease_seconds if ack_wait_seconds is None \
-            else ack_wait_seconds
+        self.ack_wait_seconds = (ACK_WAIT_LEASES * sessions.lease_seconds
+                                 if ack_wait_seconds is None else ack_wait_seconds)
         # (ack_by, entry) of hidden entries live views await, in order of ack_by
         self._ack_due: deque[tuple[float, Entry]] = deque()
         # Ids of hidden entries whose pages were cut off the region file

@@ -1,7 +1,8 @@
 """The daemon's records: an entry, a session, and the state of an entry.
 
-A leaf module: it imports nothing of the daemon, so the cache, the session
-table, the invariant checker and the converters all import it without cycles.
+Nearly a leaf module: it imports nothing of the daemon but its limits, so the
+cache, the session table, the invariant checker and the converters all
+import it without cycles.
 The fields are changed only by `Cache` (entries) and `SessionTable`/`Cache`
 (sessions); everyone else reads them.
 """
@@ -14,14 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_daemon.core.limits import OUTBOX_MIN_EVENTS
 from ec_protocol.protocol import LOADING_ROLES, SAVING_ROLES, SCHEDULER, WORKER, Component, Role
 
 Key = tuple[str, str]  # (namespace, mm_hash)
 Run = tuple[int, int]  # (first payload page, pages)
 
-# Events a session's outbox may hold beyond its snapshot before the session
-# is detached as a reader that cannot keep up (it re-attaches afresh).
-OUTBOX_MIN_EVENTS = 1 << 16
 
 
 class State(enum.Enum):

@@ -18,14 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ec_daemon.core.cache import Cache
+from ec_daemon.core.limits import LISTED_NAMESPACES, LISTED_SESSIONS
 from ec_protocol.protocol import Component, Role
 
-# Sessions a snapshot lists one by one (each up to ~1.5 KiB on the wire:
-# 128 stay far below gRPC's 4 MiB); the rest are counted.
-LISTED_SESSIONS = 128
-# Namespaces listed one by one (each up to ~4.1 KiB on the wire), the ones
-# holding the most bytes; the rest are counted.
-LISTED_NAMESPACES = 64
 NO_LOOKUPS = {"hits": 0, "misses": 0, "loads": 0}
 
 

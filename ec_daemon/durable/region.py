@@ -45,6 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ec_daemon.core.limits import (
+    CREATING_STALE_SECONDS,
+    DEFAULT_SOCKET_MODE,
+    PREFAULT_CHUNK_BYTES,
+    PROGRESS_MIN_BYTES,
+    PUBLISH_ATTEMPTS,
+)
 from ec_daemon.durable.index import (
     COMPACTING_SUFFIX,
     INDEX_SUFFIX,
@@ -64,14 +71,6 @@ SUFFIX = ".region"
 # A region being created has this name until it is locked and pre-faulted,
 # so a daemon starting at the same moment never takes it for a dead one's.
 CREATING_SUFFIX = ".creating"
-# A half-created region untouched this long (pre-faulting keeps touching it)
-# belongs to a daemon that died starting.
-CREATING_STALE_SECONDS = 30
-# Names tried for a new region before giving up (each taken one is skipped).
-PUBLISH_ATTEMPTS = 16
-# Progress lines are printed while pre-faulting regions at least this large.
-PROGRESS_MIN_BYTES = 1 << 30
-_CHUNK_BYTES = 256 << 20
 
 
 class RegionError(Exception):
@@ -99,7 +98,7 @@ class Region:
         self.index = index  # None only for a region without one (tools, tests)
 
     @classmethod
-    def create(cls, shm_dir: str | Path, size: int, *, mode: int = 0o600,
+    def create(cls, shm_dir: str | Path, size: int, *, mode: int = DEFAULT_SOCKET_MODE,
                gid: int | None = None,
                progress: Callable[[str], None] | None = None,
                index_header: Callable[[int], Header] | None = None) -> Region:
@@ -429,7 +428,7 @@ def _prefault(fd: int, size: int, folder: Path, progress: Callable[[str], None] 
         say(f"pre-faulting a region of {format_size(size)} in {folder}...")
     done = 0
     while done < size:
-        length = min(_CHUNK_BYTES, size - done)
+        length = min(PREFAULT_CHUNK_BYTES, size - done)
         try:
             os.posix_fallocate(fd, done, length)
         except OSError as exc:

@@ -56,23 +56,18 @@ from typing import Protocol
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Resolution, Verdict
 from ec_daemon.core.limits import (
+    ANSWER_SECONDS,
+    CLAIM_SECONDS,
     MAX_ITEMS_MAKING,
     MAX_ITEMS_PER_INSTANCE,
     MAX_ITEMS_TOKENLESS,
+    PROMOTE_SECONDS,
 )
 from ec_daemon.core.records import Key, Session, State
 from ec_daemon.core.sessions import tokenless
 
 log = logging.getLogger(__name__)
 
-# A claimant's save normally lands within an encoder step and a copy; past
-# this its claim goes to a waiting engine (views give up sooner on their own).
-CLAIM_SECONDS = 30.0
-# A promotion is a store read and a copy; past this its waiters encode.
-PROMOTE_SECONDS = 10.0
-# A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
-# well within the view's bound on an answer (ec_client.scheduler_side.scheduler ANSWER_SECONDS).
-ANSWER_SECONDS = 0.25
 COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
             "promotion_failures", "promoted_bytes", "slow_resolutions")
 

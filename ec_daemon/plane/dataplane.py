@@ -33,7 +33,11 @@ from typing import Any
 from ec_daemon.core import invariants, stats
 from ec_daemon.core.cache import Cache, CacheListener
 from ec_daemon.core.events import ClientMessage, HeartbeatEcho, Resolution
-from ec_daemon.core.limits import MAX_WATCHERS, MAX_WATCHERS_PER_PEER, validate_mm_hash
+from ec_daemon.core.limits import (
+    DEFAULT_MAX_WATCHERS,
+    DEFAULT_MAX_WATCHERS_PER_PEER,
+    validate_mm_hash,
+)
 from ec_daemon.core.records import Entry, Key, Session, State
 from ec_daemon.core.sessions import engine_key
 from ec_daemon.durable.region import Region
@@ -58,8 +62,8 @@ class DataPlane:
     def __init__(self, make_cache: Callable[[CacheListener], Cache], *, lease_seconds: float,
                  alloc_wait_seconds: float, check_invariants: bool = False,
                  generation: int = 0, region_path: str = "", region_file: Region | None = None,
-                 tier: SecondTier | None = None, max_watchers: int = MAX_WATCHERS,
-                 max_watchers_per_peer: int = MAX_WATCHERS_PER_PEER,
+                 tier: SecondTier | None = None, max_watchers: int = DEFAULT_MAX_WATCHERS,
+                 max_watchers_per_peer: int = DEFAULT_MAX_WATCHERS_PER_PEER,
                  adoption: dict[str, int] | None = None) -> None:
         """`make_cache(listener)` makes the cache the plane runs, with the
         plane as its listener (`entry_changed`, `pages_reclaimed`).

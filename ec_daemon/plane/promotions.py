@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import AllocOutcome, AllocResult, Fetched
+from ec_daemon.core.limits import PROMOTION_THREADS
 from ec_daemon.core.records import Key, Session
 from ec_daemon.durable.region import Region
 from ec_daemon.errors import CacheError
@@ -34,8 +35,6 @@ from ec_protocol.protocol import BOTH
 
 log = logging.getLogger(__name__)
 
-# Promotions running at once (each a store read and a copy into the region).
-PROMOTION_THREADS = 4
 
 
 class Promotions:

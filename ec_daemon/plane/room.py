@@ -26,20 +26,18 @@ from collections.abc import Callable
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import AllocOutcome, AllocResult
-from ec_daemon.core.limits import MAX_WAITING_SAVES, MAX_WAITING_SAVES_TOKENLESS
+from ec_daemon.core.limits import (
+    HIDDEN_PATIENCE_FRACTION,
+    MAX_WAITING_SAVES,
+    MAX_WAITING_SAVES_TOKENLESS,
+    WAITING_PER_SESSION,
+)
 from ec_daemon.core.records import Session
 from ec_daemon.core.sessions import tokenless
 from ec_daemon.errors import ResourceExhausted
 from ec_daemon.plane.wakeups import Wakeups
 
-# A save waits this part of --alloc-wait-seconds for hidden pages to come
-# back before it evicts more ready entries instead.
-HIDDEN_PATIENCE_FRACTION = 0.1
 SPACE = "space"  # the Wakeups key of pages coming back
-# The most allocations of one session waiting for pages at once (a client
-# saves SAVE_BATCH at a time); past it one is refused at once, so a
-# misbehaving client cannot make every page coming back wake thousands.
-WAITING_PER_SESSION = 64
 
 
 class Room:

@@ -14,7 +14,7 @@ land), counted (`checksum_mismatches`) and logged; a match changes nothing,
 so a client that lies evicts nothing.
 
 What one client can make the daemon read is bounded: an entry is checked once
-at a time, at most MAX_CHECKS at once, and an entry found whole is not
+at a time, at most MAX_MISMATCH_CHECKS at once, and an entry found whole is not
 checked again for WHOLE_SECONDS (reports meanwhile are only counted).
 
 Not thread-safe: the event loop calls it; the reading runs in a thread.
@@ -30,15 +30,13 @@ from collections.abc import Iterable
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import Extent
+from ec_daemon.core.limits import MAX_MISMATCH_CHECKS, WHOLE_REMEMBERED, WHOLE_SECONDS
 from ec_daemon.core.records import Entry, Session, State
 from ec_daemon.durable.region import Region
 from ec_protocol.checksums import NONE, checksum
 
 log = logging.getLogger(__name__)
 
-MAX_CHECKS = 4
-WHOLE_SECONDS = 60.0
-REMEMBERED = 4096  # entries found whole, remembered for WHOLE_SECONDS at most
 
 
 class Verifier:
@@ -73,7 +71,7 @@ class Verifier:
 
     def _skip(self, entry_id: int) -> bool:
         if self.region_file is None or entry_id in self._checking \
-                or len(self._checking) >= MAX_CHECKS:
+                or len(self._checking) >= MAX_MISMATCH_CHECKS:
             return True
         now = time.monotonic()
         while self._whole and next(iter(self._whole.values())) <= now - WHOLE_SECONDS:
@@ -89,7 +87,7 @@ class Verifier:
                 None, self._pages_hold, region, extents, stamp, expected)
             if whole:
                 self._whole[stamp] = time.monotonic()
-                while len(self._whole) > REMEMBERED:
+                while len(self._whole) > WHOLE_REMEMBERED:
                     self._whole.popitem(last=False)
                 log.info("entry %d (%s) is whole: its pages match its stamp and checksum; "
                          "nothing changed", stamp, entry.mm_hash)

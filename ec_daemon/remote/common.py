@@ -24,6 +24,12 @@ from typing import TypeVar
 
 from prometheus_client import Histogram
 
+from ec_daemon.core.limits import (
+    BAD_VALUE_LOG_S,
+    BREAKER_BASE_S,
+    BREAKER_MAX_S,
+    BREAKER_THRESHOLD,
+)
 from ec_daemon.remote.breaker import Breaker, Breakers
 from ec_daemon.remote.budget import PromotionBudget
 from ec_daemon.remote.values import BadValue
@@ -58,7 +64,6 @@ COUNTERS = {
     "claim_timeouts": "Waits for another host's value that ran past the claim (encoded here)",
     "publish_exists": "Publications skipped: the store already held the key",
 }
-BAD_VALUE_LOG_S = 60.0
 
 
 class RemoteError(Exception):
@@ -105,8 +110,9 @@ def latency_histogram() -> Histogram:
 class Common:
     """The state the tier's parts share, and the calls they all make."""
 
-    def __init__(self, *, promotion_bytes: int, breaker_threshold: int = 3,
-                 breaker_base_s: float = 0.5, breaker_max_s: float = 30.0) -> None:
+    def __init__(self, *, promotion_bytes: int, breaker_threshold: int = BREAKER_THRESHOLD,
+                 breaker_base_s: float = BREAKER_BASE_S,
+                 breaker_max_s: float = BREAKER_MAX_S) -> None:
         self.breakers = Breakers(threshold=breaker_threshold, base_s=breaker_base_s,
                                  max_s=breaker_max_s)
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"

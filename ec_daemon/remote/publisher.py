@@ -19,13 +19,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from ec_daemon.core.limits import PUBLISHER_NICE
 from ec_daemon.remote.backend import Backend, Publication
 from ec_daemon.remote.common import Common, Refused, RemoteError
 
 log = logging.getLogger("ec_daemon.remote")
 
-# Niceness of the publisher thread (write-behind, below the daemon's loop).
-PUBLISHER_NICE = 10
 
 
 class Publisher:

@@ -27,27 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ec_daemon.core.events import Resolution
+from ec_daemon.core.limits import (
+    NEGATIVE_KEYS,
+    NEGATIVE_S,
+    POLL_S,
+    RESOLVE_BATCH,
+    RESOLVE_KEY_S,
+    RESOLVE_WORKERS,
+)
 from ec_daemon.remote.backend import Backend
 from ec_daemon.remote.common import Common, Refused, RemoteAuthError
 
 log = logging.getLogger("ec_daemon.remote")
-
-NEGATIVE_S = 1.0  # a key found absent (and not claimable) is not looked up again this soon
-NEGATIVE_KEYS = 65536  # the most keys the negative cache holds
-POLL_S = 0.05  # keys another host claimed: the store is asked again this often
-RESOLVE_BATCH = 64  # keys resolved in one round (one batched lookup)
-# Resolver threads, each running rounds of RESOLVE_BATCH keys.
-RESOLVER_THREADS = 4
-# What a round cannot settle in its batched calls is settled one key at a time
-# on this many threads: a key whose value or claim sits on a host that died
-# takes about 1 s per read to fail (until the store forgets that host).
-RESOLVE_WORKERS = 16
-# A wanted key is settled within this (FAILED when not: the engine encodes).
-# Its engine is told to wait meanwhile (convergence's ANSWER_SECONDS) and
-# waits within its own bound (max_defer_seconds, 10 s): long enough for a
-# busy host's reads and a round queued behind another, while a read from a
-# host that died (about 1 s to fail) still ends in an encode within it.
-RESOLVE_KEY_S = 2.0
 
 
 @dataclass

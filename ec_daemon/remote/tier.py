@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ec_daemon.core.events import Fetched, Resolution
+from ec_daemon.core.limits import RECENT_S, RESOLVER_THREADS
 from ec_daemon.remote.backend import Backend, Extent, Publication, RegionPages
 from ec_daemon.remote.breaker import CLOSED, STATE_CODES
 from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.common import COUNTERS, Common
 from ec_daemon.remote.publisher import Publisher
-from ec_daemon.remote.resolver import RESOLVER_THREADS, Resolver
+from ec_daemon.remote.resolver import Resolver
 
 log = logging.getLogger("ec_daemon.remote")
 
@@ -49,7 +50,6 @@ GAUGES = {
     "breaker_state": "Worst breaker state: 0 closed, 1 half-open, 2 open",
     "breakers_open": "Store nodes currently refused (breaker open or half-open)",
 }
-RECENT_S = 120.0  # a breaker unused this long (a node that left) stops counting
 
 
 def open_tier(url: str, *, token_file: str = "", ttl_s: float, publish_queue_bytes: int,

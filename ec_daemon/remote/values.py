@@ -37,12 +37,11 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from ec_daemon.core.limits import MAX_DIMS, MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
+from ec_daemon.core.limits import MAX_DIMS, MAX_DTYPE_BYTES, MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 FORMAT_VERSION = 1
 MAGIC = b"ECDV"
 ALGORITHM_XXH3_64 = 1
-MAX_DTYPE_BYTES = 64
 
 _FIXED = struct.Struct("<4sBBBBHHIQ")
 _CHECKSUM = struct.Struct("<Q")

@@ -46,9 +46,14 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
-from ec_daemon.core.limits import validate_layout_namespace, validate_save
+from ec_daemon.core.limits import (
+    DEFAULT_SOCKET_MODE,
+    MAX_IDS_RESERVED,
+    validate_layout_namespace,
+    validate_save,
+)
 from ec_daemon.core.records import Run
-from ec_daemon.durable.index import MAX_IDS_RESERVED, Index, index_path, read_index
+from ec_daemon.durable.index import Index, index_path, read_index
 from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
 from ec_daemon.durable.region import DeadRegion, Region, dead_regions, region_path
 from ec_daemon.errors import InvalidArgument
@@ -75,7 +80,7 @@ class RegionSpec:
     region_size: int
     page_bytes: int
     data_offset: int
-    mode: int = 0o600  # --socket-mode: the region's permissions
+    mode: int = DEFAULT_SOCKET_MODE  # --socket-mode: the region's permissions
     gid: int | None = None  # --group; None: the group a new file of this daemon gets
 
     def header(self, generation: int) -> Header:

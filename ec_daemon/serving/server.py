@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ec_daemon.core.cache import Cache, CacheListener
+from ec_daemon.core.limits import SHM_WAIT_SECONDS, SHUTDOWN_GRACE_SECONDS
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
@@ -57,10 +58,6 @@ if TYPE_CHECKING:  # (imported only when --remote is set: `_start_tier`)
 log = logging.getLogger("ec_daemon")
 
 SERVICE_NAME = "ec_daemon.v1.ECDaemon"
-SHUTDOWN_GRACE_SECONDS = 5.0
-# How long a start waits for tmpfs space that a previous daemon's clients
-# still hold (they unmap a retired region within a few seconds).
-SHM_WAIT_SECONDS = 20.0
 
 
 def sd_notify(state: str) -> bool:

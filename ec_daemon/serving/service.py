@@ -21,7 +21,11 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from ec_daemon.core.events import ReadySnapshot
-from ec_daemon.core.limits import MAX_MESSAGE_BYTES, MAX_SESSION_EVENTS_PER_MESSAGE
+from ec_daemon.core.limits import (
+    MAX_MESSAGE_BYTES,
+    MAX_SESSION_EVENTS_PER_MESSAGE,
+    OPEN_TIMEOUT_SECONDS,
+)
 from ec_daemon.core.records import Session as ClientSession
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
 from ec_daemon.plane import watch
@@ -33,7 +37,6 @@ from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
 log = logging.getLogger(__name__)
 
-OPEN_TIMEOUT_SECONDS = 10.0
 
 T = TypeVar("T")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]

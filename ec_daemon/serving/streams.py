@@ -31,12 +31,12 @@ from typing import Any
 
 import grpc
 
+from ec_daemon.core.limits import STREAM_UPKEEP_SECONDS
 from ec_daemon.core.records import Session
 from ec_daemon.plane.watch import Watcher
 
 log = logging.getLogger(__name__)
 
-UPKEEP_SECONDS = 1.0
 Ended = tuple[grpc.StatusCode, str]  # the status a call that has ended is told
 
 
@@ -86,7 +86,7 @@ class Streams:
     async def upkeep(self) -> None:
         """Cut blocked calls once a second; runs until cancelled."""
         while True:
-            await asyncio.sleep(UPKEEP_SECONDS)
+            await asyncio.sleep(STREAM_UPKEEP_SECONDS)
             try:
                 self.check()
             except Exception:  # never stop: unread calls would pile up again

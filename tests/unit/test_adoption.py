@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ec_daemon.core import cache as cache_module
 from ec_daemon.core import invariants
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import AllocOutcome, EvictedEvent
@@ -344,7 +345,7 @@ def churn(host: Host, rng: random.Random, steps: int) -> None:
 
 def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
-    monkeypatch.setattr(index_module, "ID_BLOCK", 8)  # reservations on the way too
+    monkeypatch.setattr(cache_module, "ID_BLOCK", 8)  # reservations on the way too
     deadline = time.monotonic() + 20
     adopted_total = snapshots = 0
     seed = 0
@@ -359,7 +360,7 @@ def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path
         churn(host, rng, 250)
         monkeypatch.undo()
         monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
-        monkeypatch.setattr(index_module, "ID_BLOCK", 8)
+        monkeypatch.setattr(cache_module, "ID_BLOCK", 8)
         snapshots += len(points.taken)
         for snap, handed_out in points.taken:
             after = Host(snap, region_spec(pages=24), clock=FakeClock())

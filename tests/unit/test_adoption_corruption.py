@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from ec_daemon.core import invariants
 from ec_daemon.core.events import AllocOutcome
+from ec_daemon.core.limits import ID_BLOCK, MAX_IDS_RESERVED
 from ec_daemon.core.records import State
-from ec_daemon.durable.index import ID_BLOCK, MAX_IDS_RESERVED, index_path
+from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import IDS_AT, encode_ready
 from tests.unit.cache_helpers import worker
 from tests.unit.test_adoption import PAGE, Host, entries, payload, region_spec

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ec_daemon.core.events import Fetched
+from ec_daemon.core.limits import FOUND_S, STORE_TIMEOUT_S
 from ec_daemon.remote.backend import Backend, Extent, Publication, Published, RegionPages
 from ec_daemon.remote.common import Common, LocalWriteError, Refused
 from ec_daemon.remote.mooncake import codec
@@ -36,10 +37,10 @@ from ec_daemon.remote.values import BadValue
 
 log = logging.getLogger("ec_daemon.remote")
 
-FOUND_S = 30.0  # a key found is taken as present this long
 
 
-def open_backend(url: str, common: Common, *, token_file: str = "", timeout_s: float = 2.0,
+def open_backend(url: str, common: Common, *, token_file: str = "",
+                 timeout_s: float = STORE_TIMEOUT_S,
                  index_bytes: int) -> MooncakeBackend:
     """The backend of a mooncake:// `url`; connects in the background. Raises
     ValueError for a bad URL, a token file, or a binding that does not load."""

@@ -27,14 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ec_daemon.core.limits import MAX_BOUNCE_BYTES, POOL_BYTES, SMALL_BUFFER_BYTES
 from ec_daemon.remote.budget import PromotionBudget, Reservation
 from ec_daemon.remote.common import RemoteError, RemotePeerError
 from ec_daemon.remote.mooncake.codec import HEADER
 from ec_daemon.remote.mooncake.connection import Connection, error
-
-SMALL_BUFFER_BYTES = 64 << 10  # the smallest transfer buffer
-POOL_BYTES = 128 << 20  # transfer buffers kept for the next call, at most this in all
-MAX_BOUNCE_BYTES = 1 << 30  # a value larger than this (header and payload) is not moved
 
 
 def buffer_bytes(size: int) -> int:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ec_daemon.core.limits import CLAIM_READ_S, CLAIM_SLACK_MS, UNREACHABLE_READ_S
 from ec_daemon.remote.common import RemoteError
 from ec_daemon.remote.mooncake.codec import CLAIM, value_key
 from ec_daemon.remote.mooncake.connection import (
@@ -26,10 +27,6 @@ from ec_daemon.remote.mooncake.connection import (
     Connection,
     error,
 )
-
-CLAIM_SLACK_MS = 2000  # a claim past its expiry by this much (by our clock) is taken over
-CLAIM_READ_S = 1.0  # a claim put but read as nothing this long: its host is gone, or the put failed
-UNREACHABLE_READ_S = 0.5  # a read of a listed object that fails after this long: its host is gone
 
 
 class Claims:

@@ -20,12 +20,12 @@ import threading
 import time
 from typing import Any
 
+from ec_daemon.core.limits import SETUP_RETRY_S
 from ec_daemon.remote.common import RemoteError
 from ec_daemon.remote.mooncake.url import MooncakeSpec, servers
 
 log = logging.getLogger("ec_daemon.remote")
 
-SETUP_RETRY_S = 2.0
 # Mooncake's error codes (types.h), as the binding returns them.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ec_daemon.core.events import Fetched
+from ec_daemon.core.limits import COPY_CHUNK, STORE_TIMEOUT_S
 from ec_daemon.remote import values
 from ec_daemon.remote.backend import Extent, Published, RegionPages
 from ec_daemon.remote.budget import PromotionBudget
@@ -65,10 +66,8 @@ from ec_daemon.remote.mooncake.connection import (
 )
 from ec_daemon.remote.mooncake.url import MooncakeSpec, check_backend, parse_url
 
-COPY_CHUNK = 1 << 20  # a promotion's bytes are verified and written this much at a time
 
-
-def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0,
+def open_store(url: str, *, token_file: str = "", timeout_s: float = STORE_TIMEOUT_S,
                budget: PromotionBudget | None = None) -> MooncakeStore:
     """A store for a mooncake:// `url`; connects in the background. Raises
     ValueError for a bad URL."""
@@ -89,7 +88,7 @@ class MooncakeStore:
     """One Mooncake client (`connection`), its transfer buffers (`buffers`)
     and claims (`claims`). Keys are (store namespace, mm_hash). Thread-safe."""
 
-    def __init__(self, spec: MooncakeSpec, *, timeout_s: float = 2.0,
+    def __init__(self, spec: MooncakeSpec, *, timeout_s: float = STORE_TIMEOUT_S,
                  client_factory: Any = None, budget: PromotionBudget | None = None) -> None:
         """`budget`: the promotion budget every transfer buffer counts against."""
         self.spec = spec

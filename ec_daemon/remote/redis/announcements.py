@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ec_daemon.core.limits import MAX_FORGOTTEN
+
 
 @dataclass(frozen=True)
 class Announcement:
@@ -44,11 +46,8 @@ class Announcement:
 # and link, the key string's header, the packed int (CPython 3.11, with the
 # tables as empty as they get, just grown; tests/remote/test_announcements.py).
 ENTRY_BYTES = 185
-_SIZE_BITS = 41  # the payload size's bits in an entry (store.MAX_VALUE_BYTES is 2**40)
+_SIZE_BITS = 41  # the payload size's bits in an entry (limits.MAX_VALUE_BYTES is 2**40)
 _SIZE_MASK = (1 << _SIZE_BITS) - 1
-# Entries forgotten (not promotable) remembered against a re-read of their
-# announcement (a rescan reads the index from its start), at most this many.
-MAX_FORGOTTEN = 4096
 
 
 class ServerClock:

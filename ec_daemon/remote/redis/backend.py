@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ec_daemon.core.events import Fetched
+from ec_daemon.core.limits import INDEX_BATCH, INDEX_BLOCK_S, STORE_TIMEOUT_S
 from ec_daemon.remote.backend import Backend, Extent, Publication, Published, RegionPages
 from ec_daemon.remote.common import Common, Refused, RemoteError, UnexpectedSize
 from ec_daemon.remote.redis.announcements import Announcements
@@ -31,7 +32,8 @@ from ec_daemon.remote.values import BadValue, decode, encode, size_bounds
 log = logging.getLogger("ec_daemon.remote")
 
 
-def open_backend(url: str, common: Common, *, token_file: str = "", timeout_s: float = 2.0,
+def open_backend(url: str, common: Common, *, token_file: str = "",
+                 timeout_s: float = STORE_TIMEOUT_S,
                  ttl_s: float, index_bytes: int) -> RedisBackend:
     """The backend of a redis:// (rediss://, +cluster) `url`; connects lazily.
     Raises ValueError for a bad URL or an unreadable token file."""
@@ -41,7 +43,7 @@ def open_backend(url: str, common: Common, *, token_file: str = "", timeout_s: f
 
 class RedisBackend(Backend):
     def __init__(self, common: Common, store: RedisStore, *, ttl_s: float, index_bytes: int,
-                 block_s: float = 0.5, index_batch: int = 1000) -> None:
+                 block_s: float = INDEX_BLOCK_S, index_batch: int = INDEX_BATCH) -> None:
         """`ttl_s`: how long a published value and its announcement stay;
         `index_bytes` bounds the announcements followed; `block_s`: how long
         one read of the index waits; `index_batch`: the most one returns."""

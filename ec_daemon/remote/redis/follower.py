@@ -5,7 +5,7 @@ clock.
 
 It is its own module because following is the one part a store with an
 index needs and Mooncake never runs: a blocking read loop with its own pacing
-(FOLLOW_PAUSE_S, UPKEEP_S) and failure handling. It holds the tier's common
+(FOLLOW_PAUSE_S, INDEX_UPKEEP_S) and failure handling. It holds the tier's common
 state (`common`: the stop, the breakers, the counters), the index shards it reads
 and the announcements it fills, under its backend's lock.
 """
@@ -16,14 +16,13 @@ import logging
 import threading
 import time
 
+from ec_daemon.core.limits import FOLLOW_PAUSE_S, INDEX_UPKEEP_S
 from ec_daemon.remote.common import Common, RemoteError
 from ec_daemon.remote.redis.announcements import Announcement, Announcements
 from ec_daemon.remote.redis.shards import IndexShards
 
 log = logging.getLogger("ec_daemon.remote")
 
-UPKEEP_S = 5.0  # the announcements: expired ones swept, the store's clock read, this often
-FOLLOW_PAUSE_S = 0.02  # after a read that found announcements, the index is read again this late
 
 
 class Follower:
@@ -69,7 +68,7 @@ class Follower:
                 continue
             if time.monotonic() >= next_upkeep:  # (before the absorb: the first read's too)
                 self._learn_time()
-                next_upkeep = time.monotonic() + UPKEEP_S
+                next_upkeep = time.monotonic() + INDEX_UPKEEP_S
                 with self.lock:
                     self.announcements.sweep()
             if found:

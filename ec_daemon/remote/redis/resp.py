@@ -13,8 +13,7 @@ from redis._parsers import BaseParser
 from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.exceptions import InvalidResponse
 
-SMALL_PART_BYTES = 16 << 10  # a put joins smaller parts of a value into one send
-REPLY_SLACK_BYTES = 4096  # a reply read into a buffer: room for its framing or an error line
+from ec_daemon.core.limits import REPLY_SLACK_BYTES, SMALL_PART_BYTES
 
 
 class FastConnection(Connection):

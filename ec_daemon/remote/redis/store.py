@@ -45,6 +45,14 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from ec_daemon.core.limits import (
+    CHUNK_BYTES,
+    FIRST_READ_BYTES,
+    MAX_TOKEN_CHARS,
+    MAX_VALUE_BYTES,
+    SOCKET_READ_BYTES,
+    STORE_TIMEOUT_S,
+)
 from ec_daemon.remote.common import RemoteAuthError, RemoteError, UnexpectedSize
 from ec_daemon.remote.redis.resp import (
     FastConnection,
@@ -59,11 +67,6 @@ log = logging.getLogger("ec_daemon.remote")
 
 KEY_PREFIX = "ecd1"
 INDEX_SHARDS = 16
-FIRST_READ_BYTES = (1 << 20) + (64 << 10)  # one round trip reads up to this (1 MiB + header)
-CHUNK_BYTES = 1 << 20  # larger values: pipelined GETRANGEs of this size
-SOCKET_READ_BYTES = 256 << 10  # redis-py reads 64 KiB at a time by default: 8% slower
-MAX_VALUE_BYTES = 1 << 40
-MAX_TOKEN_CHARS = 128  # a claim's token: 1 to this many ASCII characters
 
 
 @functools.lru_cache(maxsize=1024)
@@ -91,7 +94,8 @@ def shard_of(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % INDEX_SHARDS
 
 
-def open_store(url: str, *, token_file: str = "", timeout_s: float = 2.0) -> RedisStore:
+def open_store(url: str, *, token_file: str = "",
+               timeout_s: float = STORE_TIMEOUT_S) -> RedisStore:
     """A store for `url`. Connects lazily: a store that is down at start is
     not an error here (ping() tells). Raises ValueError for a bad URL or an
     unreadable token file."""
@@ -149,7 +153,7 @@ class RedisStore:
     connection pool; pipelines are per call."""
 
     def __init__(self, spec: StoreSpec, *, username: str | None = None,
-                 password: str | None = None, timeout_s: float = 2.0) -> None:
+                 password: str | None = None, timeout_s: float = STORE_TIMEOUT_S) -> None:
         self.spec = spec
         self.timeout_s = timeout_s
         self._closed = threading.Event()
