@@ -162,7 +162,7 @@ class Index:
         id reservation raised to `header`'s, the format made this daemon's,
         and GONE appended for every record not `adopted`. `views`: the
         engines still awaited (each counts once). `fd`: the index already
-        open and locked (`region.dead_regions`), taken over. Raises OSError."""
+        open and locked (`dead.dead_regions`), taken over. Raises OSError."""
         if fd is None:
             fd = open_own_file(path, os.O_RDWR)
         try:

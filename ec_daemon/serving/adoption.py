@@ -53,9 +53,10 @@ from ec_daemon.core.limits import (
     validate_save,
 )
 from ec_daemon.core.records import Run
+from ec_daemon.durable.dead import DeadRegion, dead_regions
 from ec_daemon.durable.index import Index, index_path, read_index
 from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
-from ec_daemon.durable.region import DeadRegion, Region, dead_regions, region_path
+from ec_daemon.durable.region import Region, region_path
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.sizes import format_size
 

@@ -21,9 +21,10 @@ from ec_daemon.core.events import AllocOutcome, EvictedEvent
 from ec_daemon.core.records import State
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable import index as index_module
+from ec_daemon.durable.dead import dead_regions
 from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import encode_ready
-from ec_daemon.durable.region import Region, dead_regions
+from ec_daemon.durable.region import Region
 from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.errors import ResourceExhausted
 from ec_daemon.serving.adoption import RegionSpec, find
