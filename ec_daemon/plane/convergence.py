@@ -30,11 +30,10 @@ every session end, is the one place that knows when to pass a claim on.
 What a client can hold, and what it costs the loop: the items a view claims
 or waits for are indexed by session, so a session's end touches its own
 items only, and bounds come due from a heap, so upkeep touches only the
-items past their bound (it walked every item each second, and every
-session's end did too: 65,536 claims and 299 sessions ending held the
-loop for 8.5 s). One engine instance's views take part in at most
-MAX_ITEMS_PER_INSTANCE items, all tokenless views together in at most
-MAX_ITEMS_TOKENLESS, and the table holds MAX_ITEMS_MAKING; beyond, a want
+items past their bound (plane.making keeps them so). One engine
+instance's views take part in at most MAX_ITEMS_PER_INSTANCE items, all
+tokenless views together in at most MAX_ITEMS_TOKENLESS, and the table
+holds MAX_ITEMS_MAKING; beyond, a want
 is answered ENCODE unrecorded (that engine encodes; nobody waits for it).
 A claim is passed on only by its own engine instance's give-up (id and
 token), never by another client naming the same engine id.
@@ -45,12 +44,9 @@ Not thread-safe: the daemon's event loop is the only caller.
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from ec_daemon.core.cache import Cache
@@ -59,12 +55,10 @@ from ec_daemon.core.limits import (
     ANSWER_SECONDS,
     CLAIM_SECONDS,
     MAX_ITEMS_MAKING,
-    MAX_ITEMS_PER_INSTANCE,
-    MAX_ITEMS_TOKENLESS,
     PROMOTE_SECONDS,
 )
 from ec_daemon.core.records import Key, Session, State
-from ec_daemon.core.sessions import tokenless
+from ec_daemon.plane.making import Making, Makings
 
 log = logging.getLogger(__name__)
 
@@ -93,22 +87,6 @@ class Promoter(Protocol):
         """Promote `key` (`nbytes` announced); `done` is called once, on the loop."""
 
 
-@dataclass(eq=False, slots=True)
-class Making:
-    """An item someone is making: an engine encoding it (`holder`), a save
-    landing or a promotion (`holder` None); `waiters` deferred for it."""
-
-    kind: Verdict  # ENCODING or PROMOTING
-    holder: Session | None
-    deadline: float
-    waiters: list[Session] = field(default_factory=list)
-    # Being resolved by the second tier (`Convergence.resolve`): it takes the
-    # resolution's outcome, and no other (see `resolved`).
-    resolving: bool = False
-    # The waiter whose answer waits for the resolution, if it still wants one.
-    unanswered: Session | None = None
-
-
 class Convergence:
     def __init__(self, cache: Cache, *,
                  remote_available: Callable[[str, str], int | None] | None = None,
@@ -133,19 +111,9 @@ class Convergence:
         self.claim_seconds = claim_seconds
         self.promote_seconds = promote_seconds
         self.clock = clock
-        self.making: dict[Key, Making] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        # The items each session holds or waits for, and how many each
-        # engine instance (`Session.engine_key`) and all tokenless ones take.
-        self._involved: dict[Session, set[Key]] = {}
-        self._per_instance: dict[str, int] = {}
-        self._tokenless = 0
-        # (deadline, n, key, making): bounds come due in order; stale ones skipped
-        self._due: list[tuple[float, int, Key, Making]] = []
-        self._seq = itertools.count()
-        # Items that wait for a save landing with no engine holding them
-        # (a pending entry's): looked at by upkeep, in case it was dropped.
-        self._landing: set[Key] = set()
+        # The items in the making, indexed by session and due by their bounds.
+        self._items = Makings()
 
     def info(self, namespace: str) -> NamespaceInfoEvent:
         return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
@@ -214,7 +182,7 @@ class Convergence:
         """`key` became ready (saved or promoted): its waiters saw the ready
         event, and are answered READY too (should the entry be evicted before
         they ask again, they encode it rather than wait for nothing)."""
-        making = self._remove(key)
+        making = self._items.remove(key)
         if making is None:
             return
         for waiter in making.waiters:
@@ -236,7 +204,7 @@ class Convergence:
                 self.counters["releases"] += 1
                 self._hand_over(key, making, "its engine no longer needs it")
             elif session in making.waiters:
-                self._drop_waiter(key, making, session)
+                self._items.drop_waiter(key, making, session)
 
     def step_aside(self, session: Session, mm_hashes: Iterable[str]) -> None:
         """`session`'s engine did not run the requests it claimed these items
@@ -254,7 +222,7 @@ class Convergence:
                             quiet=True)  # (an engine under KV pressure: every step)
             after = self.making.get(key)
             if after is not None:
-                self._add_waiter(key, after, session)
+                self._items.add_waiter(key, after, session)
                 session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
 
     def promotion_ended(self, key: Key, ended: Promoted, nbytes: int) -> None:
@@ -289,7 +257,7 @@ class Convergence:
         if making is not None and making.kind is Verdict.PROMOTING:
             making.kind = Verdict.ENCODING
             if making.holder is None:
-                self._landing.add(key)
+                self._items.landing_on(key)
             self._postpone(key, making, self.claim_seconds)
 
     def session_ended(self, session: Session) -> None:
@@ -297,7 +265,7 @@ class Convergence:
         items only are looked at)."""
         if not session.is_scheduler:
             return
-        for key in list(self._involved.get(session, ())):
+        for key in self._items.keys_of(session):
             making = self.making.get(key)
             if making is None:
                 continue
@@ -306,27 +274,25 @@ class Convergence:
             if making.holder is session:
                 self._hand_over(key, making, "its engine's session ended")
             elif session in making.waiters:
-                self._drop_waiter(key, making, session)
+                self._items.drop_waiter(key, making, session)
 
     def expire(self) -> None:
         """Upkeep: claims and promotions past their bound, and saves that
         were given up, pass on (only those are looked at)."""
-        now = self.clock()
-        while self._due and self._due[0][0] <= now:  # (a hand-over may rebuild the heap)
-            _, _, key, making = heapq.heappop(self._due)
-            if self.making.get(key) is making and making.deadline <= now:
-                self._hand_over(key, making, "it was not made in time")
-        for key in list(self._landing):
-            landing = self.making.get(key)
-            if landing is None or landing.holder is not None \
-                    or landing.kind is not Verdict.ENCODING:
-                self._landing.discard(key)
-            elif self.cache.state_of(*key) is None:
+        for key, making in self._items.due(self.clock()):
+            self._hand_over(key, making, "it was not made in time")
+        for key, landing in self._items.landing():
+            if self.cache.state_of(*key) is None:
                 self._hand_over(key, landing, "the save it waited for was aborted")
+
+    @property
+    def making(self) -> dict[Key, Making]:
+        """The items in the making, by key (read it; `Makings` changes it)."""
+        return self._items.making
 
     def items_of(self, session: Session) -> int:
         """How many items `session` holds or waits for."""
-        return len(self._involved.get(session, ()))
+        return self._items.items_of(session)
 
     # ------------------------------------------------------------ helpers
 
@@ -339,33 +305,35 @@ class Convergence:
             if making.holder is session:
                 return Verdict.ENCODE
             if session not in making.waiters:
-                if self._full(session):
+                if self._items.full(session):
                     return Verdict.ENCODE  # (unrecorded: it encodes, nobody waits for it)
-                self._add_waiter(key, making, session)
+                self._items.add_waiter(key, making, session)
             self.counters["waits"] += 1
             return making.kind
-        if state is State.HIDDEN or len(self.making) >= MAX_ITEMS_MAKING or self._full(session):
+        if (state is State.HIDDEN or len(self.making) >= MAX_ITEMS_MAKING
+                or self._items.full(session)):
             return Verdict.ENCODE  # (a hidden key's save is refused until it is reclaimed)
         now = self.clock()
         if state is State.PENDING:  # encoded already; its copy is landing
-            self._put(key, Making(Verdict.ENCODING, None, now + self.claim_seconds, [session]))
+            until = now + self.claim_seconds
+            self._items.put(key, Making(Verdict.ENCODING, None, until, [session]))
             self.counters["waits"] += 1
             return Verdict.ENCODING
         nbytes = self.remote_available(*key) if self.remote_available is not None else None
         if nbytes is not None and nbytes <= self.cache.capacity_bytes:
-            self._put(key, Making(Verdict.PROMOTING, None, now + self.promote_seconds,
-                                  [session]))
+            self._items.put(key, Making(Verdict.PROMOTING, None, now + self.promote_seconds,
+                                        [session]))
             self._promote(key, nbytes)
             return Verdict.PROMOTING
         if self.resolve is not None and self.resolve(key, session.can_save):
             making = Making(Verdict.PROMOTING, None, now + self.promote_seconds, [session],
                             resolving=True, unanswered=session)
-            self._put(key, making)
+            self._items.put(key, making)
             if self.call_later is not None:
                 self.call_later(ANSWER_SECONDS, lambda: self.answer_meanwhile(key, making))
             return None
         if session.can_save:
-            self._put(key, Making(Verdict.ENCODING, session, now + self.claim_seconds))
+            self._items.put(key, Making(Verdict.ENCODING, session, now + self.claim_seconds))
             self.counters["claims"] += 1
         return Verdict.ENCODE
 
@@ -375,10 +343,15 @@ class Convergence:
         if self.promoter is not None:
             self.promoter.start(key, nbytes, self.promotion_ended)
 
+    def _postpone(self, key: Key, making: Making, seconds: float) -> None:
+        """`making` is due `seconds` from now."""
+        making.deadline = self.clock() + seconds
+        self._items.push(key, making)
+
     def _hand_over(self, key: Key, making: Making, why: str, *, quiet: bool = False) -> None:
         """The claim goes to the first live waiter that can save; with none,
         every waiter encodes."""
-        self._remove(key)
+        self._items.remove(key)
         waiters = [w for w in making.waiters if w.alive]
         heir = next((w for w in waiters if w.can_save), None)
         if heir is None:
@@ -386,88 +359,9 @@ class Convergence:
                 waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
             return
         waiters.remove(heir)
-        self._put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
-                              waiters))
+        self._items.put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
+                                    waiters))
         self.counters["handovers"] += 1
         (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
                                             key[1], why)
         heir.send(AnswerEvent(key[1], Verdict.ENCODE))
-
-    # ------------------------------------------------- the items' index
-
-    def _full(self, session: Session) -> bool:
-        """May `session` take part in no more items (its instance's, or the
-        tokenless clients', share is taken)?"""
-        key = session.engine_key
-        if tokenless(key):
-            return self._tokenless >= MAX_ITEMS_TOKENLESS
-        return self._per_instance.get(key, 0) >= MAX_ITEMS_PER_INSTANCE
-
-    def _put(self, key: Key, making: Making) -> None:
-        """`making` is `key`'s from now on (none was), indexed and due."""
-        self.making[key] = making
-        for session in (making.holder, *making.waiters):
-            if session is not None:
-                self._index(session, key)
-        if making.holder is None and making.kind is Verdict.ENCODING:
-            self._landing.add(key)
-        self._push(key, making)
-
-    def _remove(self, key: Key) -> Making | None:
-        """`key`'s Making, no longer made nor indexed."""
-        making = self.making.pop(key, None)
-        if making is not None:
-            for session in (making.holder, *making.waiters):
-                if session is not None:
-                    self._unindex(session, key)
-            self._landing.discard(key)
-        return making
-
-    def _add_waiter(self, key: Key, making: Making, session: Session) -> None:
-        making.waiters.append(session)
-        self._index(session, key)
-
-    def _drop_waiter(self, key: Key, making: Making, session: Session) -> None:
-        making.waiters.remove(session)
-        self._unindex(session, key)
-
-    def _postpone(self, key: Key, making: Making, seconds: float) -> None:
-        making.deadline = self.clock() + seconds
-        self._push(key, making)
-
-    def _push(self, key: Key, making: Making) -> None:
-        """`making` is due at its deadline. Items made or passed on before
-        theirs leave stale entries: past four per live item the heap is
-        rebuilt from the live ones (a client wanting and releasing items in a
-        loop must not grow it)."""
-        due = self._due
-        heapq.heappush(due, (making.deadline, next(self._seq), key, making))
-        if len(due) > 4 * len(self.making) + 1024:
-            self._due = [(m.deadline, next(self._seq), k, m) for k, m in self.making.items()]
-            heapq.heapify(self._due)
-
-    def _index(self, session: Session, key: Key) -> None:
-        keys = self._involved.setdefault(session, set())
-        if key in keys:
-            return
-        keys.add(key)
-        instance = session.engine_key
-        if tokenless(instance):
-            self._tokenless += 1
-        self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
-
-    def _unindex(self, session: Session, key: Key) -> None:
-        keys = self._involved.get(session)
-        if keys is None or key not in keys:
-            return
-        keys.discard(key)
-        if not keys:
-            del self._involved[session]
-        instance = session.engine_key
-        if tokenless(instance):
-            self._tokenless -= 1
-        left = self._per_instance[instance] - 1
-        if left:
-            self._per_instance[instance] = left
-        else:
-            del self._per_instance[instance]
