@@ -105,7 +105,7 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
             cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
                           cache.sessions.previous_daemon)
             total_s = time.perf_counter() - started
-            assert cache.ready_entries == entries
+            assert cache.table.ready_entries == entries
             adopted.region.close(remove=True)
             rows.append({"entries": entries, "region_GiB": pages * PAGE / (1 << 30),
                          "index_MiB": index_bytes / (1 << 20), "read_index_ms": read_s * 1e3,
@@ -155,7 +155,7 @@ def index_cost(rounds: int, saves: int) -> dict[str, Any]:
                         refs = [(e.mm_hash, e.entry_id) for e in view.outbox
                                 if isinstance(e, EvictedEvent)]
                         view.outbox.clear()
-                        cache.acknowledge(view, refs)
+                        cache.views.acknowledge(view, refs)
                         if index is not None:
                             index.flush()
                     cache.commit(writer, [key])

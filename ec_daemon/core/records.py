@@ -56,7 +56,7 @@ class Entry:
         # acknowledgement. Most entries never hide: share one empty set.
         self.awaiting: set[Session] = _EMPTY
         # Hidden entries a live view awaits: by when (monotonic) it must have
-        # acknowledged (`Cache.overdue_views`); 0 otherwise.
+        # acknowledged (`reclamation.Acknowledgements.overdue_views`); 0 otherwise.
         self.ack_by = 0.0
         # The xxh3-64 of its bytes its writer reported (0: none).
         self.checksum = 0
@@ -92,7 +92,7 @@ class Session:
     # the worker ranks of their own instance only, and it counts under it for
     # --max-sessions-per-engine and the pending-save quota.
     engine_key: str = ""
-    # Its stream opened (`Cache.open`): a view is subscribed from then on, a
+    # Its stream opened (`views.Views.open`): a view is subscribed from then on, a
     # worker has mapped the region (it opens its stream only after that).
     streaming: bool = False
     # Scheduler sessions: the highest entry id announced ready to it. As a

@@ -93,14 +93,14 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
     """Read everything at once (on the daemon's event loop)."""
     page = cache.page_bytes
     free = cache.allocator.free_pages * page
-    pending = cache.pending_pages * page
-    hidden = cache.hidden_pages * page
-    quarantined = cache.quarantined_pages * page
+    pending = cache.table.pending_pages * page
+    hidden = cache.table.hidden_pages * page
+    quarantined = cache.quarantine.pages * page
     now = time.monotonic()
     sessions = [SessionSnapshot(s.index, s.engine_id, s.role, s.component, s.namespace,
                                 len(s.awaiting), len(s.pending), s.client_name, now - s.created)
                 for s in itertools.islice(cache.sessions, LISTED_SESSIONS)]
-    usage, counters = cache.namespace_usage, cache.namespace_counters
+    usage, counters = cache.table.usage, cache.table.counters
     # in use (counters from Attach) or holding entries (adopted ones too)
     names = counters.keys() | usage.keys()
     listed = heapq.nsmallest(  # the most bytes first, then by name: a stable order
@@ -116,7 +116,7 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
         bytes_by_state={"free": free, "pending": pending, "hidden": hidden,
                         "quarantined": quarantined,
                         "ready": cache.capacity_bytes - free - pending - hidden - quarantined},
-        ready_entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
+        ready_entries=cache.table.ready_entries, hidden_entries=cache.table.hidden_entries,
         largest_free_bytes=cache.allocator.largest_free_run * page, page_bytes=page,
         counters=dict(cache.counters), namespaces=namespaces, sessions=sessions,
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,

@@ -210,7 +210,7 @@ class DataPlane:
         session = self.cache.sessions.get(session_id)
         if session.streaming:
             raise FailedPrecondition("this session already has a stream")
-        self.cache.open(session)
+        self.cache.views.open(session)
         try:
             self.apply(session, first())  # checks everything before it applies anything
         except CacheError:
@@ -249,11 +249,11 @@ class DataPlane:
         if m.reports or m.allocations:
             self.saves.on_stream(session, m.reports, m.allocations)
         if m.acks:
-            self.cache.acknowledge(session, m.acks)
+            self.cache.views.acknowledge(session, m.acks)
         if m.holds:
-            self.cache.hold(session, m.holds)
+            self.cache.views.hold(session, m.holds)
         if m.touches:
-            self.cache.touch(session, m.touches)
+            self.cache.views.touch(session, m.touches)
         if m.mismatches:
             self.verifier.report(session, m.mismatches)
         if m.releases:
@@ -264,7 +264,7 @@ class DataPlane:
             self.convergence.want(session, m.wants)
         if beat is not None:
             if session.is_scheduler:
-                self.cache.record_lookups(session, beat.lookups, beat.hits)
+                self.cache.views.record_lookups(session, beat.lookups, beat.hits)
             if beat.seq:
                 session.send(HeartbeatEcho(beat.seq))
         self.verify()
@@ -372,10 +372,10 @@ class DataPlane:
         for session in self.cache.sessions:
             if session.overflowed:
                 self.drop_slow_reader(session)
-        for view in self.cache.overdue_views():
+        for view in self.cache.acks.overdue_views():
             self.cache.counters["ack_timeouts"] += 1
             view.ended_why = (f"it did not acknowledge an eviction within "
-                              f"{self.cache.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
+                              f"{self.cache.acks.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
             log.warning("session %d (engine %r %s) ended: %s; awaited as a ghost for one lease "
                         "more", view.index, view.engine_id, view.component, view.ended_why)
             self.end_session(view)  # a ghost: its engine may still be loading

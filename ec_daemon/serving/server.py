@@ -302,7 +302,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     await server.start()
-    cache.serving()
+    cache.acks.serving()
     for name in ("", SERVICE_NAME):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()

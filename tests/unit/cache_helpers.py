@@ -20,10 +20,11 @@ from ec_daemon.plane.dataplane import DataPlane
 from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
-# Every public Cache method that may change state.
-_MUTATORS = ("attach", "open", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
-             "allocate", "refuse_waited_save", "commit", "abort", "release_quarantine",
-             "acknowledge", "hold", "touch", "restore", "compact_index")
+# Every public Cache method that may change state, and its views' (`Cache.views`).
+_MUTATORS = ("attach", "end_session", "expire_sessions", "release_ghosts", "allocate",
+             "refuse_waited_save", "commit", "abort", "release_quarantine", "restore",
+             "compact_index")
+_VIEW_MUTATORS = ("open", "record_lookups", "acknowledge", "hold", "touch")
 
 
 class FakeClock:
@@ -34,19 +35,26 @@ class FakeClock:
         return self.now
 
 
-def _checked(method: Callable[..., Any]) -> Callable[..., Any]:
+def _checked(method: Callable[..., Any], cache: Cache | None = None) -> Callable[..., Any]:
+    """`method` of the cache (or, bound, of `cache`'s parts), checking the
+    cache's invariants after it."""
     @functools.wraps(method)
-    def call(self: Cache, *args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            invariants.check(self)
+            invariants.check(cache if cache is not None else args[0])
 
     return call
 
 
 class CheckedCache(Cache):
     """A Cache whose invariants are checked after every state-changing call."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in _VIEW_MUTATORS:
+            setattr(self.views, name, _checked(getattr(self.views, name), self))
 
 
 for _name in _MUTATORS:
@@ -88,7 +96,7 @@ def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns
     session = cache.attach(engine_id=engine, role=role, rank=None, world_size=1, namespace=ns,
                            client_name="test")
     if stream:
-        cache.open(session)
+        cache.views.open(session)
     return session
 
 
@@ -99,7 +107,7 @@ def worker(cache: Cache, engine: str = "E", rank: int = 0, world: int = 1,
     session = cache.attach(engine_id=engine, role=role, rank=rank, world_size=world,
                            namespace=ns, client_name="test", engine_token=token)
     if stream:
-        cache.open(session)
+        cache.views.open(session)
     return session
 
 

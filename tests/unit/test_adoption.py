@@ -100,7 +100,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     first.save(gone_writer, "quarantined", 1, commit=False)
     first.cache.end_session(gone_writer)  # its pages: quarantined
     a, b = first.cache.get("ns", "a"), first.cache.get("ns", "b")
-    first.cache.touch(view, [("a", a.entry_id, 1), ("b", b.entry_id, 1)])  # c: least recent
+    first.cache.views.touch(view, [("a", a.entry_id, 1), ("b", b.entry_id, 1)])  # c: least recent
     assert first.save(w, "big", 24).outcome is AllocOutcome.WAIT  # c evicted, not acknowledged
     assert first.cache.state_of("ns", "c") is State.HIDDEN
     before = entries(first.cache)
@@ -121,7 +121,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     (ghost,) = second.cache.get("ns", "c").awaiting
     assert ghost.is_ghost and ghost.engine_id == "E"
     # The pending save and the dead writer's save: quarantined, not adopted.
-    assert second.cache.quarantined_pages == 3
+    assert second.cache.quarantine.pages == 3
     summary = second.adoption.summary()
     assert "3 entries" in summary and "1 evicted" in summary and "quarantined" in summary
     # Ids go on above every id of the dead daemon.
@@ -155,13 +155,13 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     x = second.cache.get("ns", "x")
     assert x.state is State.HIDDEN and {g.engine_id for g in x.awaiting} == {"A", "B"}
     a_again = scheduler(second.cache, engine="A")
-    second.cache.hold(a_again, [("x", x.entry_id)])  # A is still loading x
+    second.cache.views.hold(a_again, [("x", x.entry_id)])  # A is still loading x
     second.cache.reattached(a_again)
     b_again = scheduler(second.cache, engine="B")
     second.cache.reattached(b_again)  # B loads nothing
     assert x.awaiting == {a_again}  # both ghosts gone; A's new view holds it
     assert not list(second.cache.sessions.ghosts())
-    second.cache.acknowledge(a_again, [("x", x.entry_id)])  # A's load ended
+    second.cache.views.acknowledge(a_again, [("x", x.entry_id)])  # A's load ended
     assert second.cache.get("ns", "x") is None
     second.crash()
 
@@ -173,7 +173,7 @@ def test_an_engine_back_after_its_ghost_expired_stays_journaled(tmp_path):
     scheduler(first.cache, engine="A")
     first.crash()
     second = Host(tmp_path, region_spec())
-    second.cache.serving()
+    second.cache.acks.serving()
     second.clock.now += 11
     assert [g.engine_id for g in second.cache.release_ghosts()] == ["A"]
     back = scheduler(second.cache, engine="A")
@@ -209,7 +209,7 @@ def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):
     second = Host(tmp_path, region_spec())
     assert set(entries(second.cache)) == {"b"}
     assert second.adoption.verified.rejected == 1
-    assert second.cache.quarantined_pages == 1  # a's page that kept its stamp
+    assert second.cache.quarantine.pages == 1  # a's page that kept its stamp
     second.crash()
 
 
@@ -332,7 +332,7 @@ def churn(host: Host, rng: random.Random, steps: int) -> None:
             for view in views:
                 refs = [(e.mm_hash, e.entry_id) for e in drain(view)
                         if isinstance(e, EvictedEvent)]
-                cache.acknowledge(view, refs)
+                cache.views.acknowledge(view, refs)
         elif roll < 0.85:
             writers.remove(writer)
             cache.end_session(writer)
@@ -437,12 +437,12 @@ def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
     lost = host.cache.cut_off(3)
     assert sorted(e.mm_hash for e in lost) == ["b", "c"]
     invariants.check(host.cache)
-    assert host.cache.get("ns", "c") is None and host.cache.quarantined_pages == 1
+    assert host.cache.get("ns", "c") is None and host.cache.quarantine.pages == 1
     assert b.state is State.HIDDEN and b.entry_id in host.cache.lost
     assert not host.table.holds(host.cache.extents(b), b.entry_id)  # stamped LOST
     assert host.table.holds(host.cache.extents(a), a.entry_id)  # untouched
     assert drain(view) == [EvictedEvent("b", b.entry_id)]
-    host.cache.acknowledge(view, [("b", b.entry_id)])
+    host.cache.views.acknowledge(view, [("b", b.entry_id)])
     assert host.cache.get("ns", "b") is None and not host.cache.lost
     invariants.check(host.cache)
     host.crash()

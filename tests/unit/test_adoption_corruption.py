@@ -83,7 +83,7 @@ def test_a_stamp_no_daemon_issued_is_quarantined_and_saves_go_on(tmp_path, value
     v = second.adoption.verified
     assert set(entries(second.cache)) == {"a", "b"} and v.corrupt_pages == 1
     assert v.next_entry_id == ID_BLOCK + 1  # the reservation, not the stamp
-    assert second.cache.quarantined_pages == 1
+    assert second.cache.quarantine.pages == 1
     assert "1 page(s) quarantined whose stamp is an id no daemon issued" in \
         second.adoption.summary()
     saves_go_on(second)
@@ -134,7 +134,7 @@ def test_a_lowered_reservation_keeps_what_it_covers_and_quarantines_the_rest(tmp
     second = Host(tmp_path, region_spec(pages=PAGES))
     v = second.adoption.verified
     assert set(entries(second.cache)) == {"a"} and v.invalid == 1 and v.corrupt_pages == 1
-    assert second.cache.quarantined_pages == 1
+    assert second.cache.quarantine.pages == 1
     saves_go_on(second)
     second.crash()
 
@@ -201,7 +201,7 @@ def test_a_record_naming_one_page_twice_is_not_adopted_nor_freed_twice(tmp_path)
     assert second.adoption.verified.invalid == 1
     assert "1 record(s) not adopted: not records this daemon writes" in \
         second.adoption.summary()
-    assert second.cache.quarantined_pages == 1  # page 9: stamped, owned by nobody
+    assert second.cache.quarantine.pages == 1  # page 9: stamped, owned by nobody
     second.clock.now += 31
     assert second.cache.release_quarantine() == 1
     invariants.check(second.cache)

@@ -235,7 +235,7 @@ def test_a_client_naming_the_producers_id_without_its_token_takes_no_claim_away(
     _, cache, conv, _ = setup()
     producer = cache.attach(engine_id="P", role="both", rank=None, world_size=1,
                             namespace="ns", client_name="t", engine_token="a" * 32)
-    cache.open(producer)
+    cache.views.open(producer)
     waiter = scheduler(cache, "W")
     conv.want(producer, ["img"])
     conv.want(waiter, ["img"])
@@ -259,7 +259,7 @@ def test_one_client_cannot_fill_the_table_of_items_being_made():
     _, cache, conv, _ = setup()
     hog = cache.attach(engine_id="hog", role="both", rank=None, world_size=1,
                        namespace="ns", client_name="t", engine_token="b" * 32)
-    cache.open(hog)
+    cache.views.open(hog)
     for start in range(0, MAX_ITEMS_MAKING, MAX_BATCH):
         conv.want(hog, [f"item-{i}" for i in range(start, start + MAX_BATCH)])
     assert len(conv.making) == conv.items_of(hog) == MAX_ITEMS_PER_INSTANCE
@@ -272,10 +272,10 @@ def test_one_client_cannot_fill_the_table_of_items_being_made():
     assert sum(conv.items_of(v) for v in tokenless) == MAX_ITEMS_TOKENLESS
     a = cache.attach(engine_id="A", role="both", rank=None, world_size=1, namespace="ns",
                      client_name="t", engine_token="c" * 32)
-    cache.open(a)
+    cache.views.open(a)
     b = cache.attach(engine_id="B", role="both", rank=None, world_size=1, namespace="ns",
                      client_name="t", engine_token="d" * 32)
-    cache.open(b)
+    cache.views.open(b)
     for s in (a, b):
         drain(s)
     conv.want(a, ["fresh"])

@@ -123,7 +123,7 @@ def test_an_allocation_that_waits_for_pages_is_answered_later_and_the_stream_goe
             await asyncio.sleep(0.005)
         plane.apply(w, message(beat=None, allocations=[ask(6, "ready")]))  # goes on meanwhile
         assert [a.request_id for a in drain(w)] == [6]
-        cache.acknowledge(view, [("ready", ready.entry_id)])
+        cache.views.acknowledge(view, [("ready", ready.entry_id)])
         while not w.outbox:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
@@ -145,13 +145,13 @@ def test_a_session_that_ends_while_its_allocation_waits_allocates_nothing():
         while SPACE not in plane.room.wakeups._waiters:
             await asyncio.sleep(0.005)
         plane.end_session(w)  # its pending save is quarantined
-        cache.acknowledge(view, [(e.mm_hash, e.entry_id) for e in list(view.awaiting)])
+        cache.views.acknowledge(view, [(e.mm_hash, e.entry_id) for e in list(view.awaiting)])
         for _ in range(20):
             await asyncio.sleep(0.005)
 
     asyncio.run(scenario())
     assert cache.state_of("ns", "new") is None and not plane.saves._waiting
-    assert cache.pending_pages == 0
+    assert cache.table.pending_pages == 0
 
 
 def test_a_session_has_at_most_so_many_allocations_waiting_for_pages():

@@ -123,7 +123,7 @@ def waits_then(daemon, request, action):
 def test_a_waiting_allocation_wakes_when_the_view_acknowledges():
     cache, daemon, view, _, ready, request = full_cache()
     reply = waits_then(daemon, request,
-                       lambda: cache.acknowledge(view, [("ready", ready.entry_id)]))
+                       lambda: cache.views.acknowledge(view, [("ready", ready.entry_id)]))
     assert reply.status == pb.ALLOCATED and reply.extents[0].offset == 8 * PAGE
 
 
