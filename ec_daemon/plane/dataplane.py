@@ -4,7 +4,7 @@ It owns the cache and everything that listens to it: convergence (who makes
 a wanted item), the watchers (`watch`), the second tier (`remote`: publishing
 saves, and `promotions` from it), the workers' saves (`saves`: allocations,
 waiting for pages, reports, on the unary calls and on the session stream),
-and the upkeep that expires sessions. The servicer (`service`) only converts
+and the upkeep that expires sessions (`upkeep`). The servicer (`service`) only converts
 protobuf and calls in here, as MLServer's servicers hand their work to its
 data plane, so the waiting, retrying and announcing are read (and tested)
 without gRPC.
@@ -53,6 +53,7 @@ from ec_daemon.plane.promotions import Promotions
 from ec_daemon.plane.room import Room
 from ec_daemon.plane.saves import Saves
 from ec_daemon.plane.second_tier import SecondTier
+from ec_daemon.plane.upkeep import Upkeep
 from ec_daemon.plane.verify import Verifier
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,10 @@ class DataPlane:
             call_later=_call_later)
         self.saves = Saves(cache, self.convergence, self.room)
         self.verifier = Verifier(cache, region_file)
+        self.upkeep = Upkeep(cache, self.convergence, lease_seconds=lease_seconds,
+                             region_file=region_file, region_path=region_path,
+                             end_session=self.end_session, ended=self._ended,
+                             drop_slow_reader=self.drop_slow_reader, verify=self.verify)
 
     def _resolve(self, key: Key, claim: bool) -> bool:
         """Ask the second tier about a wanted key (`Convergence.resolve`);
@@ -354,67 +359,6 @@ class DataPlane:
         namespace, mm_hash = entry.key
         self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, self.region_file,
                           extents, current)
-
-    # ------------------------------------------------------------ upkeep
-
-    async def upkeep(self) -> None:
-        """Expire silent sessions, slow readers, ghosts and quarantines; runs
-        until cancelled."""
-        interval = min(1.0, self.lease_seconds / 4)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self._upkeep_once()
-            except Exception:  # never stop expiring: the cache would fill for good
-                log.exception("upkeep failed; trying again in %.1fs", interval)
-
-    def _upkeep_once(self) -> None:
-        for session in self.cache.sessions:
-            if session.overflowed:
-                self.drop_slow_reader(session)
-        for view in self.cache.acks.overdue_views():
-            self.cache.counters["ack_timeouts"] += 1
-            view.ended_why = (f"it did not acknowledge an eviction within "
-                              f"{self.cache.acks.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
-            log.warning("session %d (engine %r %s) ended: %s; awaited as a ghost for one lease "
-                        "more", view.index, view.engine_id, view.component, view.ended_why)
-            self.end_session(view)  # a ghost: its engine may still be loading
-        for session in self.cache.expire_sessions():
-            self._ended(session)
-            log.warning("session %d expired (engine %r %s): no message for %.1fs",
-                        session.index, session.engine_id, session.component,
-                        self.lease_seconds)
-        for ghost in self.cache.release_ghosts():
-            log.info("session %d (engine %r) no longer awaited: its lease ran out",
-                     ghost.index, ghost.engine_id)
-        self._check_region()
-        self.cache.release_quarantine()
-        self.cache.compact_index()
-        self.convergence.expire()
-        self.verify()
-
-    def _check_region(self) -> None:
-        """A region file a client truncated (every engine worker opens it
-        read-write): give it its size back and drop what was cut, so nothing
-        is served from a short file (`Cache.cut_off`)."""
-        if self.region_file is None:
-            return
-        size = self.region_file.shortfall()
-        if size is None:
-            return
-        cache = self.cache
-        cache.counters["region_truncations"] += 1
-        first = max(0, (size - cache.data_offset) // cache.page_bytes)
-        try:
-            self.region_file.restore()
-        except OSError as exc:
-            log.error("the region %s was truncated to %d bytes by a client, and cannot be "
-                      "given its size back (%s): trying again", self.region_path, size, exc)
-            return
-        lost = cache.cut_off(first)
-        log.error("the region %s was truncated to %d bytes by a client of the socket: its size "
-                  "is restored, and the %d entries it cut are dropped (never served)",
-                  self.region_path, size, len(lost))
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""

@@ -308,7 +308,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    expiry = asyncio.ensure_future(plane.upkeep())
+    expiry = asyncio.ensure_future(plane.upkeep.run())
     cutting = asyncio.ensure_future(service.streams.upkeep())
     exporter = None
     if config.metrics_port:
