@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from ec_daemon.core.allocator import ExtentAllocator
 from ec_daemon.core.entries import EntryTable
@@ -71,6 +71,7 @@ from ec_daemon.durable.index import Index, NoIndex
 from ec_daemon.durable.journal import Record
 from ec_daemon.durable.stamp_file import LOST
 from ec_daemon.errors import FailedPrecondition, ResourceExhausted
+from ec_protocol.protocol import Role
 
 COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
             "bytes_loaded", "capped_saves", "refused_attaches", "preempted_sessions",
@@ -169,11 +170,17 @@ class Cache:
 
     # ----------------------------------------------------------- sessions
 
-    def attach(self, **fields: Any) -> Session:
-        """Create a session; it takes part once its stream opens (`Views.open`).
-        Raises ResourceExhausted past the session caps (counted)."""
+    def attach(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
+               namespace: str, client_name: str, engine_token: str = "",
+               in_place_of: Session | None = None) -> Session:
+        """Create a session (`SessionTable.create`); it takes part once its
+        stream opens (`Views.open`). Raises ResourceExhausted past the session
+        caps (counted)."""
         try:
-            session = self.sessions.create(**fields)
+            session = self.sessions.create(
+                engine_id=engine_id, role=role, rank=rank, world_size=world_size,
+                namespace=namespace, client_name=client_name, engine_token=engine_token,
+                in_place_of=in_place_of)
         except ResourceExhausted:
             self.counters["refused_attaches"] += 1
             raise

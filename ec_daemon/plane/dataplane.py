@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ec_daemon.core import invariants, stats
 from ec_daemon.core.cache import Cache, CacheListener
@@ -55,6 +54,7 @@ from ec_daemon.plane.saves import Saves
 from ec_daemon.plane.second_tier import SecondTier
 from ec_daemon.plane.upkeep import Upkeep
 from ec_daemon.plane.verify import Verifier
+from ec_protocol.protocol import Role
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +127,13 @@ class DataPlane:
         """The live session; raises NotFound (the client must re-attach)."""
         return self.cache.sessions.get(session_id)
 
-    def attach(self, **fields: Any) -> Session:
-        """A new session (`Cache.attach`); it takes part once its stream opens."""
-        store_namespace = fields.pop("store_namespace", "")
-        victim = self.cache.sessions.victim_for(fields["engine_id"],
-                                                fields.get("engine_token", ""))
+    def attach(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
+               namespace: str, client_name: str, engine_token: str = "",
+               store_namespace: str = "") -> Session:
+        """A new session (`Cache.attach`); it takes part once its stream
+        opens. `store_namespace`: the second tier's name of `namespace`
+        (`SecondTier.follow`)."""
+        victim = self.cache.sessions.victim_for(engine_id, engine_token)
         if victim is not None:  # an attach that never became anything makes room
             log.warning("session %d (engine %r %s) ended: its stream never opened in %.0fs, and "
                         "an engine presenting its token needs the place", victim.index,
@@ -139,7 +141,10 @@ class DataPlane:
                         self.cache.sessions.clock() - victim.created)
             self.cache.counters["preempted_sessions"] += 1
             self.end_session(victim, detached=True)
-        session = self.cache.attach(**fields, in_place_of=victim)
+        session = self.cache.attach(engine_id=engine_id, role=role, rank=rank,
+                                    world_size=world_size, namespace=namespace,
+                                    client_name=client_name, engine_token=engine_token,
+                                    in_place_of=victim)
         if self.tier is not None:
             self.tier.follow(session.namespace, store_namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
