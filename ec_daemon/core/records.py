@@ -107,7 +107,7 @@ class Session:
     pending: set[Key] = field(default_factory=set)
     pending_pages: int = 0  # their pages (`quotas`)
     # Events for the stream; `wake` tells the stream writer to look.
-    outbox: deque[Any] = field(default_factory=deque)
+    outbox: deque[object] = field(default_factory=deque)  # what `serving.wire` converts
     outbox_limit: int = OUTBOX_MIN_EVENTS
     overflowed: bool = False
     wake: Callable[[], None] = _noop
@@ -137,7 +137,7 @@ class Session:
         """For logs and stats: `scheduler`, or `worker <rank>/<world size>`."""
         return SCHEDULER if self.rank is None else f"{WORKER} {self.rank}/{self.world_size}"
 
-    def send(self, event: Any) -> None:
+    def send(self, event: object) -> None:
         """Queue an event for the stream. Past `outbox_limit` the session is
         marked overflowed (the service detaches it) and events are dropped."""
         if self.overflowed or not self.alive:

@@ -75,7 +75,6 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from ec_daemon.core.limits import OPEN_GRACE_SECONDS, PREEMPTIBLE_SECONDS, RUNNING_SHARE
 from ec_daemon.core.records import Session
@@ -370,10 +369,10 @@ def _add(table: dict[str, int], key: str, n: int) -> None:
         table.pop(key, None)
 
 
-def _discard(table: dict[Any, set[Session]], namespace: Any, session: Session) -> None:
-    members = table.get(namespace)
+def _discard(table: dict[str, set[Session]], key: str, session: Session) -> None:
+    members = table.get(key)
     if members is None:
         return
     members.discard(session)
     if not members:
-        del table[namespace]
+        del table[key]

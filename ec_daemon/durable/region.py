@@ -42,7 +42,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 from ec_daemon.core.limits import (
     DEFAULT_SOCKET_MODE,
@@ -173,7 +172,8 @@ class Region:
         with contextlib.suppress(OSError):  # (a tmpfs without fallocate: faulted on use)
             os.posix_fallocate(self._fd, 0, self.size)
 
-    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
+    def write(self, extents: Iterable[tuple[int, int]],
+              parts: Iterable[bytes | bytearray | memoryview]) -> None:
         """Write the concatenation of `parts` (bytes-like) across `extents`,
         in order, with pwritev: no joining copy."""
         pieces: Iterator[memoryview | None] = iter([memoryview(p).cast("B") for p in parts])

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from ec_daemon.core.events import Fetched
 from ec_daemon.remote.common import Common
 
 Extent = tuple[int, int]  # (byte offset in the region, byte length)
+Bytes = bytes | bytearray | memoryview  # what a region is written from
 
 # How a publication ended: written, already there (values are write-once),
 # not sent or not announced (the pages were reused meanwhile), or not sent
@@ -43,7 +44,7 @@ class RegionPages(Protocol):
     def read(self, extents: Iterable[Extent]) -> list[bytes]:
         """The bytes under `extents` (a cut file reads as zeros there)."""
 
-    def write(self, extents: Iterable[Extent], parts: Iterable[Any]) -> None:
+    def write(self, extents: Iterable[Extent], parts: Iterable[Bytes]) -> None:
         """Write the concatenation of `parts` across `extents`, in order."""
 
 

@@ -197,6 +197,7 @@ class ECDaemonService(rpc.ECDaemonServicer):
         outbox = session.outbox
         while outbox and len(events) < MAX_SESSION_EVENTS_PER_MESSAGE and size < MAX_MESSAGE_BYTES:
             head = outbox[0]
+            event: object
             if type(head) is ReadySnapshot:
                 event = head.next()
                 if event is None:
