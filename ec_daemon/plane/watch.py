@@ -3,7 +3,7 @@
 A watcher gets the ready entries of its namespace (or of all namespaces) as
 a snapshot, a marker, then every entry that becomes READY (stored) or is
 hidden by eviction (evicted), in the order the cache made those changes
-(`Cache.on_entry_change`, via the data plane). See docs/events.md for the
+(`CacheListener.entry_changed`, the data plane). See docs/events.md for the
 message format.
 
 Why a bounded buffer that drops its watcher, and no back pressure: a
