@@ -19,6 +19,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM's vision helpers import torchvision; PyPI's wheel is installed here
 # without dependencies and patched to import beside CPU torch.
 TORCHVISION_DIR := $(VLLM_VENV)/torchvision
+# vLLM's own E/PD proxy (examples/.../disagg_epd_proxy.py) is in vLLM's source
+# release only: the E/PD tests and workload (e) of bench-serve download the
+# sdist of the installed vLLM from PyPI once and keep the proxy here
+# (benchmarks/vllm_source.py); CI fails when it cannot be had.
+VLLM_SOURCE_CACHE ?= .cache/vllm-source
 # vLLM releases after 0.32 are CUDA wheels only: each is installed without
 # dependencies into a venv of its own (.venv-vllm-<version>) that reuses every
 # package of $(VLLM_VENV) (CPU torch, vLLM 0.32's requirements, this package)
@@ -173,7 +178,8 @@ $(VLLM_STAMP): pyproject.toml setup.py requirements-dev.txt tests/vllm/torchvisi
 
 ## vLLM contract and end-to-end tests in .venv-vllm
 test-vllm: $(VLLM_STAMP) proto
-	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
+	EC_VLLM_SOURCE_CACHE=$(abspath $(VLLM_SOURCE_CACHE)) PYTHONPATH=$(abspath $(TORCHVISION_DIR)) \
+		$(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 ## create .venv-vllm-VLLM: that vLLM wheel (--no-deps) over .venv-vllm's packages
 install-vllm-wheel:
@@ -250,7 +256,8 @@ bench: $(STAMP) $(VLLM_STAMP) proto
 # in docs/ (benchmarks/serve.py, serve_epd.py; docs/performance.md, sections 10 and 13).
 ## two real `vllm serve` engines under vLLM's client, E/PD and a reuse sweep (about 35 minutes on two cores)
 bench-serve: $(STAMP) $(VLLM_STAMP) proto
-	PYTHONPATH=$(abspath $(TORCHVISION_DIR)) $(VLLM_BIN)/python -m benchmarks.serve
+	EC_VLLM_SOURCE_CACHE=$(abspath $(VLLM_SOURCE_CACHE)) PYTHONPATH=$(abspath $(TORCHVISION_DIR)) \
+		$(VLLM_BIN)/python -m benchmarks.serve
 
 # CUDA hosts only: the same on a real model (GPU_SERVE_MODEL), plus vLLM's
 # ECCPUConnector as a fourth mode. GPU_VLLM_PYTHON: a Python with a CUDA build of

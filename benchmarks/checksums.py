@@ -2,11 +2,13 @@
 daemon's check of a reported mismatch.
 
 - A save's copy on the save rank's saver thread: the cpu backend's copy of
-  an output into a real /dev/shm mapping (the baseline, in the same run),
-  then that copy and the xxh3-64 of the pages that landed, read back through
-  the mapping as the saver does. The ratio is what the saver thread spends
-  per save with the checksum over without; the engine's thread spends
-  nothing either way (the saver runs beside it).
+  an output into a real /dev/shm region file (the baseline, in the same
+  run), then that copy and the xxh3-64 of the pages that landed, read back
+  from the file with pread a MiB at a time, as the saver does (never through
+  a mapping: a worker that truncates the file would make it a SIGBUS). The
+  ratio is what the saver thread spends per save with the checksum over
+  without; the engine's thread spends nothing either way (the saver runs
+  beside it).
 - The daemon's check of an entry a loader reported: pread of its pages and
   their xxh3-64 (off the event loop), against the pread alone.
 
@@ -54,16 +56,16 @@ def measure(sizes: tuple[int, ...] = SIZES, repeat: int = 20) -> list[dict[str, 
 
 def _rows(backend: Any, mapping: RegionMapping, fd: int, size: int,
           repeat: int) -> list[dict[str, Any]]:
-    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    source = backend.empty((size,), "uint8")  # (aligned, as an engine's output is)
+    source[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     extents = [(0, size)]
-    view = mapping.view
 
     def save() -> None:
         backend.save(source, mapping, extents)
 
     def save_and_sum() -> None:
         backend.save(source, mapping, extents)
-        checksum(view[offset:offset + length] for offset, length in extents)
+        checksum(mapping.chunks(extents))
 
     def pread() -> bytes:
         return os.pread(fd, size, 0)

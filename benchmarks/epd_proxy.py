@@ -1,20 +1,21 @@
 """A small E/PD proxy for the tests and `make bench-serve`, in the manner of
-vLLM's disaggregated-encoder example (examples/online_serving/
-disaggregated_encoder/disagg_epd_proxy.py; operators use that one or their
-own router): each OpenAI request goes first to the encoder instance (an
-`ec_producer`, which vLLM 0.32 runs encoder-only) with one output token,
-then the full request goes to the prefill/decode instance (an
-`ec_consumer`), whose answer (streamed or not) is the client's.
+vLLM's own (examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py
+in vLLM's source release, which benchmarks.vllm_proxy runs; operators use
+that one or their own router): each OpenAI request goes first to the
+encoder instance (an `ec_producer`, which vLLM 0.32 runs encoder-only) with
+one output token, then the full request goes to the prefill/decode instance
+(an `ec_consumer`), whose answer (streamed or not) is the client's: what
+vLLM's proxy does with `--no-rewrite`.
 
 The encoder step is an optimisation, never a dependency: when the encoder
 instance is down, slow past `ENCODER_TIMEOUT_S` or answers an error, the
 request still goes to PD with its media, which encodes it itself (a frozen
 encoder instance costs each request the timeout: set it to what an encode
-may take). That is
-why this proxy resends the full request ("full" mode) rather than vLLM's
-metadata-only items: a PD given metadata only cannot encode, so a lost
-encoder instance would fail requests (and vLLM 0.32 cannot send this
-repository's test model, PaliGemma, metadata-only; see docs/epd.md).
+may take); vLLM's proxy answers 502 then. That is why this proxy resends
+the full request rather than metadata-only items (vLLM's proxy's rewrite
+mode): a PD given metadata only cannot encode, so a lost encoder instance
+fails requests there (and this repository's test model, PaliGemma, declares
+no placeholder metadata; see docs/epd.md).
 
 Loopback only: it binds 127.0.0.1. Run alone with
 `python -m benchmarks.epd_proxy --encoder URL --pd URL --port N`.

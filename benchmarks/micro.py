@@ -22,7 +22,7 @@ from ec_client.copy import get_backend
 from ec_client.copy.mapping import RegionMapping
 from ec_daemon.core.allocator import ExtentAllocator
 from ec_daemon.durable.region import Region
-from ec_protocol.stamps import StampTable, table_bytes
+from ec_protocol.stamps import StampReader, StampTable, table_bytes
 
 MiB = 1 << 20
 
@@ -49,8 +49,12 @@ def _best_of_pair(ours: Callable[[], Any], baseline: Callable[[], Any],
 
 def copy_throughput(sizes: tuple[int, ...] = (64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
                     ) -> list[dict[str, Any]]:
-    """cpu backend save/load through a real /dev/shm mapping, against
-    np.copyto of the same bytes between the same buffers."""
+    """cpu backend save/load of a real /dev/shm region file (pwritev and
+    preadv: it maps nothing, docs/security.md) against the same system calls
+    made bare on the same buffers (its own overhead: `*_ratio`), and against
+    np.copyto of the same bytes through a mapping of the file (the memcpy the
+    backend did before, which a worker that truncates the file turns into a
+    SIGBUS: `*_vs_mapped`). Buffers as loads get them (`backend.empty`)."""
     backend = get_backend("cpu")
     with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-") as f:
         os.posix_fallocate(f.fileno(), 0, max(sizes))
@@ -63,28 +67,37 @@ def copy_throughput(sizes: tuple[int, ...] = (64 << 10, MiB, 16 * MiB, 64 * MiB,
 
 
 def _copy_row(backend: Any, mapping: RegionMapping, size: int) -> dict[str, Any]:
-    source = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-    out = np.empty_like(source)
+    source = backend.empty((size,), "uint8")
+    source[:] = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    out = backend.empty((size,), "uint8")
     target = np.frombuffer(mapping.view, dtype=np.uint8)[:size]
     extents = [(0, size)]  # what the allocator gives at p50: one extent
     repeat = max(5, min(200, (256 * MiB) // size))
-    # Interleaved, so both see the same cache and frequency state.
-    save, np_in = _best_of_pair(lambda: backend.save(source, mapping, extents),
-                                lambda: np.copyto(target, source), repeat)
-    load, np_out = _best_of_pair(lambda: backend.load(mapping, extents, out),
-                                 lambda: np.copyto(out, target), repeat)
+    fd, src, dst = mapping.fd, memoryview(source), memoryview(out)
+    # Interleaved, so all see the same cache and frequency state.
+    save, raw_in = _best_of_pair(lambda: backend.save(source, mapping, extents),
+                                 lambda: os.pwritev(fd, [src], 0), repeat)
+    mapped_in = _best_of(lambda: np.copyto(target, source), repeat)
+    load, raw_out = _best_of_pair(lambda: backend.load(mapping, extents, out),
+                                  lambda: os.preadv(fd, [dst], 0), repeat)
+    mapped_out = _best_of(lambda: np.copyto(out, target), repeat)
     return {"bytes": size, "save_gbps": size / save / 1e9, "load_gbps": size / load / 1e9,
-            "numpy_in_gbps": size / np_in / 1e9, "numpy_out_gbps": size / np_out / 1e9,
-            "save_ratio": np_in / save, "load_ratio": np_out / load}
+            "pwrite_gbps": size / raw_in / 1e9, "pread_gbps": size / raw_out / 1e9,
+            "save_ratio": raw_in / save, "load_ratio": raw_out / load,
+            "mapped_in_gbps": size / mapped_in / 1e9, "mapped_out_gbps": size / mapped_out / 1e9,
+            "save_vs_mapped": mapped_in / save, "load_vs_mapped": mapped_out / load}
 
 
 def stamp_check(rows: int = 1024, row_bytes: tuple[int, ...] = (256, 2048, 8192),
                 page_bytes: int = 64 << 10, repeat: int = 200) -> list[dict[str, Any]]:
-    """`StampTable.holds` over a `rows`-row entry's extents (what every load
-    checks after its copy) against the copy itself (the cpu backend's load
-    from a real /dev/shm mapping), for rows of `row_bytes` (256 B: the bench
-    model's bfloat16 x 128; 8 KiB: bfloat16 x 4096), with the entry in one
-    extent (the allocator's p50) and in one extent per page (the worst case)."""
+    """`StampReader.holds` over a `rows`-row entry's extents (what every load
+    checks after its copy: pread, one call per group of nearby runs) against
+    the copy itself (the cpu backend's load from a real /dev/shm region), and
+    the same check through a mapping of the table (`StampTable`, what
+    workers did before: a SIGBUS once the file is cut), for rows of
+    `row_bytes` (256 B: the bench model's bfloat16 x 128; 8 KiB: bfloat16 x
+    4096), with the entry in one extent (the allocator's p50) and in one
+    extent per page (the worst case)."""
     backend = get_backend("cpu")
     largest = rows * max(row_bytes)
     pages = -(-largest // page_bytes)
@@ -94,27 +107,29 @@ def stamp_check(rows: int = 1024, row_bytes: tuple[int, ...] = (256, 2048, 8192)
     with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-") as f:
         os.posix_fallocate(f.fileno(), 0, size)
         mapping = RegionMapping(f.name, size, generation=1)
-        stamps = StampTable(mapping.view[:data_offset], page_bytes, data_offset)
+        mapped = StampTable(mapping.view[:data_offset], page_bytes, data_offset)
+        stamps = StampReader(mapping.fd, page_bytes, data_offset, pages)
         try:
             for width in row_bytes:
                 nbytes = rows * width
                 used = -(-nbytes // page_bytes)
-                stamps.write([(0, used)], 7)
+                mapped.write([(0, used)], 7)
                 whole = [(data_offset, nbytes)]
                 per_page = [(data_offset + p * page_bytes, min(page_bytes, nbytes - p * page_bytes))
                             for p in range(used)]
-                target = np.empty(nbytes, np.uint8)
+                target = backend.empty((nbytes,), "uint8")
                 for extents in (whole, per_page):
                     assert stamps.holds(extents, 7) and not stamps.holds(extents, 8)
                     check, copy = _best_of_pair(
                         lambda e=extents: stamps.holds(e, 7),
                         lambda e=extents, t=target: backend.load(mapping, e, t), repeat)
+                    before = _best_of(lambda e=extents: mapped.holds(e, 7), repeat)
                     out.append({"entry_bytes": nbytes, "pages": used, "extents": len(extents),
                                 "check_us": check * 1e6, "copy_us": copy * 1e6,
-                                "ratio": check / copy})
+                                "ratio": check / copy, "mapped_check_us": before * 1e6})
         finally:
             gc.collect()
-            stamps.release()
+            mapped.release()
             mapping.close()
     return out
 

@@ -35,7 +35,9 @@ pair of engines that runs all its workloads, in this order:
 (e) E/PD: an encoder instance and a prefill/decode instance behind the E/PD
     proxy, through ec-daemon or ECExampleConnector, against one engine
     without a connector; engines of their own, after every mode's pair.
-    (e) and (f) are described in benchmarks/serve_epd.py.
+    Then metadata-only E/PD through vLLM's own proxy, rewrite mode against
+    --no-rewrite and one engine, on a tiny Qwen2-VL ("e-meta"). (e) and (f)
+    are described in benchmarks/serve_epd.py and serve_metadata.py.
 
 (b), (c) and (d) run in two phases: the first half of the stream, the event
 (restart, move), the second half. Each request's send time is reported
@@ -82,6 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import serve_metadata
 from benchmarks.serve_epd import REUSE_LEVELS, EPDRun, e_stream, figure, sweep_row, sweep_streams
 from benchmarks.serve_hosts import EngineSetup
 from benchmarks.serve_modes import ModeRun, Workload
@@ -148,6 +151,14 @@ class Plan:
     def at_once_images(self) -> int:  # (f), phase 1 of each level
         return 1 if self.quick else 4
 
+    @property
+    def meta_requests(self) -> int:  # (e), metadata-only: each of its three modes
+        return 4 if self.quick else 20
+
+    @property
+    def meta_images(self) -> int:
+        return 2 if self.quick else 5
+
 
 def workloads(plan: Plan, folder: Path, image_size: int, with_tier: bool) -> list[Workload]:
     """Every workload of the run, in the order each mode runs them. Each
@@ -190,6 +201,11 @@ def workloads(plan: Plan, folder: Path, image_size: int, with_tier: bool) -> lis
                         plan.rates[0], e_stream(folder, plan.a_requests, plan.a_images,
                                                 plan.rates[0], plan.reuse, seed, image_size),
                         (0,)))
+    seed = plan.seed + 31
+    out.append(Workload("e-meta", "e", "(e) metadata-only E/PD through vLLM's proxy (tiny "
+                        "Qwen2-VL); none: one engine", "", seed, plan.rates[0],
+                        e_stream(folder, plan.meta_requests, plan.meta_images, plan.rates[0],
+                                 plan.reuse, seed, serve_metadata.IMAGE_SIZE), (0,)))
     return out
 
 
@@ -240,7 +256,8 @@ def main() -> None:
         if not with_tier:
             print("!! no redis-server (make redis): (d) runs without ec-daemon-tier", flush=True)
         todo = workloads(plan, folder, image_size, with_tier)
-        todo = [w for w in todo if w.workload in args.workloads.split(",")]
+        wanted = args.workloads.split(",")
+        todo = [w for w in todo if w.workload in wanted or w.key in wanted]
         print(">> loading vLLM's benchmark client", flush=True)
         client = Client(setup.model, prompt, folder)
         by_key: dict[str, list[dict[str, Any]]] = {}
@@ -251,11 +268,13 @@ def main() -> None:
                 print(f"   serving after {time.monotonic() - mode_started:.0f}s", flush=True)
                 for key, rows in run_mode(mode, run, todo).items():
                     by_key.setdefault(key, []).extend(rows)
-        for workload in (w for w in todo if w.workload == "e"):
+        for workload in (w for w in todo if w.key == "e"):
             for mode in (m for m in modes if m in MODES):
                 print(f">> {mode}: {workload.title}, {len(workload.stream)} requests", flush=True)
                 with EPDRun(mode, setup, client, folder / f"epd-{mode}", image_size) as epd:
                     by_key.setdefault("e", []).append(epd.run(workload.stream))
+        for workload in (w for w in todo if w.key == "e-meta"):
+            by_key["e-meta"] = metadata_only(workload, setup, folder)
         done = True
     finally:
         if done and not args.keep:
@@ -264,6 +283,26 @@ def main() -> None:
             print(f"!! logs kept in {folder}", flush=True)
     results = report(plan, todo, by_key, args, time.monotonic() - started)
     write(results, out_dir, args)
+
+
+def metadata_only(workload: Workload, setup: EngineSetup, folder: Path) -> list[dict[str, Any]]:
+    """(e), metadata-only: each mode of benchmarks/serve_metadata.py on the
+    tiny Qwen2-VL, placed as `setup`'s engines are."""
+    from benchmarks.serve_stream import make_images
+    from tests.vllm.tiny_qwen2vl import build_tiny_qwen2vl
+
+    print(">> building the tiny Qwen2-VL", flush=True)
+    model = build_tiny_qwen2vl(folder / "qwen2vl")
+    qwen = EngineSetup(setup.device, str(model), None, cores=setup.cores, gpus=setup.gpus)
+    client = Client(str(model), serve_metadata.PROMPT, folder)
+    warm = make_images(folder, 1, serve_metadata.IMAGE_SIZE, 20_001, "meta-warm-up")[0]
+    rows = []
+    for mode in serve_metadata.MODES:
+        print(f">> {mode}: {workload.title}, {len(workload.stream)} requests", flush=True)
+        with serve_metadata.MetadataRun(mode, qwen, client, folder / f"meta-{mode}",
+                                        warm) as run:
+            rows.append(run.run(workload.stream))
+    return rows
 
 
 def engine_setup(args: argparse.Namespace, folder: Path) -> tuple[EngineSetup, str, int]:
@@ -332,7 +371,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="", help=f"cuda only (default {GPU_MODEL})")
     parser.add_argument("--modes", default="", help="comma-separated (default: "
                         f"{','.join(MODES)} on cpu, {','.join(GPU_MODES)} on cuda)")
-    parser.add_argument("--workloads", default=WORKLOADS, help=f"a subset of {WORKLOADS}")
+    parser.add_argument("--workloads", default=WORKLOADS,
+                        help=f"a subset of {WORKLOADS}, or e-meta: (e)'s metadata-only part alone")
     parser.add_argument("--rates", default=RATES, help="workload (a)'s rates, req/s")
     parser.add_argument("--image-size", type=int, default=0, help="pixels (default: the "
                         "model's: 224 for the tiny PaliGemma, 448 on cuda)")

@@ -179,7 +179,7 @@ def figure(results: dict[str, Any], folder: Path) -> Path | None:
     """(e): TTFT by mode (mean, cold, repeat) with the PD engine's encoder
     forwards; (f): TTFT, cross-engine hit rate and encodes avoided at once
     by reuse level. One PNG in `folder`, or None without (e) or (f)."""
-    e = [w for w in results["workloads"] if w["workload"] == "e"]
+    e = [w for w in results["workloads"] if w["key"] == "e"]
     f = sorted((w for w in results["workloads"] if w["workload"] == "f"),
                key=lambda w: w["reuse"])
     if not e and not f:

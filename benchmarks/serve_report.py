@@ -123,7 +123,9 @@ TABLE = ["mode", "requests", "failed", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_
          "moved_ttft_mean_ms", "ttft_mean_ms_vs_none", "cold_ttft_mean_ms_vs_none",
          "repeat_ttft_mean_ms_vs_none", "ttft_mean_ms_vs_example", "forwards_per_request",
          "daemon_hits", "daemon_misses", "daemon_saves", "promotions", "recovery_requests",
-         "outputs_unlike_none"]
+         "pd_ttfb_mean_ms", "pd_ttfb_p50_ms", "pd_media_kib_per_request",
+         "pd_preprocess_ms_per_request", "pd_metadata_only_items",
+         "pd_encoder_forwards", "outputs_unlike_none"]
 
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:

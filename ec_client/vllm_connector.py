@@ -145,14 +145,18 @@ class ECDaemonConnectorMetadata(StepMetadata, ECConnectorMetadata):
 @dataclass
 class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
     """Workers -> scheduler each step: one entry per rank and transfer that
-    landed, and the worker's counters (vLLM aggregates over the ranks)."""
+    landed, the items whose save ended without an entry (`dropped`: the
+    scheduler's producer announces no metadata for them), and the worker's
+    counters (vLLM aggregates over the ranks)."""
 
     done: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, ECDaemonWorkerMetadata)
         self.done.extend(other.done)
+        self.dropped.extend(other.dropped)
         self.stats = merge_stats(self.stats, other.stats)
         return self
 
@@ -444,9 +448,10 @@ class ECDaemonConnector(ECConnectorBase):
         # Load times from one rank only: every rank loads the same entries.
         stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
         self._load_seconds = []
-        if not self._done and not stats:
+        dropped = self._worker.take_dropped()
+        if not self._done and not stats and not dropped:
             return None
-        meta = ECDaemonWorkerMetadata(self._done, stats)
+        meta = ECDaemonWorkerMetadata(self._done, stats, dropped)
         self._done = []
         return meta
 
@@ -462,9 +467,11 @@ class ECDaemonConnector(ECConnectorBase):
         """False defers the request a step: an item it still needs is being
         made by another engine of this host or promoted from the second tier
         (bounded; see `SchedulerDelegate.ensure`), or came without media and
-        is not in the cache yet (`RequestItems.fetched`). Items already
-        computed, or held in vLLM's encoder cache, need no transfer and are
-        not asked about (vLLM asks every step, decodes included)."""
+        is not in the cache yet (`RequestItems.fetched`: failed at once when
+        nobody will make it). A producer claims the items it is about to
+        encode and is never deferred. Items already computed, or held in
+        vLLM's encoder cache, need no transfer and are not asked about (vLLM
+        asks every step, decodes included)."""
         if self._scheduler is None:
             return True
         self._active.add(request.request_id)
@@ -478,15 +485,16 @@ class ECDaemonConnector(ECConnectorBase):
         encodable = [f.identifier for f in needed if f.identifier not in fetch]
         ready = not encodable or self._scheduler.ensure(encodable, request.request_id)
         fetched = not fetch or items.fetched(request.request_id, fetch,
-                                             self._scheduler.has_item)
+                                             self._scheduler.has_item,
+                                             self._scheduler.unobtainable)
         return ready and fetched
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self._scheduler is not None
         self._active.add(request.request_id)
         mm_hash = request.mm_features[index].identifier
-        self._items.allocated(mm_hash)
-        self._scheduler.after_alloc(request.request_id, mm_hash)
+        loaded = self._scheduler.after_alloc(request.request_id, mm_hash)
+        self._items.allocated(mm_hash, request.request_id, encoded=not loaded)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
@@ -501,6 +509,8 @@ class ECDaemonConnector(ECConnectorBase):
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, ECDaemonWorkerMetadata):
             self._scheduler.apply_worker_output(meta.done)
+            if meta.dropped:
+                self._items.saves_dropped(meta.dropped)
             if meta.stats:
                 self._worker_stats = merge_stats(self._worker_stats, meta.stats)
 
@@ -514,18 +524,25 @@ class ECDaemonConnector(ECConnectorBase):
         released (an aborted request must not keep other engines waiting).
         A producer reports vLLM's `ec_transfer_params` for its items
         (`RequestItems.transfer_params`): a consumer given them with
-        metadata-only items loads those from the cache."""
+        metadata-only items loads those from the cache. Metadata is announced
+        only for an item the cache holds, or that this request encoded and
+        whose save was not reported dropped: one dropped in this very step is
+        not known yet, and the daemon tells a consumer that asks (see
+        `RequestItems`)."""
         self._active.discard(request.request_id)
         if self._scheduler is None or not request.mm_features:
             return False, None
-        self._scheduler.request_finished(request.request_id,
-                                         (f.identifier for f in request.mm_features))
-        self._items.finished(request)
-        if not self.is_producer:
-            return False, None
-        reachable = self._scheduler.link.fresh()  # else its workers' saves were skipped
-        return False, self._items.transfer_params(
-            request, lambda mm_hash: reachable and not self._private(mm_hash))
+        scheduler, items = self._scheduler, self._items
+        scheduler.request_finished(request.request_id,
+                                   (f.identifier for f in request.mm_features))
+        params = None
+        if self.is_producer:
+            reachable = scheduler.link.fresh()  # else its workers' saves were skipped
+            params = items.transfer_params(request, lambda mm_hash: (
+                reachable and not self._private(mm_hash)
+                and items.announced(request.request_id, mm_hash, scheduler.holds)))
+        items.finished(request)
+        return False, params
 
     # ------------------------------------------------------------ metrics
 
@@ -550,6 +567,7 @@ class ECDaemonConnector(ECConnectorBase):
         data: dict[str, Any] = {}
         if not paced:
             data = merge_stats(dict(self._scheduler.take_stats()), self._worker_stats)
+            data = merge_stats(data, self._items.take_stats())
             self._worker_stats = {}
             if any(data.values()):
                 self._next_stats = now + STATS_INTERVAL_SECONDS

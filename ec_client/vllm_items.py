@@ -8,21 +8,48 @@ Three facts the daemon cannot tell it, kept on vLLM's scheduling thread:
   so `ensure_cache_available` never asks the daemon about it nor defers for it.
 - Which items arrived metadata-only: announced by a producer in the request's
   `ec_transfer_params` and carrying no media of their own (vLLM's
-  token-in-token-out serving accepts such items only with those params). This
-  engine cannot encode them, so they are loaded from the daemon or the request
-  fails cleanly (`take_unavailable_requests`) after `max_defer_seconds`.
+  token-in-token-out serving accepts such items only with those params, and
+  vLLM's E/PD proxy sends them so in its default rewrite mode). This engine
+  cannot encode them, so they are loaded from the daemon or the request fails
+  cleanly (`take_unavailable_requests`): at once when the daemon says nobody
+  will make the item (the scheduler delegate's `unobtainable`: its save was
+  dropped or refused, or its producer is gone), else after
+  `max_defer_seconds`. Failed, not re-encoded: without the media there is
+  nothing to encode, and vLLM's proxy retries a request PD fails with a 500
+  (`--decode-retries`, 1 by default) by encoding it again, so failing at once
+  costs the client the retry only, where waiting would add the whole bound.
 - What a producer reports when a request finishes: vLLM's per-item
   `ec_transfer_params` (`collect_ec_item_metadata`), so a consumer can skip
-  media preprocessing. Nothing of ec-daemon's goes inside `metadata`; an item
-  this engine cannot have saved (a LoRA adapter's, or the daemon is out of
-  reach) reports empty metadata, as vLLM's CPU connector does for an absent
-  entry, so an orchestrator keeps its media on the request.
+  media preprocessing (`announced`). Nothing of ec-daemon's goes inside
+  `metadata`; an item not known to be in the cache or on its way there
+  reports empty metadata, as vLLM's CPU connector does for an absent entry,
+  so an orchestrator keeps its media on the request (vLLM's proxy then sends
+  PD the media, and PD encodes it). An item is announced when the cache
+  holds it (the scheduler's view), or when this request encoded it (its save
+  was queued) and its worker did not report the save dropped; never a LoRA
+  adapter's item, nor any while the daemon is out of reach, nor one this
+  request took from vLLM's encoder cache without encoding (no save was made
+  for it now: a save dropped earlier stays dropped).
+  Why announce an item whose save is still on its way: vLLM 0.32 hands the
+  connector a finished request (`request_finished`) before the worker
+  output of the step that finished it (`update_connector_output`), and an
+  encoder instance's requests finish in the step that encodes them (its V1
+  model runner does not even return an encoder-only step's worker output),
+  so what its workers did with those saves is not known then. The daemon
+  settles them for the consumer: the producer claimed each item before
+  encoding it (`SchedulerDelegate.ensure`), so a consumer that asks
+  (`unobtainable`) is told to wait while the save is on its way, and at once
+  when it was dropped (the worker reports a dropped save to the daemon at
+  once). The worker's own report (`saves_dropped`) reaches an engine whose
+  runner returns it (`ec_both`), and spares a request that finishes after
+  its encode step the announcement.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +65,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Items whose save was reported dropped, remembered (the most recent ones)
+# so a producer announces no metadata for them.
+MAX_DROPPED = 4096
+
 
 class RequestItems:
     def __init__(self, model_config: ModelConfig, max_defer_seconds: float) -> None:
@@ -45,8 +76,12 @@ class RequestItems:
         self._model_config = model_config
         self._resolver: PlaceholderMetadataResolver | None = None  # built on first use
         self._held: set[str] = set()
+        self._encoded: dict[str, set[str]] = {}  # request -> items encoded for it here
         self._fetch_since: dict[tuple[str, str], float] = {}  # (request, mm_hash) -> first ask
         self._unobtainable: set[str] = set()
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+        # Since the last take_stats.
+        self._metadata_only = self._metadata_only_failures = 0
 
     @property
     def resolver(self) -> PlaceholderMetadataResolver:
@@ -58,8 +93,12 @@ class RequestItems:
 
     # ------------------------------------------------- vLLM's encoder cache
 
-    def allocated(self, mm_hash: str) -> None:
+    def allocated(self, mm_hash: str, request_id: str = "", encoded: bool = False) -> None:
+        """vLLM allocated `mm_hash` in its encoder cache for `request_id`:
+        loaded, or `encoded` here (a producer's save follows)."""
         self._held.add(mm_hash)
+        if encoded:
+            self._encoded.setdefault(request_id, set()).add(mm_hash)
 
     def freed(self, mm_hashes: Iterable[str]) -> None:
         self._held.difference_update(mm_hashes)
@@ -82,28 +121,56 @@ class RequestItems:
         return not any(element.data is not None for key, element in data.items()
                        if key not in metadata)
 
-    def fetched(self, request_id: str, mm_hashes: list[str],
-                loadable: Callable[[str], bool]) -> bool:
+    def fetched(self, request_id: str, mm_hashes: list[str], loadable: Callable[[str], bool],
+                unobtainable: Callable[[list[str], str], list[str]]) -> bool:
         """May the request go ahead as far as these metadata-only items go?
         Each must be `loadable` now (which claims it for this step). One not
-        loadable defers the request, for `max_defer_seconds` at most: then the
-        request is failed (`take_unavailable`), since this engine has no media
-        to encode it from."""
-        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
+        loadable defers the request; the request is failed
+        (`take_unavailable`), since this engine has no media to encode it
+        from, at once when `unobtainable(missing, request_id)` names an item
+        nobody will make, else after `max_defer_seconds`."""
+        now = time.monotonic()
         for mm_hash in mm_hashes:
-            if mm_hash not in missing:
-                self._fetch_since.pop((request_id, mm_hash), None)
+            self._fetch_since.setdefault((request_id, mm_hash), now)
+        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
         if not missing:
             return True
-        now = time.monotonic()
-        for mm_hash in missing:
-            since = self._fetch_since.setdefault((request_id, mm_hash), now)
-            if now - since >= self.max_defer_seconds and request_id not in self._unobtainable:
-                log.error("ec-daemon: request %s needs %s, which came without media, and the "
-                          "cache has not had it for %.1fs: failing the request", request_id,
-                          mm_hash, now - since)
-                self._unobtainable.add(request_id)
+        if request_id in self._unobtainable:
+            return False
+        lost = unobtainable(missing, request_id)
+        if lost:
+            self._fail(request_id, f"nobody will make {', '.join(lost)} (its encoder "
+                       "instance's save was dropped or refused, or that instance is gone)")
+            return False
+        waited = max(now - self._fetch_since[(request_id, h)] for h in missing)
+        if waited >= self.max_defer_seconds:
+            self._fail(request_id, f"the cache has not had {', '.join(missing)} for "
+                       f"{waited:.1f}s (ec_daemon_max_defer_s)")
         return False
+
+    def _fail(self, request_id: str, why: str) -> None:
+        log.error("ec-daemon: request %s came without the media of an image it needs, and %s: "
+                  "failing the request", request_id, why)
+        self._unobtainable.add(request_id)
+        self._metadata_only_failures += 1
+
+    def saves_dropped(self, mm_hashes: Iterable[str]) -> None:
+        """A worker reported these items' saves dropped (no entry made): not
+        announced until the cache holds them."""
+        dropped = self._dropped
+        for mm_hash in mm_hashes:
+            dropped[mm_hash] = None
+            dropped.move_to_end(mm_hash)
+        while len(dropped) > MAX_DROPPED:
+            dropped.popitem(last=False)
+
+    def take_stats(self) -> dict[str, int]:
+        """Items of finished requests that came without media, and requests
+        failed for one, since the last call."""
+        stats = {"metadata_only_items": self._metadata_only,
+                 "metadata_only_failures": self._metadata_only_failures}
+        self._metadata_only = self._metadata_only_failures = 0
+        return {k: v for k, v in stats.items() if v}
 
     def take_unavailable(self) -> set[str]:
         taken, self._unobtainable = self._unobtainable, set()
@@ -114,15 +181,25 @@ class RequestItems:
     def finished(self, request: Request) -> None:
         for feature in request.mm_features:
             self._fetch_since.pop((request.request_id, feature.identifier), None)
+            if self.metadata_only(request, feature):  # (counted once, loaded or not)
+                self._metadata_only += 1
         self._unobtainable.discard(request.request_id)
+        self._encoded.pop(request.request_id, None)
+
+    def announced(self, request_id: str, mm_hash: str, cached: Callable[[str], bool]) -> bool:
+        """Does a producer announce `mm_hash` for `request_id` (see the
+        module's docstring)? `cached(mm_hash)`: the cache holds it."""
+        if cached(mm_hash):
+            return True
+        return mm_hash in self._encoded.get(request_id, ()) and mm_hash not in self._dropped
 
     def transfer_params(self, request: Request,
-                        saved: Callable[[str], bool]) -> dict[str, Any] | None:
+                        announce: Callable[[str], bool]) -> dict[str, Any] | None:
         """A producer's `ec_transfer_params` for a finished request: vLLM's
-        one entry per item, keyed by mm_hash; empty metadata for an item that
-        was not `saved` to the cache."""
+        one entry per item, keyed by mm_hash; empty metadata for an item not
+        to `announce` (call before `finished`)."""
         items = collect_ec_item_metadata(request.mm_features, self.resolver)
         for mm_hash, item in items.items():
-            if not saved(mm_hash):
+            if not announce(mm_hash):
                 item["metadata"] = {}
         return items or None

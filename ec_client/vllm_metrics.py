@@ -44,6 +44,12 @@ COUNTERS = {
                      "Times the scheduler waited for the daemon's answer to a cold miss"),
     "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",
                        "Time the scheduler waited for those answers"),
+    "metadata_only_items": ("vllm:ec_daemon_metadata_only_items",
+                            "Items of finished requests that came without their media (an "
+                            "encoder instance announced them): never preprocessed here"),
+    "metadata_only_failures": ("vllm:ec_daemon_metadata_only_failures",
+                               "Requests failed: an item that came without its media was not "
+                               "in the cache and nobody would make it, or not in time"),
     "pin_refused": ("vllm:ec_daemon_pin_refused",
                     "Region mappings a CUDA worker could not pin (cudaHostRegister refused): "
                     "its copies run unpinned, slower and still correct"),

@@ -12,6 +12,8 @@ client saves by Allocate and Report calls against a daemon of protocol 3
 that would drop them unread (proto3 ignores unknown fields), and an older
 client's calls still work against a new daemon. A bump would instead have
 cut both off from each other at Attach for a change that breaks neither.
+Producers' claims (wants and releases from a producer's scheduler session)
+came the same way: AttachReply.producer_claims.
 """
 
 from __future__ import annotations

@@ -24,7 +24,18 @@ CPU test suite, and records every broken rule in `violations` (and raises
 - copies from or to pageable (unregistered) memory synchronise their stream
   first, as CUDA documents for pageable cudaMemcpyAsync; one to the device
   reads the host at once and lands only when its stream runs, one to the host
-  has landed on return;
+  has landed on return. A pageable copy of the region's mapping is a broken
+  rule of this project: CUDA would touch its pages with the CPU, and a page a
+  truncation took away is a SIGBUS (chunks not registered go through
+  page-locked memory, `pinned_host`);
+- registered region memory is pinned pages of the region file, which the GPU
+  DMAs and which never fault: the model reads and writes the file for them
+  with pread/pwrite (never the mapping, so a test process survives a cut
+  too). A cut (the file found shorter than a registration, or `orphan`)
+  takes the pages out of the file while the registration keeps them: from
+  then on the model's GPU copies to and from those old pages (what they held,
+  as far as this process moved them), and the file, regrown or not, never
+  sees those copies, as on a GPU;
 - host memory is never (un)registered while a queued copy of it is pending;
 - the current stream is per thread: the compute stream on the main thread
   (the engine's), a default stream of its own on every other thread;
@@ -47,6 +58,7 @@ gpu-test`, `make gpu-check`).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -65,6 +77,51 @@ __all__ = ["GARBAGE", "Backend", "EngineBackend", "Event", "ModelRuntime", "Rule
            "Stream", "as_host"]
 
 GARBAGE = 0xAB
+
+
+class Pages:
+    """One registration of region memory: pinned pages of the region file, as
+    the model's GPU sees them (the module docstring). Until a cut orphans
+    them they are the file's; `shadow` holds what this process moved through
+    them, which is what an orphaned registration keeps."""
+
+    def __init__(self, fd: int, file_offset: int, length: int) -> None:
+        self.fd = os.dup(fd)  # the mapping may close its own before a queued copy runs
+        self.file_offset = file_offset
+        self.length = length
+        self.shadow = bytearray(length)
+        self.orphaned = False
+
+    def _check(self) -> None:
+        if not self.orphaned and os.fstat(self.fd).st_size < self.file_offset + self.length:
+            self.orphaned = True  # a cut took pages out of the file: ours stay pinned
+
+    def orphan(self) -> None:
+        """A cut now: the registration keeps the pages as they are."""
+        if not self.orphaned:
+            data = os.pread(self.fd, self.length, self.file_offset)
+            self.shadow[:len(data)] = data
+            self.orphaned = True
+
+    def read(self, at: int, length: int) -> bytes:
+        """What the GPU reads from the pages at `at` (a copy to the device)."""
+        self._check()
+        if not self.orphaned:
+            data = os.pread(self.fd, length, self.file_offset + at)
+            self.shadow[at:at + len(data)] = data
+            if len(data) < length:
+                self.orphaned = True  # cut meanwhile: the rest is the old pages'
+        return bytes(self.shadow[at:at + length])
+
+    def write(self, at: int, data: bytes) -> None:
+        """What the GPU writes into the pages at `at` (a copy to the host)."""
+        self.shadow[at:at + len(data)] = data
+        self._check()
+        if not self.orphaned:
+            os.pwrite(self.fd, data, self.file_offset + at)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class ModelRuntime(StreamModel):
@@ -91,7 +148,10 @@ class ModelRuntime(StreamModel):
         self._lock = threading.RLock()
         self._thread = threading.local()
         self._registrations: dict[int, int] = {}  # address -> length
-        self._hosts: dict[int, int] = {}  # address of a host mapping -> its length
+        self._pages: dict[int, Pages] = {}  # address of a registration of region memory ->
+        self._hosts: dict[int, RegionMapping] = {}  # address of a host mapping -> it
+        # Page-locked memory of the process's own (`pinned_host`): address -> length.
+        self._page_locked: dict[int, tuple[int, Any]] = {}
         # The model's device memory, and the caching allocator's rules.
         self.allocator = Allocator(self)
         self.compute = Stream(self, device, "compute")
@@ -127,8 +187,8 @@ class ModelRuntime(StreamModel):
             raise TypeError(f"{type(array).__name__} is host memory, not a device array "
                             "(cupy.asarray would copy it to the device)")
         pointer = array.data_ptr()
-        for address, length in self._hosts.items():
-            if address <= pointer < address + length:
+        for address, mapping in self._hosts.items():
+            if address <= pointer < address + mapping.size:
                 raise TypeError("a view of the host region is host memory, not a device array")
         block = self.allocator.block_of(array)
         if block is not None:
@@ -147,9 +207,34 @@ class ModelRuntime(StreamModel):
 
     def host_bytes(self, mapping: RegionMapping) -> int:
         self._on_device()
-        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping.view))
-        self._hosts[address] = mapping.size
+        anchor = ctypes.c_char.from_buffer(mapping.view)  # (maps it; touches no page)
+        address = ctypes.addressof(anchor)
+        del anchor
+        self._hosts[address] = mapping
         return address
+
+    def orphan(self) -> None:
+        """A cut of the region file now (as `ftruncate` by another process):
+        every registration of region memory keeps its pages, and the file
+        gets new ones when it is regrown."""
+        with self._lock:
+            for pages in self._pages.values():
+                pages.orphan()
+
+    def pinned_host(self, nbytes: int) -> tuple[int, memoryview]:
+        self._on_device()
+        buffer = (ctypes.c_char * nbytes)()
+        address = ctypes.addressof(buffer)
+        with self._lock:
+            self._page_locked[address] = (nbytes, buffer)
+        return address, memoryview(buffer).cast("B")
+
+    def _region_of(self, start: int) -> tuple[int, RegionMapping] | None:
+        """(base address, mapping) of the region mapping holding `start`."""
+        for address, mapping in self._hosts.items():
+            if address <= start < address + mapping.size:
+                return address, mapping
+        return None
 
     def register(self, host: int, offset: int, length: int) -> None:
         self._on_device()
@@ -164,6 +249,13 @@ class ModelRuntime(StreamModel):
                 if address < end and start < address + size:
                     raise self.broken("cudaHostRegister of memory already registered")
             self._registrations[start] = length
+            region = self._region_of(start)
+            if region is not None:
+                if os.fstat(region[1].fd).st_size < start - region[0] + length:
+                    # The driver pins the pages: those a cut removed cannot be.
+                    del self._registrations[start]
+                    raise PinRefused("cudaErrorInvalidValue (the model: the file is cut short)")
+                self._pages[start] = Pages(region[1].fd, start - region[0], length)
 
     def unregister(self, host: int, offset: int) -> None:
         self._on_device()
@@ -173,6 +265,9 @@ class ModelRuntime(StreamModel):
             if length is None:
                 raise self.broken("cudaHostUnregister of memory that is not registered")
             self._no_pending_copy(host + offset, host + offset + length, "cudaHostUnregister")
+            pages = self._pages.pop(host + offset, None)
+            if pages is not None:
+                pages.close()
         if error is not None:  # CUDA refused, after releasing what it could
             raise error
 
@@ -260,13 +355,23 @@ class ModelRuntime(StreamModel):
         pinned = self._pinned(start, length)
         dst_ptr = start if to_host else device.data_ptr() + dst_offset
         src_ptr = device.data_ptr() + src_offset if to_host else start
+        pages = self._pages_of(start) if pinned else None
 
         def move() -> None:
-            ctypes.memmove(dst_ptr, src_ptr, length)
+            if pages is None:
+                ctypes.memmove(dst_ptr, src_ptr, length)
+            elif to_host:  # the GPU writes the registered pages (the file's, or old ones)
+                pages[1].write(start - pages[0], ctypes.string_at(src_ptr, length))
+            else:
+                ctypes.memmove(dst_ptr, pages[1].read(start - pages[0], length), length)
 
         if batched and not pinned:
             raise self.broken("cudaMemcpyBatchAsync of pageable memory (batches are for "
                               "registered runs, in stream order)")
+        if not pinned and self._region_of(start) is not None:
+            raise self.broken("a pageable copy of the region's mapping: CUDA would touch its "
+                              "pages with the CPU, a SIGBUS once a truncation took one away "
+                              "(chunks not registered go through page-locked memory)")
         if pinned:
             stream.ops.append(("work", move, (start, start + length)))
             self.allocator.used(device, stream)
@@ -282,8 +387,19 @@ class ModelRuntime(StreamModel):
             stream.ops.append(("work", lambda: ctypes.memmove(dst_ptr, staged, length), None))
         self.allocator.used(device, stream)
 
+    def _pages_of(self, start: int) -> tuple[int, Pages] | None:
+        """(its address, the registration of region memory) holding `start`."""
+        with self._lock:
+            for address, pages in self._pages.items():
+                if address <= start < address + pages.length:
+                    return address, pages
+        return None
+
     def _pinned(self, start: int, length: int) -> bool:
         with self._lock:
+            for address, (size, _) in self._page_locked.items():
+                if address <= start and start + length <= address + size:
+                    return True
             for address, size in self._registrations.items():
                 inside = address <= start and start + length <= address + size
                 overlaps = address < start + length and start < address + size

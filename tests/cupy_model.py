@@ -77,6 +77,7 @@ class FakeCupy(types.ModuleType):
                 getDevice=lambda: getattr(model._thread, "device", 0),
                 setDevice=self._set_device, hostRegister=self._host_register,
                 hostUnregister=self._host_unregister, memcpyAsync=self._memcpy_async),
+            alloc_pinned_memory=self._alloc_pinned,
             Stream=lambda non_blocking=False: self._wrap(model.new_stream()),
             ExternalStream=lambda ptr, device=None: self._streams[ptr],
             Event=lambda disable_timing=False: FakeEvent(model),
@@ -119,6 +120,13 @@ class FakeCupy(types.ModuleType):
             self.model.use_device()
         else:
             self.model._thread.device = index
+
+    def _alloc_pinned(self, nbytes: int) -> Any:
+        """CuPy's PinnedMemoryPointer: `ptr`, and its bytes (buffer protocol)."""
+        address, _ = self.model.pinned_host(nbytes)
+        buffer = self.model._page_locked[address][1]
+        buffer.ptr = address
+        return buffer
 
     def _host_register(self, pointer: int, length: int, flags: int) -> None:
         try:

@@ -21,6 +21,9 @@ class RegionInfo:
     generation: int
     page_bytes: int
     data_offset: int
+    # The file's canary when the daemon announced it (`ec_protocol.stamps`);
+    # 0: a daemon that writes none.
+    canary: int = 0
 
 
 class LoadSpec(NamedTuple):

@@ -99,6 +99,8 @@ class Attachment:
     heartbeat_ms: int
     # the daemon takes saves on the stream (`ec_client.worker_side.stream_saves`)
     stream_saves: bool = False
+    # the daemon takes a producer's wants and releases (its claims)
+    producer_claims: bool = False
 
 
 def default_client_name() -> str:
@@ -281,9 +283,9 @@ class SessionLink:
         attachment = Attachment(
             session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
             region=RegionInfo(region.path, region.size_bytes, region.generation,
-                              region.page_bytes, region.data_offset),
+                              region.page_bytes, region.data_offset, region.canary),
             lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms,
-            stream_saves=reply.stream_saves)
+            stream_saves=reply.stream_saves, producer_claims=reply.producer_claims)
         lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         first = pb.ClientMessage(open_session_id=attachment.session_id)

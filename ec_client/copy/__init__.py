@@ -3,11 +3,14 @@
 A backend copies one call per contiguous run of extents (split at
 pinned-memory chunks on CUDA, and batched where CUDA can) and returns only
 once the bytes have landed; a step's loads go together (`load_all`: one
-wait for all of them). Backends are loaded by
-name on first use, so importing this package costs nothing: `cpu` (memcpy;
-CI and CPU-only vLLM), and the CUDA backends (`torch`, `cupy`), which share
-one copy path over a narrow seam to the CUDA runtime (`ec_client.copy.cuda`).
-`auto` picks torch when CUDA is available, cpu otherwise.
+wait for all of them). Backends are loaded by name on first use, so
+importing this package costs nothing: `cpu` (preadv/pwritev on the region
+file; CI and CPU-only vLLM), and the CUDA backends (`torch`, `cupy`), which
+share one copy path over a narrow seam to the CUDA runtime
+(`ec_client.copy.cuda`). `auto` picks torch when CUDA is available, cpu
+otherwise. No backend touches the region's pages with the CPU (a worker may
+truncate the file: `mapping` says why); a custom backend that does risks
+its process on every such cut.
 
 A name of the form `package.module:ClassName` loads a custom backend: the
 module is imported and the class (anything implementing `CopyBackend`) is
@@ -70,13 +73,15 @@ class CopyBackend(Protocol):
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         """Copy `extents` into `out` (contiguous, on `device`, whose byte size
         is their total; best made by `empty`); return `out` once the bytes
-        landed. Raises TypeError for a non-contiguous `out` or one elsewhere."""
+        landed. Raises TypeError for a non-contiguous `out` or one elsewhere,
+        `mapping.RegionCut` (an OSError) when the file was cut short of them."""
 
     def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
         """Each load of a step, as `load` does it, returning once every copy
         that was made landed: per load None (its `out` holds the bytes) or
-        the TypeError or ValueError that refused it (nothing was copied for
-        it; the others go on)."""
+        the TypeError or ValueError that refused it, or the OSError
+        (`mapping.RegionCut`) of a file another process cut under it (its
+        `out` is garbage; the others go on)."""
 
 
 def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:
@@ -90,12 +95,23 @@ def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None
 
 
 def spans(extents: Extents) -> Iterator[tuple[int, int, int]]:
-    """(region offset, length, offset in the buffer) of each extent: the
-    buffer holds the extents' bytes back to back, in order."""
+    """(region offset, length, offset in the buffer) of each contiguous run
+    of `extents` (one that starts where the previous one ended is joined to
+    it): the buffer holds the extents' bytes back to back, in order."""
     done = 0
+    start = end = -1
     for offset, length in extents:
-        yield offset, length, done
-        done += length
+        if length <= 0:
+            continue
+        if offset == end:
+            end += length
+            continue
+        if end > start >= 0:
+            yield start, end - start, done
+            done += end - start
+        start, end = offset, offset + length
+    if end > start >= 0:
+        yield start, end - start, done
 
 
 def get_backend(name: str) -> CopyBackend:
@@ -171,9 +187,17 @@ def describe(obj: Any) -> tuple[int, tuple[int, ...], str]:
     return nbytes, shape, dtype
 
 
+# Where `empty_host` puts an output: the kernel copies a pread into a buffer
+# less aligned than this several times slower on some CPUs (x86 "rep movsb":
+# 2 GB/s into an address 8 or 16 bytes past a 32-byte boundary, 14 GB/s at
+# one; malloc's large blocks, numpy's among them, start 16 bytes past one).
+HOST_ALIGN = 64
+
+
 def empty_host(shape: tuple[int, ...], dtype: str) -> Any:
-    """An uninitialised host array: numpy where numpy knows the dtype,
-    otherwise a CPU torch tensor (bfloat16, float8...). Only the types of
+    """An uninitialised host array, its first byte `HOST_ALIGN`-aligned:
+    numpy where numpy knows the dtype, otherwise a CPU torch tensor
+    (bfloat16, float8...; torch aligns its own). Only the types of
     `ec_protocol.dtypes` (the daemon accepts no others): ValueError else."""
     import numpy as np
 
@@ -181,7 +205,7 @@ def empty_host(shape: tuple[int, ...], dtype: str) -> Any:
         raise ValueError(f"unknown dtype {dtype!r}")
 
     try:
-        return np.empty(shape, dtype=np.dtype(dtype))
+        numpy_dtype = np.dtype(dtype)
     except TypeError:
         import torch
 
@@ -189,3 +213,7 @@ def empty_host(shape: tuple[int, ...], dtype: str) -> Any:
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}") from None
         return torch.empty(shape, dtype=torch_dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype.itemsize
+    raw: Any = np.empty(nbytes + HOST_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + nbytes].view(numpy_dtype).reshape(shape)

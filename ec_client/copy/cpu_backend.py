@@ -1,11 +1,17 @@
-"""The `cpu` backend: plain memcpy between host buffers and the region.
+"""The `cpu` backend: copies between host buffers and the region file with
+pwritev/preadv, never through a mapping.
 
 Sources and outputs are numpy arrays, bytes-likes, and CPU torch tensors
-(viewed as bytes, so bfloat16 works too). One slice assignment (a memcpy)
-per extent. A save stores the source's bytes in row-major order, what a
-reader of its shape and dtype expects: a non-contiguous source (transposed,
-strided, broadcast) is first copied into a contiguous buffer. A load's
-output must be contiguous.
+(viewed as bytes, so bfloat16 works too). One system call per contiguous
+run of extents, straight between the buffer and the file's pages (the
+kernel's copy, as fast as a memcpy from a mapping: docs/performance.md
+section 2). Not a mapping, because any worker can truncate the file and a
+mapped page past its end is a SIGBUS (`ec_client.copy.mapping`): a load the
+cut made short fails (`RegionCut`), a save's write extends the file and the
+canary check after it gives it up. A save stores the source's bytes in
+row-major order, what a reader of its shape and dtype expects: a
+non-contiguous source (transposed, strided, broadcast) is first copied into
+a contiguous buffer. A load's output must be contiguous.
 """
 
 from __future__ import annotations
@@ -88,16 +94,14 @@ class Backend:
              ready: Any = None) -> None:
         data = row_major_bytes(source)
         check_extents(mapping, extents, data.nbytes)
-        region = mapping.view
         for offset, length, done in spans(extents):
-            region[offset:offset + length] = data[done:done + length]
+            mapping.write_from(offset, data[done:done + length])
 
     def load(self, mapping: RegionMapping, extents: Extents, out: Any) -> Any:
         data = as_bytes(out, writable=True)
         check_extents(mapping, extents, data.nbytes)
-        region = mapping.view
         for offset, length, done in spans(extents):
-            data[done:done + length] = region[offset:offset + length]
+            mapping.read_into(offset, data[done:done + length])
         return out
 
     def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
@@ -106,6 +110,6 @@ class Backend:
             try:
                 self.load(mapping, extents, out)
                 errors.append(None)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OSError) as exc:  # OSError: the file was cut
                 errors.append(exc)
         return errors

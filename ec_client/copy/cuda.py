@@ -33,6 +33,18 @@ CuPy document them:
   (`load_all`), because the stamps must be read after the bytes landed;
 - a refused registration leaves no CUDA error pending and falls back to
   unpinned copies (`pinning`).
+
+Beyond CUDA's rules, the CPU never touches the region's pages: any worker
+can truncate the file, and a mapped page past its end is a SIGBUS
+(`ec_client.copy.mapping`). Registered chunks are only DMA'd by the GPU
+(pinned pages never fault). A chunk not registered (yet, or ever: the
+registration was refused) is not copied as pageable memory, which CUDA
+would read or write with the CPU: it goes through a page-locked bounce
+buffer of this process's own (`bounce`), filled with pread for a load and
+drained with pwrite for a save. A
+read the cut made short fails that load (`RegionCut`). Whether every page
+the copies used was still the file's is the canary's to say, after the
+copies landed (`RegionMapping.intact`, checked by the worker and the saver).
 """
 
 from __future__ import annotations
@@ -45,11 +57,9 @@ from contextlib import ExitStack
 from typing import Any, Protocol
 
 from ec_client.copy import Extents, Load, check_extents
+from ec_client.copy.bounce import BOUNCE_BYTES, Bounce, Copy
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import REGISTER_CHUNK_BYTES, Pinning, pieces
-
-# One copy: (dst, dst_offset, src, src_offset, length); one side is host memory.
-Copy = tuple[Any, int, Any, int, int]
 
 
 class CudaRuntime(Protocol):
@@ -123,6 +133,11 @@ class CudaRuntime(Protocol):
     def synchronize_stream(self, stream: Any) -> None:
         """The host waits for everything queued on `stream`."""
 
+    def pinned_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        """Page-locked host memory of this process's own (cudaHostAlloc):
+        the `host` its copies name, and its bytes for the CPU to pread into
+        and pwrite from (writable, flat)."""
+
     def empty(self, shape: tuple[int, ...], dtype: str, stream: Any) -> Any:
         """An uninitialised array on the worker's device, allocated for work
         on `stream`."""
@@ -133,9 +148,12 @@ class CudaRuntime(Protocol):
 
 
 class _Mapped:
-    def __init__(self, host: Any, pinning: Pinning) -> None:
+    def __init__(self, mapping: RegionMapping, host: Any, pinning: Pinning) -> None:
+        self.mapping = mapping
         self.host = host
         self.pinning = pinning
+
+
 
 
 class CudaBackend:
@@ -144,8 +162,10 @@ class CudaBackend:
     attach and detach on the session link's."""
 
     def __init__(self, runtime: CudaRuntime, *,
-                 chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = REGISTER_CHUNK_BYTES,
+                 bounce_bytes: int = BOUNCE_BYTES) -> None:
         self.runtime = runtime
+        self.bounce_bytes = bounce_bytes
         self.name = runtime.name
         self.device = runtime.device
         # Keys present from the start: the registrar thread only changes
@@ -163,6 +183,8 @@ class CudaBackend:
         # uses their memory yet, so their loads need not wait for the compute
         # stream. (Not a WeakSet: it would compare tensors with `==`.)
         self._fresh: dict[int, weakref.ref[Any]] = {}
+        # The copy streams' bounce buffers (save, load), made on first need.
+        self._bounces: dict[str, Bounce] = {}
 
     # ------------------------------------------------------------ mappings
 
@@ -175,7 +197,7 @@ class CudaBackend:
                           chunk_bytes=self.chunk_bytes,
                           name=f"ec-pin-{mapping.generation:x}")
         with self._lock:
-            self._mapped[id(mapping)] = _Mapped(host, pinning)
+            self._mapped[id(mapping)] = _Mapped(mapping, host, pinning)
         pinning.start()
 
     def detach(self, mapping: RegionMapping) -> None:
@@ -226,9 +248,12 @@ class CudaBackend:
                 # be handed to a load's output while they still read it.
                 contiguous = rt.contiguous(source, stream)
                 data = rt.device_bytes(contiguous)
-                self._queue([((mapped.host, offset, data, done, length), mapped.pinning, offset)
-                             for offset, length, done in pieces(extents, self.chunk_bytes)],
-                            stream)
+                rest = self._queue([((mapped.host, offset, data, done, length), mapped.pinning,
+                                     offset, mapped.mapping)
+                                    for offset, length, done in pieces(extents, self.chunk_bytes)],
+                                   stream)
+                if rest:
+                    self._bounce("save").save(rest, stream)
                 landed = rt.record(stream)
             except BaseException:
                 # What was queued lands before the caller may abort the save
@@ -269,12 +294,13 @@ class CudaBackend:
         rt = self.runtime
         rt.use_device()
         errors: list[Exception | None] = [None] * len(loads)
-        queued: list[tuple[_Mapped, Extents, Any, Any]] = []  # mapped, extents, out, bytes
+        # load index, mapped, extents, out, bytes
+        queued: list[tuple[int, _Mapped, Extents, Any, Any]] = []
         for i, (mapping, extents, out) in enumerate(loads):
             try:
                 data = rt.device_bytes(out)
                 check_extents(mapping, extents, rt.nbytes(out))
-                queued.append((self._entry(mapping), extents, out, data))
+                queued.append((i, self._entry(mapping), extents, out, data))
             except (TypeError, ValueError) as exc:
                 errors[i] = exc
         if not queued:
@@ -286,39 +312,54 @@ class CudaBackend:
             # load's chunks while waiting for another's could wait for the
             # registrar, which waits for the first hold to end.
             by_mapping: dict[int, tuple[_Mapped, list[tuple[int, int]]]] = {}
-            for mapped, extents, _, _ in queued:
+            for _, mapped, extents, _, _ in queued:
                 by_mapping.setdefault(id(mapped), (mapped, []))[1].extend(extents)
             for mapped, extents in by_mapping.values():
                 held.enter_context(mapped.pinning.using(extents))
             try:
-                if not all([self._take_fresh(out) for _, _, out, _ in queued]):
+                if not all([self._take_fresh(out) for _, _, _, out, _ in queued]):
                     # The caller's memory may still be read by queued compute work.
                     rt.wait(stream, rt.record(consumer))
-                self._queue([((data, done, mapped.host, offset, length), mapped.pinning, offset)
-                             for mapped, extents, _, data in queued
-                             for offset, length, done in pieces(extents, self.chunk_bytes)],
-                            stream)
+                rest = self._queue([((data, done, mapped.host, offset, length), mapped.pinning,
+                                     offset, (i, mapped.mapping))
+                                    for i, mapped, extents, _, data in queued
+                                    for offset, length, done in pieces(extents, self.chunk_bytes)],
+                                   stream)
+                if rest:
+                    for i, error in self._bounce("load").load(rest, stream).items():
+                        errors[i] = error
                 landed = rt.record(stream)
             except BaseException:
                 # Queued copies land before their chunks may be unregistered.
                 rt.synchronize_stream(stream)
                 raise
-            for _, _, out, _ in queued:
+            for _, _, _, out, _ in queued:
                 rt.used_on(out, consumer)
             rt.wait(consumer, landed)
             rt.synchronize(landed)  # the stamps are read after the bytes landed
         return errors
 
-    def _queue(self, copies: Sequence[tuple[Copy, Pinning, int]], stream: Any) -> None:
-        """Queue `copies` (each with the pinning of its host side and the
-        offset there) on `stream`: those of registered chunks in one batch
-        where the runtime can, the others (pageable) one call each."""
-        pinned = [copy for copy, pinning, offset in copies if pinning.registered(offset)]
-        rest = [copy for copy, pinning, offset in copies if not pinning.registered(offset)]
+    def _queue(self, copies: Sequence[tuple[Copy, Pinning, int, Any]],
+               stream: Any) -> list[tuple[Copy, Any]]:
+        """Queue the copies (each with the pinning of its host side, the
+        offset there, and a tag) of registered chunks on `stream`, in one
+        batch where the runtime can, else one call each. Returns the others
+        (chunks not registered), with their tags, for the bounce buffer."""
+        pinned = [copy for copy, pinning, offset, _ in copies if pinning.registered(offset)]
+        rest = [(copy, tag) for copy, pinning, offset, tag in copies
+                if not pinning.registered(offset)]
         if len(pinned) < 2 or not self.runtime.copy_batch(pinned, stream):
-            rest += pinned
-        for copy in rest:
-            self.runtime.copy(*copy, stream)
+            for copy in pinned:
+                self.runtime.copy(*copy, stream)
+        return rest
+
+    def _bounce(self, which: str) -> Bounce:
+        """The bounce buffer of the `which` ("save", "load") copy stream."""
+        with self._lock:
+            bounce = self._bounces.get(which)
+            if bounce is None:
+                bounce = self._bounces[which] = Bounce(self.runtime, self.bounce_bytes)
+            return bounce
 
     def _take_fresh(self, out: Any) -> bool:
         """Whether `out` came from `empty` and was not loaded into since."""

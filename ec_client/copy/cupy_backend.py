@@ -69,6 +69,7 @@ class CupyRuntime:
         self._torch = _torch()
         # torch's allocator orders an output for the copy stream; CuPy's pool cannot.
         self.orders_allocations = self._torch is not None
+        self._pinned: list[Any] = []  # the bounce buffers' page-locked memory
 
     def use_device(self) -> None:
         cupy.cuda.runtime.setDevice(self.index)
@@ -171,6 +172,13 @@ class CupyRuntime:
 
     def synchronize_stream(self, stream: Any) -> None:
         stream.synchronize()
+
+    def pinned_host(self, nbytes: int) -> tuple[int, memoryview]:
+        import numpy
+
+        memory = cupy.cuda.alloc_pinned_memory(nbytes)
+        self._pinned.append(memory)  # freed with the runtime: the copies name its address
+        return int(memory.ptr), memoryview(numpy.frombuffer(memory, numpy.uint8, nbytes))
 
     def empty(self, shape: tuple[int, ...], dtype: str, stream: cupy.cuda.Stream) -> Any:
         torch = self._torch

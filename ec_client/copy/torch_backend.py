@@ -115,6 +115,10 @@ class TorchRuntime:
     def synchronize_stream(self, stream: torch.cuda.Stream) -> None:
         stream.synchronize()
 
+    def pinned_host(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buffer, memoryview(buffer.numpy())
+
     def empty(self, shape: tuple[int, ...], dtype: str, stream: torch.cuda.Stream) -> Any:
         with torch.cuda.stream(stream):
             return torch.empty(shape, dtype=_torch_dtype(dtype), device=self._device)

@@ -14,16 +14,13 @@ Before vLLM schedules a request with media it asks `ensure`: an item the
 view does not hold is *wanted* (one stream message) and the daemon answers:
 encode it (nobody else is), or wait for another engine's save or a
 promotion from the second tier, which ends with a ready event (then
-`has_item` hits). `ensure` waits for that answer, a fraction of a
-millisecond, up to `answer_wait_seconds` per step in all: a cold miss then
-costs one round trip instead of a deferred step (hundreds of milliseconds on
-a busy engine), and engines that miss one image at once still encode it once
-(the daemon orders their wants). An answer later than that defers the
-request to the next step. This is the one wait on the scheduler's path, for
-a miss only, bounded per step; hits never wait. Every deferral is bounded
-(`max_defer_seconds`, and ANSWER_SECONDS for an answer), and wants are sent
-only where they help: another engine shares the namespace, or a second tier
-is on (the daemon says which).
+`has_item` hits); a producer only claims what it encodes (never deferred),
+and a consumer given an item without its media learns at once when nobody
+will make it (`unobtainable`). What is asked and told, and every bound on
+waiting for it, is `ec_client.scheduler_side.wants`'s. This is the one wait
+on the scheduler's path, for a miss only, bounded per step; hits never
+wait. Wants are sent only where they help: another engine shares the
+namespace, or a second tier is on (the daemon says which).
 
 Hits are answered only once every worker rank of the engine has mapped the
 daemon's region (the daemon counts their open session streams and says so on
@@ -51,11 +48,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
@@ -63,6 +59,7 @@ from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.settings import DEFAULT_ANSWER_WAIT_SECONDS, DEFAULT_MAX_DEFER_SECONDS
 from ec_client.common.trust import attached_socket_owner, open_region
 from ec_client.scheduler_side.view import ReadyView, Ref, Refs, ViewEntry
+from ec_client.scheduler_side.wants import Wants
 from ec_protocol.protocol import (
     BOTH,
     LOADING_ROLES,
@@ -83,13 +80,6 @@ INFLIGHT_TTL_SECONDS = 120.0
 # worth a warning (engines start their scheduler before their workers, and
 # stop their workers first).
 UNMAPPED_WARNING_SECONDS = 30.0
-# A want unanswered this long (a daemon that dropped it) is encoded.
-ANSWER_SECONDS = 1.0
-# Items wanted and remembered at once; beyond, items are encoded without asking.
-MAX_WANTS = 1 << 14
-_WAITS = (pb.VERDICT_PROMOTING, pb.VERDICT_ENCODING)
-
-
 class _Current(NamedTuple):
     """The attachment hits are answered for, the view epoch it filled, the
     lineage its loads in flight count in, and its namespace."""
@@ -98,16 +88,6 @@ class _Current(NamedTuple):
     epoch: int
     lineage: int
     namespace: str
-
-
-@dataclass(slots=True)
-class _Want:
-    asked: float
-    deadline: float  # defer no longer than this
-    verdict: int = 0  # pb.Verdict; 0 until answered (written by the link thread)
-    gave_up: bool = False
-    computing: bool = False  # vLLM allocated its encoder output: this engine encodes it
-    requests: set[str] = field(default_factory=set)  # of this engine that need it
 
 
 @dataclass(slots=True)
@@ -141,16 +121,8 @@ class SchedulerDelegate(LinkListener):
         connector's subclass, so the step's metadata is built once)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
-        self.answer_wait_seconds = answer_wait_seconds
-        self._wants: dict[str, _Want] = {}
-        # Notified when answers arrive (link thread); `ensure` waits on it for
-        # at most `_wait_left` more this step.
-        self._answered = threading.Condition()
-        self._wait_left = answer_wait_seconds
-        # Items this engine was told to encode that `ensure` saw this step:
-        # mm_hash -> the requests that needed them (`build_step_metadata`).
-        self._claimed: dict[str, set[str]] = {}
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
+        self._producer_claims = False  # the daemon takes a producer's wants (at attach)
         # Every worker rank mapped the session's region (EngineRanks, link thread).
         self._ranks_mapped = False
         self._ranks_seen = (0, 1)  # (mapped, needed), as last told
@@ -163,6 +135,8 @@ class SchedulerDelegate(LinkListener):
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
+        self.wants = Wants(self.view, self._send_items, max_defer_seconds=max_defer_seconds,
+                           answer_wait_seconds=answer_wait_seconds)
         self._current: _Current | None = None
         self._ids = itertools.count(1)
         self._planned: dict[str, tuple[LoadSpec, list[str], _Current]] = {}
@@ -176,8 +150,6 @@ class SchedulerDelegate(LinkListener):
         self._taken: dict[str, tuple[int, int]] = {}
         # Since the last take_stats (plain ints: the hot path counts them).
         self._loads = self._load_bytes = self._load_failures = 0
-        self._deferred = self._defer_timeouts = 0
-        self._answer_waits = self._answer_wait_us = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, listener=self, engine_token=engine_token)
@@ -217,6 +189,11 @@ class SchedulerDelegate(LinkListener):
         region mapped, how many hits need), as last told."""
         return self._ranks_seen
 
+    def holds(self, mm_hash: str) -> bool:
+        """Is `mm_hash` ready in the daemon, as far as this view knows (any
+        role: a producer's view follows its namespace too)? Claims nothing."""
+        return self._current is not None and self.view.get(mm_hash) is not None
+
     def serving(self) -> bool:
         """Would a lookup of a ready item hit now? Attached and fresh, the
         snapshot in, and every worker rank mapped the region."""
@@ -231,95 +208,36 @@ class SchedulerDelegate(LinkListener):
         `answer_wait_seconds` per step in all. Items this engine was told to
         encode are offered to waiting engines at the step's end if no request
         needing them ran (`build_step_metadata`); `request_finished` releases
-        them."""
-        if not self._wanting or not self._ranks_mapped or not self.can_load \
-                or not self.link.fresh():
+        them. A producer (it cannot load) claims the items it is about to
+        encode and is never deferred."""
+        if not self._wanting or not self.link.fresh():
             return True
-        wants = self._wants
-        now = 0.0
-        fresh: list[str] = []
-        ready = True
-        for mm_hash in mm_hashes:
-            if self.view.get(mm_hash) is not None:
-                continue
-            want = wants.get(mm_hash)
-            if want is None:
-                if len(wants) >= MAX_WANTS:
-                    continue
-                now = now or time.monotonic()
-                wants[mm_hash] = _Want(now, now + ANSWER_SECONDS, requests={request_id})
-                fresh.append(mm_hash)
-                continue
-            want.requests.add(request_id)
-            if not self._settled(mm_hash, want, request_id):
-                ready = False
-        if fresh:
-            self._send_items("wants", fresh)
-            if self._wait_left > 0:
-                self._await_answers(wants, fresh)
-            for mm_hash in fresh:
-                if self.view.get(mm_hash) is None \
-                        and not self._settled(mm_hash, wants[mm_hash], request_id):
-                    self._deferred += 1
-                    ready = False
-        return ready
-
-    def _settled(self, mm_hash: str, want: _Want, request_id: str) -> bool:
-        """May `request_id` go ahead as far as this wanted item goes? Told to
-        encode it (a claim), or it was ready (and is gone again), or its
-        deferral is over."""
-        verdict = want.verdict
-        if verdict and verdict not in _WAITS:
-            if verdict == pb.VERDICT_ENCODE and not want.computing:
-                self._claimed.setdefault(mm_hash, set()).add(request_id)
+        if not self.can_load:
+            if self._producer_claims:  # (an older daemon refuses a producer's wants)
+                self.wants.claim(mm_hashes, request_id)
             return True
-        now = time.monotonic()
-        if now < want.deadline:
-            return False
-        if not want.gave_up:
-            want.gave_up = True
-            self._defer_timeouts += 1
-            log.warning("ec-daemon: %s still not ready after %.1fs (%s); encoding it here",
-                        mm_hash, now - want.asked,
-                        pb.Verdict.Name(verdict) if verdict else "no answer")
-        return True
+        if not self._ranks_mapped:
+            return True
+        return self.wants.ensure(mm_hashes, request_id)
 
-    def _await_answers(self, wants: dict[str, _Want], fresh: list[str]) -> None:
-        """Until every item of `fresh` is answered, or this step's answer
-        wait is spent."""
-        started = time.monotonic()
-        deadline = started + self._wait_left
-        with self._answered:
-            while any(wants[h].verdict == 0 for h in fresh):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._answered.wait(left)
-        waited = time.monotonic() - started
-        self._wait_left -= waited
-        self._answer_waits += 1
-        self._answer_wait_us += int(waited * 1e6)
+    def unobtainable(self, mm_hashes: Iterable[str], request_id: str = "") -> list[str]:
+        """Of these items, which this engine cannot encode (they came without
+        media), those nobody will make: not ready, not being saved, claimed
+        by no engine (a producer's save was dropped or refused, or the
+        producer is gone). Asks the daemon about each once, whether or not
+        another engine shares the namespace, and waits for the answers as
+        `ensure` does. An item being made, or not answered yet, is not
+        listed: the caller bounds that wait. Empty while detached or stale."""
+        if not self.can_load or self._current is None or not self.link.fresh():
+            return []
+        return self.wants.lost(mm_hashes, request_id)
 
     def request_finished(self, request_id: str, mm_hashes: Iterable[str]) -> None:
         """Request `request_id`, which needed these items, finished or was
         aborted: those no other request of this engine needs, that this
         engine was to encode and did not start, or waits for, are released
         (a waiting engine encodes them at once instead of after its bound)."""
-        if not self._wants:
-            return
-        released = []
-        for mm_hash in mm_hashes:
-            want = self._wants.get(mm_hash)
-            if want is None:
-                continue
-            want.requests.discard(request_id)
-            if want.requests:
-                continue  # another request of this engine still needs it
-            del self._wants[mm_hash]
-            self._claimed.pop(mm_hash, None)
-            if not want.computing and want.verdict != pb.VERDICT_READY:
-                released.append(mm_hash)
-        self._send_items("releases", released)
+        self.wants.request_finished(request_id, mm_hashes)
 
     def _send_items(self, field_name: str, mm_hashes: list[str]) -> None:
         """`mm_hashes` as the repeated `field_name` of stream messages."""
@@ -337,10 +255,7 @@ class SchedulerDelegate(LinkListener):
             return True
         hit = self._hits_this_step.get(mm_hash)
         if hit is None:  # computed by the engine (and saved by its worker)
-            want = self._wants.get(mm_hash)
-            if want is not None:
-                want.computing = True
-                self._claimed.pop(mm_hash, None)
+            self.wants.computing(mm_hash)
             return False
         entry, current = hit
         spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
@@ -356,13 +271,11 @@ class SchedulerDelegate(LinkListener):
         another item; with None, any not being encoded) are offered to an
         engine that waits for them (`yields`): it encodes, this one waits.
         Returns an instance of the delegate's `metadata_type`."""
-        if self._claimed:
-            self._step_aside(scheduled)
-        self._wait_left = self.answer_wait_seconds
+        self.wants.step_end(scheduled)
         if self._hits_this_step:
             self._hits_this_step.clear()
         now = time.monotonic()
-        if (self._dispatched or self._wants) and now >= self._next_expiry:
+        if (self._dispatched or self.wants) and now >= self._next_expiry:
             self._expire(now)
         view, attached = self.view, self._current  # read once: the link thread may replace it
         metadata = self._metadata_type()
@@ -429,11 +342,8 @@ class SchedulerDelegate(LinkListener):
         lookups, hits = self._counts_since("stats")
         stats = Counter(lookups=lookups, hits=hits, loads=self._loads,
                         load_bytes=self._load_bytes, load_failures=self._load_failures,
-                        deferred=self._deferred, defer_timeouts=self._defer_timeouts,
-                        answer_waits=self._answer_waits, answer_wait_us=self._answer_wait_us)
+                        **self.wants.take_stats())
         self._loads = self._load_bytes = self._load_failures = 0
-        self._deferred = self._defer_timeouts = 0
-        self._answer_waits = self._answer_wait_us = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
@@ -441,12 +351,6 @@ class SchedulerDelegate(LinkListener):
         self.transport.close()
 
     # ------------------------------------------------------------ helpers
-
-    def _step_aside(self, scheduled: Container[str] | None) -> None:
-        claimed, self._claimed = self._claimed, {}
-        idle = [h for h, requests in claimed.items()
-                if scheduled is None or not any(r in scheduled for r in requests)]
-        self._send_items("yields", idle)
 
     def _reported(self, transfer_ids: Iterable[int], finished: list[_Transfer]) -> None:
         """One rank reported each of `transfer_ids`; those all ranks reported
@@ -496,12 +400,7 @@ class SchedulerDelegate(LinkListener):
 
     def _expire(self, now: float) -> None:
         self._next_expiry = now + 1.0
-        # Answered or given-up wants are kept a while (vLLM asks every step
-        # until the request runs), then forgotten.
-        horizon = now - 2 * self.max_defer_seconds
-        stale_wants = [h for h, w in list(self._wants.items()) if w.asked < horizon]
-        for mm_hash in stale_wants:
-            self._wants.pop(mm_hash, None)
+        self.wants.expire(now)
         stale = [t for t, x in self._dispatched.items()
                  if now - x.started > INFLIGHT_TTL_SECONDS]
         for transfer_id in stale:
@@ -538,9 +437,10 @@ class SchedulerDelegate(LinkListener):
         # /dev/shm) or not the daemon's raises, and the link tries again later.
         os.close(open_region(attachment.region.path, owner))
         self._wanting = False  # until the new session's NamespaceInfo
+        self._producer_claims = attachment.producer_claims
         self._ranks_mapped = False  # until the new session's EngineRanks
         self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
-        self._wants = {}  # answers of the old daemon mean nothing to the new one
+        self.wants.clear()  # answers of the old daemon mean nothing to the new one
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
         self.view.clear(keep_loads=same_region)
@@ -561,15 +461,7 @@ class SchedulerDelegate(LinkListener):
     def on_message(self, message: Any) -> None:
         self.view.apply(message, self._send)  # ready events before the answers
         if message.answers:
-            wants, patience = self._wants, self.max_defer_seconds
-            for answer in message.answers:
-                want = wants.get(answer.mm_hash)
-                if want is not None:
-                    if answer.verdict in _WAITS:
-                        want.deadline = want.asked + patience
-                    want.verdict = answer.verdict
-            with self._answered:
-                self._answered.notify_all()
+            self.wants.answered(message.answers)
         if message.HasField("namespace_info"):
             info = message.namespace_info
             wanting = info.engines > 1 or info.remote_tier

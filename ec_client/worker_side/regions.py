@@ -23,6 +23,19 @@ load and step boundary, only takes a retired mapping out of use; a thread of
 its own (`ec-regions-release`, started when first needed) detaches and
 unmaps it, and `close` waits for it.
 
+A region another process cut (truncated) is never copied through again:
+after each batch of copies their users ask `intact` (`check_loads` for a
+step's loads), which reads the file's canary with pread
+(`RegionMapping.intact`, `ec_protocol.stamps`), and `use` reads it too
+before it hands a mapping out. A mapping whose canary
+changed is damaged: its copies failed or were given up, it is taken out of
+use at once (released, with its CUDA registration, once no copy holds it),
+and the next use maps and registers the file anew, once the daemon has
+repaired it (a new canary; until then `use` raises `RegionDamaged`, an
+OSError). A mapping made for a region that had no canary (an older daemon's)
+is replaced the same way, without failing anything, once a daemon says the
+region has one.
+
 Thread-safe: loads run on the engine's thread, saves on the saver thread,
 attach and detach on the link thread.
 """
@@ -33,12 +46,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ec_client.common.contract import RegionInfo
-from ec_client.copy.mapping import RegionMapping
-from ec_protocol.stamps import StampTable
+from ec_client.copy.mapping import RegionDamaged, RegionMapping
+from ec_protocol.stamps import StampReader
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +65,18 @@ class _Mapped:
     def __init__(self, info: RegionInfo, mapping: RegionMapping) -> None:
         self.info = info
         self.mapping = mapping
-        self.stamps = StampTable(mapping.view[:info.data_offset], info.page_bytes,
-                                 info.data_offset)
+        # Read with pread through the file's descriptor: never its pages.
+        self.stamps = StampReader(mapping.fd, info.page_bytes, info.data_offset,
+                                  (info.size - info.data_offset) // info.page_bytes)
         self.users = 0
         self.retired_at: float | None = None
+
+    def stale_for(self, info: RegionInfo) -> bool:
+        """Not to be used for `info` any more: its canary changed (read now:
+        one pread, so a copy does not go through a file cut since the last
+        one), or it was mapped without one and `info` says the region has
+        one now."""
+        return not self.mapping.intact() or (bool(info.canary) and self.mapping.canary is None)
 
 
 class Regions:
@@ -70,6 +91,9 @@ class Regions:
         self._clock = clock
         self._lock = threading.Lock()
         self._mapped: dict[int, _Mapped] = {}
+        # Mappings replaced while a copy still held them (a damaged one, or
+        # one without a canary), released once none does.
+        self._replaced: list[_Mapped] = []
         self.current: int | None = None  # generation of the attached daemon
         self._keep: frozenset[int] = frozenset()  # named by the latest step's metadata
         self._in_step = False
@@ -81,10 +105,11 @@ class Regions:
         self._to_release = 0
 
     @contextmanager
-    def use(self, info: RegionInfo) -> Iterator[tuple[RegionMapping, StampTable]]:
+    def use(self, info: RegionInfo) -> Iterator[tuple[RegionMapping, StampReader]]:
         """The mapping of `info`'s generation (mapped now if need be) and its
         stamp table, kept mapped until the block ends. Raises OSError when
-        the region cannot be mapped (its daemon is gone and the file removed)."""
+        the region cannot be mapped: its daemon is gone and the file removed,
+        or `RegionDamaged`, it was cut and is not repaired yet."""
         mapped = self._acquire(info)
         try:
             yield mapped.mapping, mapped.stamps
@@ -108,9 +133,37 @@ class Regions:
                 elif mapped.retired_at is None:
                     mapped.retired_at = now
         if info is not None:
-            with self.use(info):
-                pass
+            try:
+                with self.use(info):
+                    pass
+            except RegionDamaged as exc:  # mapped on first use, once repaired
+                log.warning("ec-daemon: %s", exc)
         self.prune()
+
+    def intact(self, mapping: RegionMapping) -> bool:
+        """After copies through `mapping` landed: whether every page they
+        used was still the file's (its canary is the one it was made with).
+        False: what they copied may not be the file's (fail or give them up);
+        the mapping is taken out of use now, for good."""
+        if mapping.intact():
+            return True
+        log.error("ec-daemon: region %s (generation %016x) was cut by another process "
+                  "(truncated: its canary changed); the copies through it fail, and it is "
+                  "mapped again once the daemon has repaired it", mapping.path,
+                  mapping.generation)
+        self._replace(mapping)
+        return False
+
+    def check_loads(self, mappings: Sequence[RegionMapping],
+                    errors: Sequence[Exception | None]) -> list[Exception | None]:
+        """`errors` of a step's loads (`CopyBackend.load_all`, one per load,
+        in `mappings`' order), with a `RegionDamaged` for each load whose
+        mapping is not `intact` (each mapping's canary read once)."""
+        damaged = {id(m) for m in {id(m): m for m in mappings}.values() if not self.intact(m)}
+        return [error if error is not None or id(m) not in damaged else RegionDamaged(
+                    f"region {m.path} was cut (truncated) by another process during the "
+                    "copy: the bytes may not be the entry's")
+                for m, error in zip(mappings, errors, strict=True)]
 
     def step(self, keep: frozenset[int]) -> None:
         """A step began; its metadata names `keep`, the generations the
@@ -134,11 +187,14 @@ class Regions:
             keep = self._keep
             if not self._in_step and now - self._idle_since >= RETIRE_SECONDS:
                 keep = frozenset()  # idle: the scheduler dispatches nothing
-            done = [m for m in self._mapped.values() if m.users == 0 and m.retired_at is not None
-                    and now - m.retired_at >= RETIRE_SECONDS
-                    and m.info.generation not in keep]
+            done = [m for m in self._mapped.values() if m.users == 0 and (
+                m.mapping.damaged or (m.retired_at is not None
+                                      and now - m.retired_at >= RETIRE_SECONDS
+                                      and m.info.generation not in keep))]
             for mapped in done:
                 del self._mapped[mapped.info.generation]
+            done += [m for m in self._replaced if m.users == 0]
+            self._replaced = [m for m in self._replaced if m.users > 0]
         for mapped in done:
             self._release(mapped)
 
@@ -146,7 +202,8 @@ class Regions:
         """Unmap everything (the worker is shutting down), once the release
         thread has finished what it was given."""
         with self._lock:
-            mapped, self._mapped = list(self._mapped.values()), {}
+            mapped, self._mapped = [*self._mapped.values(), *self._replaced], {}
+            self._replaced = []
             releaser, self._releaser = self._releaser, None
         if releaser is not None:
             self._released.put(None)
@@ -185,14 +242,36 @@ class Regions:
         with self._lock:
             return sorted(self._mapped)
 
+    def _replace(self, mapping: RegionMapping) -> None:
+        """Take `mapping` out of use (the next use maps the file anew)."""
+        with self._lock:
+            mapped = self._mapped.get(mapping.generation)
+            if mapped is not None and mapped.mapping is mapping:
+                del self._mapped[mapping.generation]
+                self._replaced.append(mapped)
+        self.prune()
+
     def _acquire(self, info: RegionInfo) -> _Mapped:
         with self._lock:
             mapped = self._mapped.get(info.generation)
+            if mapped is not None and mapped.stale_for(info):
+                del self._mapped[info.generation]
+                self._replaced.append(mapped)  # released once no copy holds it
+                mapped = None
             if mapped is not None:
                 mapped.users += 1
                 return mapped
-        fresh = _Mapped(info, self._open(info))  # outside the lock: it may fault pages in
+        self.prune()  # a replaced mapping no copy holds goes now
+        fresh = _Mapped(info, self._open(info))
         try:
+            if info.canary:
+                # Before anything is registered or copied: a file cut and not
+                # repaired yet (its canary reads 0) is not mapped.
+                canary = fresh.mapping.watch_canary()
+                if canary != info.canary:
+                    log.info("ec-daemon: region %s has canary %016x, not the %016x it was "
+                             "announced with: the daemon repaired it since", info.path, canary,
+                             info.canary)
             self._on_map(fresh.mapping)
         except BaseException:
             self._unmap(fresh, registered=False)

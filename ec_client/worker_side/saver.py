@@ -18,10 +18,16 @@ the saves queued at once, up to SAVE_BATCH:
   call, a copy and a Report call.
 
 Either way, once a copy landed the saver reads the bytes back from the
-region and reports their checksum with `saved` (xxh3-64, `ec_protocol.checksums`):
-the daemon records it and sends it with the entry, so a loader can tell the
-saved bytes from ones another process wrote since. It costs the saver thread
-a pass over the bytes, never the engine (docs/performance.md).
+region file (pread: never the mapping's pages, which a worker that truncates
+the file would make a SIGBUS) and reports their checksum with `saved`
+(xxh3-64, `ec_protocol.checksums`): the daemon records it and sends it with
+the entry, so a loader can tell the saved bytes from ones another process
+wrote since. It costs the saver thread a pass over the bytes, never the
+engine (docs/performance.md). Then it reads the file's canary
+(`Regions.intact`): changed, the file was cut since it was mapped, and the
+copy may have landed in pinned pages the file no longer has while the
+read-back vouched for what the file holds instead, so the save is given up
+(`saves_region_cut`) and never reported saved.
 
 Either way a save copies only while the session is fresh and its pages carry
 its allocation's stamp (a writer frozen past its lease never overwrites), a
@@ -29,6 +35,12 @@ key cached already or being saved is dropped, a full cache (RESOURCE_EXHAUSTED)
 just means the output is not cached, and a save whose answer never comes is
 given up after the transport's deadline and counted (`saves_failed`,
 `saves_lost`).
+
+Every save that ends without its entry in the cache (skipped, refused,
+failed, stale, lost; not one cached already by another engine) is also
+listed for `take_dropped`: the vLLM connector hands the list to its
+scheduler, whose producer then announces no metadata for those items (a
+consumer would wait for an entry that never comes).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Hashable
 from typing import Any
@@ -44,6 +57,7 @@ import grpc
 
 from ec_client.common.session import Attachment, SessionLink
 from ec_client.copy import CopyBackend, describe, storage_of
+from ec_client.copy.mapping import RegionDamaged
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.stream_saves import Report, StreamSaves
 from ec_protocol.checksums import checksum
@@ -54,8 +68,12 @@ log = logging.getLogger(__name__)
 
 # How often the idle saver thread unmaps retired regions.
 PRUNE_SECONDS = 1.0
+# Saves given up for a cut region are logged at most this often (counted each).
+CUT_LOG_SECONDS = 10.0
 # On the save queue: report the saves skipped so far (the queue was too full).
 _REPORT_SKIPS: Any = object()
+# Dropped saves remembered until taken (`take_dropped`: every engine step).
+MAX_DROPPED = 4096
 # The most saves asked for in one stream message: their copies are reported
 # together, so the first one's entry is ready only after the last one's copy.
 SAVE_BATCH = 16
@@ -87,6 +105,8 @@ class Saver:
         # Saves skipped for a full queue, told to the daemon by the saver
         # thread after its current batch.
         self._skipped: list[str] = []
+        # Saves that ended without their entry in the cache, until taken.
+        self._dropped: list[str] = []
         self._idle = threading.Condition()
         # The last batch's reports, sent with the next batch's allocations
         # when saves are queued already (else at once), for this attachment.
@@ -94,6 +114,7 @@ class Saver:
         # Saves waiting until the saves' namespace is confirmed (`held`);
         # None once released (later saves are queued at once).
         self._waiting: list[QueuedSave] | None = [] if held else None
+        self._cut_logged = -CUT_LOG_SECONDS
         self._thread = threading.Thread(target=self._save_loop, name=name, daemon=True)
         self._thread.start()
 
@@ -106,6 +127,7 @@ class Saver:
             added = 0 if known is not None else nbytes
             if self._queued_bytes + added > self.queue_bytes:
                 self.stats["saves_skipped_busy"] += 1
+                self._drop_locked(mm_hash)
                 if len(self._skipped) < MAX_BATCH:
                     self._skipped.append(mm_hash)
                     if len(self._skipped) == 1:  # reported by the saver at once, not
@@ -118,6 +140,7 @@ class Saver:
             ready = self.backend.prepare_save(output)
         except Exception:  # never the engine's error: this output is not cached
             self._finished([key])
+            self.drop(mm_hash)
             self.stats["save_errors"] += 1
             log.exception("ec-daemon save of %s failed", mm_hash)
             return False
@@ -142,9 +165,26 @@ class Saver:
         now on; how many were dropped."""
         with self._idle:
             waiting, self._waiting = self._waiting or [], None
+            for save in waiting:
+                self._drop_locked(save[0])
         if waiting:
             self._finished([save[3] for save in waiting], len(waiting))
         return len(waiting)
+
+    def drop(self, mm_hash: str) -> None:
+        """The save of `mm_hash` ended without its entry in the cache."""
+        with self._idle:
+            self._drop_locked(mm_hash)
+
+    def _drop_locked(self, mm_hash: str) -> None:
+        if len(self._dropped) < MAX_DROPPED:
+            self._dropped.append(mm_hash)
+
+    def take_dropped(self) -> list[str]:
+        """The saves dropped since the last call (mm_hashes)."""
+        with self._idle:
+            taken, self._dropped = self._dropped, []
+        return taken
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save landed or was dropped."""
@@ -255,6 +295,8 @@ class Saver:
         Called on the link's thread as well as this one: counted under the lock."""
         with self._idle:
             self.stats["saves_done" if status == pb.ACCEPTED else "saves_lost"] += 1
+            if status != pb.ACCEPTED:
+                self._drop_locked(mm_hash)
             self._unfinished -= 1
             self._idle.notify_all()
 
@@ -263,6 +305,7 @@ class Saver:
             self._save_one(mm_hash, output, ready)
         except Exception:
             self.stats["save_errors"] += 1
+            self.drop(mm_hash)
             log.exception("ec-daemon save of %s failed", mm_hash)
         finally:
             del output, ready  # release the tensor before waiting again
@@ -278,6 +321,8 @@ class Saver:
         ids = self.stream.allocate(attachment, asks, reports)
         if ids is None:
             self.stats["saves_skipped_detached"] += len(saves)
+            for save in saves:
+                self.drop(save[0])
             self._finished([save[3] for save in saves], len(saves))
             saves.clear()
             for mm_hash in reports.saved:  # the session ended: quarantined
@@ -296,23 +341,29 @@ class Saver:
                     (reports.saved if copied else reports.aborted).append(mm_hash)
                     if sums is not None:
                         reports.checksums[mm_hash] = sums
+                    else:
+                        self.drop(mm_hash)
             except Exception:
                 self.stats["save_errors"] += 1
                 reports.aborted.append(mm_hash)
+                self.drop(mm_hash)
                 log.exception("ec-daemon save of %s failed", mm_hash)
             finally:
                 del output, ready
                 self._finished([storage], 0 if copied else 1)  # a copy is done once reported
 
     def _take_answer(self, mm_hash: str, answer: Any) -> Any:
-        """The answer if it allocated pages to copy into; else None, counted."""
+        """The answer if it allocated pages to copy into; else None, counted
+        (and listed as dropped unless the key is cached or being saved)."""
         if answer is None:  # the stream was lost, or the deadline passed
             self.stats["saves_failed"] += 1
+            self.drop(mm_hash)
             return None
         if answer.error_code:
             code = _STATUS_CODES.get(answer.error_code)
             self.stats["saves_refused" if code == grpc.StatusCode.RESOURCE_EXHAUSTED
                        else "saves_failed"] += 1
+            self.drop(mm_hash)
             log.debug("ec-daemon did not take %s: %s", mm_hash, answer.error)
             return None
         if answer.status != pb.ALLOCATED:
@@ -323,25 +374,40 @@ class Saver:
     def _copy(self, attachment: Attachment, output: Any, ready: Any, entry_id: int,
               extents: list[tuple[int, int]]) -> int | None:
         """Copy `output` into its allocated extents; the checksum of the bytes
-        that landed (read back from the region), or None (stale, nothing
-        copied) unless the allocation's session is the link's and fresh, and
-        the pages carry its stamp."""
-        with self.regions.use(attachment.region) as (mapping, stamps):
-            # A writer frozen past its lease and its quarantine must not
-            # copy into pages reused since: copy only while the session is
-            # known alive and the pages still carry this allocation's stamp.
-            if self.link.attachment is not attachment or not self.link.fresh() \
-                    or not stamps.holds(extents, entry_id):
-                self.stats["saves_stale"] += 1
-                return None
-            self.backend.save(output, mapping, extents, ready)
-            view = mapping.view  # what every loader will read: the region's pages
-            return checksum(view[offset:offset + length] for offset, length in extents)
+        that landed (read back from the region file), or None (give it up)
+        unless the allocation's session is the link's and fresh, the pages
+        carry its stamp (else nothing is copied), and the file was not cut
+        under the copy (its canary)."""
+        try:
+            with self.regions.use(attachment.region) as (mapping, stamps):
+                # A writer frozen past its lease and its quarantine must not
+                # copy into pages reused since: copy only while the session is
+                # known alive and the pages still carry this allocation's stamp.
+                if self.link.attachment is not attachment or not self.link.fresh() \
+                        or not stamps.holds(extents, entry_id):
+                    self.stats["saves_stale"] += 1
+                    return None
+                self.backend.save(output, mapping, extents, ready)
+                # What every loader will read: the file's pages, read with pread.
+                sums = checksum(mapping.chunks(extents))
+                if not self.regions.intact(mapping):  # after the read-back
+                    self.stats["saves_region_cut"] += 1
+                    return None
+                return sums
+        except RegionDamaged as exc:  # cut under the copy, or not repaired yet
+            self.stats["saves_region_cut"] += 1
+            now = time.monotonic()
+            if now >= self._cut_logged + CUT_LOG_SECONDS:  # (once a while: saves go on)
+                self._cut_logged = now
+                log.warning("ec-daemon save given up (%d so far): %s",
+                            self.stats["saves_region_cut"], exc)
+            return None
 
     def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
         attachment = self.link.attachment
         if attachment is None:
             self.stats["saves_skipped_detached"] += 1
+            self.drop(mm_hash)
             return
         nbytes, shape, dtype = describe(output)
         request = pb.AllocateRequest(session_id=attachment.session_id, mm_hash=mm_hash,
@@ -352,6 +418,7 @@ class Saver:
             self.stats["saves_refused" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                        else "saves_failed"] += 1
             log.debug("ec-daemon did not take %s: %s", mm_hash, exc.details())
+            self.drop(mm_hash)
             if exc.code() in RETRYABLE:  # it may have been applied: do not leave it pending
                 self._report(attachment, aborted=[mm_hash])
             return
@@ -363,6 +430,7 @@ class Saver:
             sums = self._copy(attachment, output, ready, reply.entry_id, extents)
             if sums is None:
                 self._report(attachment, aborted=[mm_hash])
+                self.drop(mm_hash)
                 return
         except Exception:
             self._report(attachment, aborted=[mm_hash])
@@ -372,6 +440,8 @@ class Saver:
             self._report(attachment, aborted=[mm_hash])
         accepted = reply is not None and reply.saved[0] == pb.ACCEPTED
         self.stats["saves_done" if accepted else "saves_lost"] += 1
+        if not accepted:
+            self.drop(mm_hash)
 
     def _report(self, attachment: Attachment, retries: int = 0, **lists: list[Any]) -> Any:
         request = pb.ReportRequest(session_id=attachment.session_id, **lists)

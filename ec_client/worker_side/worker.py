@@ -114,8 +114,16 @@ class WorkerDelegate(LinkListener):
             return False
         if self.link.attachment is None:
             self.stats["saves_skipped_detached"] += 1
+            self.saver.drop(mm_hash)
             return False
         return self.saver.put(mm_hash, output)
+
+    def take_dropped(self) -> list[str]:
+        """The saves that ended without their entry in the cache since the
+        last call (skipped, refused, failed, lost; not those another engine
+        had cached already), by mm_hash: the scheduler's producer then
+        announces no metadata for them."""
+        return self.saver.take_dropped()
 
     def follow_scheduler(self, namespace: str) -> None:
         """The engine's scheduler answers hits from `namespace` (each step's
@@ -196,6 +204,9 @@ class WorkerDelegate(LinkListener):
                                                 for spec, _, out, m in planned])
             except (OSError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
                 errors = [exc] * len(planned)
+            # The region's canary, after the copies landed: a file another
+            # process cut under them fails their loads (`Regions.intact`).
+            errors = self.regions.check_loads([m for *_, m in planned], errors)
             for (spec, stamps, out, _), error in zip(planned, errors, strict=True):
                 if error is not None:
                     reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"

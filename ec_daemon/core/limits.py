@@ -147,7 +147,7 @@ CLAIM_SECONDS = 30.0
 # A promotion is a store read and a copy; past this its waiters encode.
 PROMOTE_SECONDS = 10.0
 # A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
-# well within the view's bound on an answer (ec_client.scheduler_side.scheduler
+# well within the view's bound on an answer (ec_client.scheduler_side.wants
 # ANSWER_SECONDS).
 ANSWER_SECONDS = 0.25
 # Promotions running at once (each a store read and a copy into the region).

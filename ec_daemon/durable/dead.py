@@ -32,6 +32,7 @@ from ec_daemon.durable.index import (
 )
 from ec_daemon.durable.journal import Header, IndexUnreadable
 from ec_daemon.durable.region import CREATING_SUFFIX, PREFIX, SUFFIX, Region
+from ec_protocol.stamps import read_canary
 
 
 @dataclass
@@ -40,16 +41,22 @@ class DeadRegion:
 
     path: Path
     fd: int  # open (locked too where its liveness is the region's lock)
-    size: int
+    size: int  # the file's (a region's trailer included)
     header: Header | None  # None when its index is missing or unreadable
     problem: str = ""  # why there is no header
     index_fd: int = -1  # its index, open and locked, where liveness is the index's lock
 
-    def take(self, index: Index) -> Region:
-        """Adopt it: its lock stays held for this daemon's life (the index's
-        passes to `index`: `take_index_fd`)."""
+    def canary(self, region_size: int) -> int:
+        """The canary its file holds as a region of `region_size` bytes (0:
+        none, or cut)."""
+        return read_canary(self.fd, region_size)
+
+    def take(self, index: Index, region_size: int, canary: int) -> Region:
+        """Adopt it as a region of `region_size` bytes whose file holds
+        `canary` (0: none yet, `Region.add_canary`): its lock stays held for
+        this daemon's life (the index's passes to `index`: `take_index_fd`)."""
         fd, self.fd = self.fd, -1
-        return Region(self.path, self.size, _generation_of(self.path), fd, index)
+        return Region(self.path, region_size, _generation_of(self.path), fd, index, canary)
 
     def take_index_fd(self) -> int | None:
         """The index, open and locked, for `Index.reopen` to keep (None: not held)."""

@@ -10,6 +10,15 @@ does not grow with the region), writes promoted ones with pwrite (`write`),
 and its stamp table through its own descriptor. A file found shorter than
 the region (`shortfall`) is given its size back (`restore`).
 
+The file ends with a trailer page after the payload whose last 8 bytes are
+the canary (`ec_protocol.stamps`): a random non-zero value written at
+creation and written anew (`renew_canary`) whenever the daemon repairs a
+file a client cut. Any cut zeroes at least one of its bytes (none is 0), so
+a file cut and regrown before the daemon looked at its size still shows
+(`canary_intact`), and a worker that reads the value it mapped the file
+with after its copies knows no page they used was cut. A region of an older
+daemon has no trailer: adopting it adds one (`add_canary`).
+
 The file is created owner-only under a name that carries the generation,
 its pages are allocated up front with posix_fallocate (pre-faulting without
 touching memory, and failing with a clear error instead of a SIGBUS later
@@ -53,6 +62,7 @@ from ec_daemon.durable.index import Index, index_path
 from ec_daemon.durable.journal import Header
 from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.sizes import format_size
+from ec_protocol.stamps import file_bytes, read_canary, write_canary
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +88,26 @@ def new_generation() -> int:
     return secrets.randbits(63) | 1
 
 
+def new_canary(old: int = 0) -> int:
+    """A random 64-bit number none of whose bytes is 0 (a cut zeroes one:
+    `ec_protocol.stamps.whole`), other than `old`."""
+    while (canary := int.from_bytes(bytes(secrets.randbelow(255) + 1 for _ in range(8)),
+                                    "little")) == old:
+        pass
+    return canary
+
+
 class Region:
     def __init__(self, path: Path, size: int, generation: int, fd: int,
-                 index: Index | None = None) -> None:
+                 index: Index | None = None, canary: int = 0) -> None:
+        """`size`: the region's (stamp table and payload), not counting the
+        trailer; `canary`: the one the file holds (0: it has none yet)."""
         self.path = path
         self.size = size
         self.generation = generation
         self._fd = fd
         self.index = index  # None only for a region without one (tools, tests)
+        self.canary = canary
 
     @classmethod
     def create(cls, shm_dir: str | Path, size: int, *, mode: int = DEFAULT_SOCKET_MODE,
@@ -120,14 +142,16 @@ class Region:
             if gid is not None:
                 os.fchown(fd, -1, gid)
             os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            _prefault(fd, size, folder, progress)
+            _prefault(fd, file_bytes(size), folder, progress)
+            canary = new_canary()
+            write_canary(fd, size, canary)
             path, generation, index = _publish(folder, creating, index_header)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 creating.unlink()
             raise
-        return cls(path, size, generation, fd, index)
+        return cls(path, size, generation, fd, index, canary)
 
     def fileno(self) -> int:
         """The region file's descriptor (a store that maps it: the second tier)."""
@@ -161,16 +185,37 @@ class Region:
 
     def shortfall(self) -> int | None:
         """The file's size when a client truncated it below the region's
-        (None: whole)."""
+        and its trailer (None: whole)."""
         size = os.fstat(self._fd).st_size
-        return size if size < self.size else None
+        return size if size < file_bytes(self.size) else None
+
+    def canary_intact(self) -> bool:
+        """Whether the file holds its canary (pread). False: a client cut
+        it, perhaps regrowing it at once (or wrote the trailer)."""
+        return read_canary(self._fd, self.size) == self.canary
 
     def restore(self) -> None:
         """Give a truncated file its size back (zeros where it was cut),
-        allocated again as at creation. Raises OSError (the tmpfs is full)."""
-        os.ftruncate(self._fd, self.size)
+        allocated again as at creation. Raises OSError (the tmpfs is full).
+        The canary stays cut: `renew_canary` once what was cut is dropped."""
+        os.ftruncate(self._fd, file_bytes(self.size))
         with contextlib.suppress(OSError):  # (a tmpfs without fallocate: faulted on use)
-            os.posix_fallocate(self._fd, 0, self.size)
+            os.posix_fallocate(self._fd, 0, file_bytes(self.size))
+
+    def renew_canary(self) -> int:
+        """Write a new canary (the file is repaired): a worker that mapped it
+        before the cut finds it changed, whatever it saw meanwhile."""
+        self.canary = new_canary(self.canary)
+        write_canary(self._fd, self.size, self.canary)
+        return self.canary
+
+    def add_canary(self) -> None:
+        """Adopting an older daemon's region (no trailer): add the trailer
+        and a canary. Raises OSError (the tmpfs is full)."""
+        os.ftruncate(self._fd, file_bytes(self.size))
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(self._fd, self.size, file_bytes(self.size) - self.size)
+        self.renew_canary()
 
     def write(self, extents: Iterable[tuple[int, int]],
               parts: Iterable[bytes | bytearray | memoryview]) -> None:

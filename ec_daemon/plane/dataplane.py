@@ -242,10 +242,12 @@ class DataPlane:
                 or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
                                      "lookups or report mismatches")
-        if (m.wants or m.releases or m.yields) and not (session.is_scheduler
-                                                         and session.can_load):
+        if (m.wants or m.releases) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions want or release items")
+        if m.yields and not (session.is_scheduler and session.can_load):
+            # (a producer never waits: it cannot take another's claim in its place)
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
-                                     "want, release or yield items")
+                                     "yield items")
         if (m.allocations or m.reports) and session.rank is None:
             raise FailedPrecondition("only worker sessions save")
         if m.engine_token and session.rank is None:

@@ -1,8 +1,9 @@
 """The data plane's upkeep: what runs every quarter lease (a second at
 most), whatever clients do: sessions that read too slowly, views that did
 not acknowledge an eviction in time, leases and ghosts that ran out, a
-region file a client truncated, quarantines that are over, the journal's
-compaction, and convergence's bounds. None of it waits for a client; an
+region file a client cut (its size short, or its canary changed),
+quarantines that are over, the journal's compaction, and convergence's
+bounds. None of it waits for a client; an
 upkeep that fails is tried again (the cache would fill for good otherwise).
 
 Not thread-safe: the daemon's event loop is the only caller.
@@ -80,24 +81,35 @@ class Upkeep:
         self.verify()
 
     def _check_region(self) -> None:
-        """A region file a client truncated (every engine worker opens it
-        read-write): give it its size back and drop what was cut, so nothing
-        is served from a short file (`Cache.cut_off`)."""
-        if self.region_file is None:
-            return
-        size = self.region_file.shortfall()
-        if size is None:
+        """A region file a client cut (every engine worker opens it
+        read-write): give it its size back, drop what was cut, so nothing
+        is served from a short or zeroed file (`Cache.cut_off`), then write
+        a new canary, which tells every worker that mapped the file before
+        that what it copied since may not be the file's. A short file was cut
+        where its size says; one whose canary changed at full size was cut
+        and regrown before this look (or its trailer written), where is
+        unknown: every entry is dropped."""
+        region = self.region_file
+        if region is None:
             return
         cache = self.cache
+        size = region.shortfall()
+        if size is None:
+            if region.canary_intact():
+                return
+            first, how = 0, "truncated and regrown (its canary changed)"
+        else:
+            first = max(0, (size - cache.data_offset) // cache.page_bytes)
+            how = f"truncated to {size} bytes"
         cache.counters["region_truncations"] += 1
-        first = max(0, (size - cache.data_offset) // cache.page_bytes)
         try:
-            self.region_file.restore()
+            region.restore()
         except OSError as exc:
-            log.error("the region %s was truncated to %d bytes by a client, and cannot be "
-                      "given its size back (%s): trying again", self.region_path, size, exc)
+            log.error("the region %s was %s by a client, and cannot be given its size back "
+                      "(%s): trying again", self.region_path, how, exc)
             return
         lost = cache.cut_off(first)
-        log.error("the region %s was truncated to %d bytes by a client of the socket: its size "
-                  "is restored, and the %d entries it cut are dropped (never served)",
-                  self.region_path, size, len(lost))
+        region.renew_canary()  # last: what was cut is dropped by now
+        log.error("the region %s was %s by a client of the socket: its size is restored, the "
+                  "%d entries it cut are dropped (never served), and its canary renewed",
+                  self.region_path, how, len(lost))

@@ -59,6 +59,7 @@ from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, R
 from ec_daemon.durable.region import Region, region_path
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.sizes import format_size
+from ec_protocol.stamps import file_bytes, whole
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ def adopt(dead: DeadRegion, spec: RegionSpec) -> Adoption:
         raise NotAdoptable(dead.problem)
     _check_size(dead, header, spec)
     _check_access(dead, spec)
+    canary = _canary(dead, spec)
     path = index_path(dead.path)
     try:
         header, journal = read_index(path)
@@ -242,7 +244,14 @@ def adopt(dead: DeadRegion, spec: RegionSpec) -> Adoption:
             verified.views, fd=dead.take_index_fd())
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
-    return Adoption(dead.take(index), verified, time.perf_counter() - started)
+    region = dead.take(index, spec.region_size, canary)
+    if not canary:
+        try:
+            region.add_canary()
+        except OSError as exc:  # upkeep adds it (a short file is restored)
+            log.warning("could not add a canary to the adopted region %s: %s", region.path,
+                        exc)
+    return Adoption(region, verified, time.perf_counter() - started)
 
 
 def _check_size(dead: DeadRegion, header: Header, spec: RegionSpec) -> None:
@@ -253,11 +262,26 @@ def _check_size(dead: DeadRegion, header: Header, spec: RegionSpec) -> None:
         raise NotAdoptable(
             f"it caches {format_size(header.region_size - header.data_offset)} and "
             f"--cpu-bytes asks for {format_size(spec.region_size - spec.data_offset)}")
-    if dead.size != spec.region_size:
+    if dead.size not in (spec.region_size, file_bytes(spec.region_size)):
         raise NotAdoptable(f"its file is {format_size(dead.size)}, not the "
-                           f"{format_size(spec.region_size)} its index says")
+                           f"{format_size(file_bytes(spec.region_size))} its index says")
     if dead.path != region_path(dead.path.parent, header.generation):
         raise NotAdoptable("its index names another generation")
+
+
+def _canary(dead: DeadRegion, spec: RegionSpec) -> int:
+    """The canary of `dead`'s file, kept: workers still mapping it (a warm
+    restart leaves their mappings alone) go on checking the value they have.
+    0 for a region of an older daemon (no trailer: `adopt` adds one). A file
+    with a trailer whose canary has a zero byte was cut while no daemon
+    watched it, and what was cut is unknown: it is not adopted."""
+    if dead.size == spec.region_size:
+        return 0
+    canary = dead.canary(spec.region_size)
+    if not whole(canary):
+        raise NotAdoptable("its canary was cut: a client truncated the file while no daemon "
+                           "watched it (what the cut reached is unknown)", "corrupt")
+    return canary
 
 
 def _check_access(dead: DeadRegion, spec: RegionSpec) -> None:

@@ -274,7 +274,7 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
 
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
-                            data_offset=data_offset)
+                            data_offset=data_offset, canary=region.canary)
     tier = _start_tier(config)
     plane = DataPlane(make_cache, lease_seconds=config.lease_seconds,
                       alloc_wait_seconds=config.alloc_wait_seconds,

@@ -114,10 +114,12 @@ class ECDaemonService(rpc.ECDaemonServicer):
         # Ten heartbeats a lease: a view stays fresh (able to answer hits) for
         # half a lease after each echoed one, so several may be slow or lost.
         heartbeat_ms = max(50, int(lease_seconds * 1000 / 10))
+        if self.plane.region_file is not None:  # renewed by each repair of a cut file
+            self.region.canary = self.plane.region_file.canary
         return pb.AttachReply(
             session_id=session.session_id, session_index=session.index, region=self.region,
             namespace=session.namespace, lease_ms=int(lease_seconds * 1000),
-            heartbeat_ms=heartbeat_ms, stream_saves=True)
+            heartbeat_ms=heartbeat_ms, stream_saves=True, producer_claims=True)
 
     @grpc_errors
     async def Detach(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

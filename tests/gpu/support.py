@@ -144,3 +144,38 @@ def row_major_bytes(tensor: Any) -> bytes:
 
 def stored_bytes(mapping: RegionMapping, extents: Any) -> bytes:
     return b"".join(bytes(mapping.view[offset:offset + length]) for offset, length in extents)
+
+
+@contextlib.contextmanager
+def canary_region(size: int) -> Iterator[tuple[str, int]]:
+    """A new region file in /dev/shm as the daemon makes it (`size` bytes,
+    then the trailer with a canary), allocated; (path, an open descriptor)
+    for the test to cut and repair it with; removed after."""
+    from ec_protocol.stamps import file_bytes
+
+    path = SHM / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, file_bytes(size))
+        repair(fd, size)
+        yield str(path), fd
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def repair(fd: int, size: int) -> int:
+    """What the daemon does to a cut region: its size back, a new canary
+    (every byte non-zero); returns the canary."""
+    from ec_protocol.stamps import file_bytes, write_canary
+
+    os.ftruncate(fd, file_bytes(size))
+    os.posix_fallocate(fd, 0, file_bytes(size))
+    canary = int.from_bytes(bytes(b % 255 + 1 for b in os.urandom(8)), "little")
+    write_canary(fd, size, canary)
+    return canary
+
+
+def file_bytes_at(fd: int, extents: Any) -> bytes:
+    """The file's bytes under `extents`, read with pread (a cut file reads short)."""
+    return b"".join(os.pread(fd, length, offset) for offset, length in extents)

@@ -19,7 +19,7 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
-from ec_protocol.protocol import MAX_BATCH, pb
+from ec_protocol.protocol import BOTH, CONSUMER, MAX_BATCH, PRODUCER, Role, pb
 from tests.integration import engines, raw
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc, ensure_within, wait_until
@@ -36,12 +36,15 @@ def daemon() -> Iterator[Daemon]:
 
 
 def scheduler(daemon: Daemon, engine: str, max_defer: float = 30.0,
-              answer_wait: float = 0.005) -> SchedulerDelegate:
+              answer_wait: float = 0.005, role: Role = BOTH,
+              save_queue_bytes: int = DATA.nbytes * 4) -> SchedulerDelegate:
     """An engine's scheduler side, with a worker rank (it hits only once its
-    ranks mapped the region); closing it closes both."""
-    s = SchedulerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT,
+    ranks mapped the region; `s.rank`); closing it closes both."""
+    s = SchedulerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT, role=role,
                           max_defer_seconds=max_defer, answer_wait_seconds=answer_wait)
-    rank = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT)
+    rank = WorkerDelegate(daemon.socket, engine_id=engine, layout=LAYOUT, role=role,
+                          save_queue_bytes=save_queue_bytes)
+    s.rank = rank  # type: ignore[attr-defined]
     close = s.close
     s.close = lambda: (rank.close(), close())  # type: ignore[method-assign]
     assert s.link.wait_attached(WAIT) and rank.link.wait_attached(WAIT)
@@ -236,6 +239,65 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
         writer.close()
         a.close()
         b.close()
+
+
+# E/PD: an encoder instance (a producer: it cannot load) claims each item it
+# is about to encode, so a prefill/decode instance (a consumer) that misses
+# the item meanwhile waits for that save instead of encoding it again.
+def test_a_producer_claims_what_it_encodes_and_a_consumer_waits_for_its_save(daemon):
+    e = scheduler(daemon, "E", role=PRODUCER, answer_wait=WAIT)
+    pd = scheduler(daemon, "PD", role=CONSUMER)
+    try:
+        wanting(e, pd)
+        assert e.ensure(["img"], "e1")  # never deferred, whatever the daemon says
+        wait_until(lambda: daemon.stats()["convergence"]["claims"] == 1, "E claimed nothing")
+        assert not pd.ensure(["img"], "p1")
+        time.sleep(0.3)
+        assert not pd.ensure(["img"], "p1"), "PD did not wait for E's save"
+        assert pd.unobtainable(["img"], "p2") == []  # being made: not lost
+        assert not e.after_alloc("e1", "img")  # E encodes it, and its worker saves it
+        e.build_step_metadata()
+        assert e.rank.save("img", DATA) and e.rank.flush(WAIT)
+        ok, _ = ensure_within(pd, ["img"], WAIT)
+        assert ok and pd.has_item("img")  # PD loads E's save
+        assert pd.take_stats().get("defer_timeouts", 0) == 0
+        assert daemon.stats()["convergence"]["waits"] >= 1
+    finally:
+        e.close()
+        pd.close()
+
+
+# Protects: a consumer given an item without its media (vLLM's metadata-only
+# items) cannot encode it; when the producer's save is dropped after it
+# announced the item, the consumer learns it at once from the daemon, not
+# after ec_daemon_max_defer_s (120 s here).
+@pytest.mark.parametrize("how", ["skipped", "producer gone"])
+def test_a_consumer_without_the_media_learns_at_once_that_nobody_will_make_it(daemon, how):
+    e = scheduler(daemon, "E", role=PRODUCER, save_queue_bytes=DATA.nbytes)
+    pd = scheduler(daemon, "PD", role=CONSUMER, max_defer=120.0)
+    try:
+        wanting(e, pd)
+        assert e.ensure(["img"], "e1")
+        wait_until(lambda: daemon.stats()["convergence"]["claims"] == 1, "E claimed nothing")
+        assert pd.unobtainable(["img"], "p1") == []  # E is encoding it: PD waits
+        time.sleep(0.3)
+        assert pd.unobtainable(["img"], "p1") == []
+        e.after_alloc("e1", "img")
+        if how == "skipped":  # the save queue is full: the worker reports it dropped at once
+            assert e.rank.save("filler", DATA)
+            assert not e.rank.save("img", DATA.copy())
+            assert e.rank.take_dropped() == ["img"]  # (what the producer's scheduler hears)
+        else:
+            e.close()
+            e.close = lambda: None  # type: ignore[method-assign]
+        started = time.monotonic()
+        wait_until(lambda: pd.unobtainable(["img"], "p1") == ["img"],
+                   "PD was not told that nobody will make the item", WAIT)
+        assert time.monotonic() - started < WAIT < pd.max_defer_seconds
+        assert not pd.has_item("img")
+    finally:
+        e.close()
+        pd.close()
 
 
 # ------------------------------------------- issue 40: what one client holds

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.scheduler_side.scheduler import ANSWER_SECONDS, SchedulerDelegate
+from ec_client.scheduler_side.scheduler import SchedulerDelegate
+from ec_client.scheduler_side.wants import ANSWER_SECONDS
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_daemon.remote.redis.store import value_key
 from tests import groups, redis_servers
@@ -238,7 +239,7 @@ def test_a_value_that_cannot_be_cached_here_is_fetched_once(hosts):
         forge(store, two, "img", (1 << 16,), "not-a-dtype", np.zeros(1 << 16, np.uint8))
         indexed(two, 1)
         for _ in range(3):
-            two.scheduler._wants.clear()  # a later request for the same item
+            two.scheduler.wants.clear()  # a later request for the same item
             ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
             assert ok and not two.scheduler.has_item("img")
         tier = two.tier()

@@ -219,3 +219,34 @@ def test_a_daemon_killed_and_restarted_mid_save_loses_those_saves_and_serves_lat
             worker.close()
             scheduler.close()
         assert daemon.stats()["pending_bytes"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_saves_that_make_no_entry_are_listed_as_dropped_and_no_others(daemon, stream):
+    """What a producer's scheduler hears (`take_dropped`, through vLLM's
+    worker output) to announce no metadata for an item: a save skipped for a
+    full queue, or refused by a full cache, makes no entry; one cached
+    already by another engine, or saved, is not dropped."""
+    first = worker_on(daemon, f"first-{stream}", stream_saves=stream)
+    second = worker_on(daemon, f"second-{stream}", stream_saves=stream,
+                       save_queue_bytes=8 * MiB)
+    try:
+        assert first.save(f"shared-{stream}", np.full(MiB, 1, np.uint8)) and first.flush(30)
+        assert second.save(f"shared-{stream}", np.full(MiB, 1, np.uint8))  # cached already
+        assert second.save(f"saved-{stream}", np.full(MiB, 2, np.uint8))
+        assert not second.save(f"skipped-{stream}", np.full(9 * MiB, 3, np.uint8))
+        assert second.flush(30)
+        assert second.stats["saves_already_cached"] == 1 and second.stats["saves_done"] == 1
+        assert second.take_dropped() == [f"skipped-{stream}"]
+        assert second.take_dropped() == []  # each told once
+        with Daemon(cpu_bytes="4MiB") as small:  # an output larger than the whole cache
+            tiny = worker_on(small, f"tiny-{stream}", stream_saves=stream)
+            try:
+                assert tiny.save(f"refused-{stream}", np.full(6 * MiB, 4, np.uint8))
+                assert tiny.flush(30) and tiny.stats["saves_refused"] == 1
+                assert tiny.take_dropped() == [f"refused-{stream}"]
+            finally:
+                tiny.close()
+    finally:
+        first.close()
+        second.close()

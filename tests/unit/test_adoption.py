@@ -6,6 +6,7 @@ bytes; nothing pending or freed is; no page is owned twice; ids go on."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import time
@@ -28,7 +29,7 @@ from ec_daemon.durable.region import Region
 from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.errors import ResourceExhausted
 from ec_daemon.serving.adoption import RegionSpec, find
-from ec_protocol.stamps import table_bytes
+from ec_protocol.stamps import file_bytes, table_bytes, whole
 from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
 
 PAGE = 4096
@@ -446,3 +447,54 @@ def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
     assert host.cache.get("ns", "b") is None and not host.cache.lost
     invariants.check(host.cache)
     host.crash()
+
+
+def test_an_adopted_region_keeps_its_canary_for_the_mappings_that_hold_it(tmp_path):
+    """A warm restart leaves workers' mappings alone: they go on checking the
+    canary they mapped the file with, so the next daemon keeps it (and tells
+    it in its attach replies)."""
+    first = Host(tmp_path, region_spec())
+    first.save(worker(first.cache), "a", 2)
+    canary = first.region.canary
+    first.crash()
+    second = Host(tmp_path, region_spec())
+    assert second.adoption is not None and second.region.canary == canary
+    assert second.region.canary_intact()
+
+
+def test_an_older_daemons_region_without_a_canary_is_adopted_and_given_one(tmp_path):
+    """A region an older daemon made has no trailer (the file is the region's
+    size): it is adopted with its entries, and the file grows by the trailer,
+    with a canary (workers of the older daemon check none; those of this one
+    will)."""
+    shape = region_spec()
+    first = Host(tmp_path, shape)
+    first.save(worker(first.cache), "a", 2)
+    path = first.region.path
+    first.crash()
+    os.truncate(path, shape.region_size)  # as an older daemon leaves it
+    second = Host(tmp_path, shape)
+    assert second.adoption is not None, second.why_not
+    entry = second.cache.get("ns", "a")
+    assert entry is not None and second.read(entry) == payload(entry.entry_id, entry.nbytes)
+    assert os.stat(path).st_size == file_bytes(shape.region_size)
+    assert whole(second.region.canary) and second.region.canary_intact()
+
+
+@pytest.mark.parametrize("cut", ["to 0", "mid-region", "the trailer's last byte"])
+def test_a_region_cut_while_no_daemon_watched_is_not_adopted(tmp_path, cut):
+    """A client that truncated a dead daemon's region (and regrew it) leaves
+    its canary cut: what the cut reached is unknown, so the next start begins
+    a fresh region, saying why."""
+    shape = region_spec()
+    first = Host(tmp_path, shape)
+    first.save(worker(first.cache), "a", 2)
+    path = first.region.path
+    first.crash()
+    size = {"to 0": 0, "mid-region": shape.region_size // 2,
+            "the trailer's last byte": file_bytes(shape.region_size) - 1}[cut]
+    os.truncate(path, size)
+    os.truncate(path, file_bytes(shape.region_size))
+    second = Host(tmp_path, shape)
+    assert second.adoption is None and "its canary was cut" in second.why_not
+    assert second.region.path != path and second.cache.get("ns", "a") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ec_client.scheduler_side.scheduler import ANSWER_SECONDS as scheduler_answer_seconds
+from ec_client.scheduler_side.wants import ANSWER_SECONDS as scheduler_answer_seconds
 from ec_daemon.core.events import AnswerEvent, Resolution, Verdict
 from ec_daemon.core.limits import MAX_ITEMS_MAKING, MAX_ITEMS_PER_INSTANCE, MAX_ITEMS_TOKENLESS
 from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence, Promoted

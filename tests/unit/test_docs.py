@@ -120,31 +120,55 @@ def test_make_help_lists_every_target_with_a_line():
     assert sorted(listed) == sorted(set(targets))
 
 
-# The sockets a reader may meet, and the words that say which each is: the
-# default (as the daemon and the connector compute it), and the one the
-# systemd unit and the Docker image serve. `unix:///path` is the flag
-# table's placeholder.
-DEFAULT_SOCKETS = re.compile(r"unix://((\$XDG_RUNTIME_DIR|/run/user/\d+)/ec-daemon"
-                             r"|/tmp/ec-daemon-\$UID)/ec\.sock")
-SYSTEMD_SOCKET = "unix:///run/ec-daemon/ec.sock"
-SOCKET_URI = re.compile(r"unix:[^\s`\"')|,]*")
-SAYS_WHICH = 600  # characters before a socket that must say which one it is
+# A socket a doc names is the daemon's default or the systemd unit's path, and
+# the doc says which (in its paragraph or code block, or the paragraph that
+# introduces the block): a reader copying a command knows where it points.
+SOCKET = re.compile(r"(?:unix://)?(?:\$\w+|/)[\w$./-]*\.sock\b")
+DEFAULT_SOCKETS = re.compile(r"(\$XDG_RUNTIME_DIR|/run/user/\d+)/ec-daemon/ec\.sock"
+                             r"|/tmp/ec-daemon-\$UID/ec\.sock")  # (/run/user/1000: an example)
+SYSTEMD_SOCKET = "/run/ec-daemon/ec.sock"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
-def test_every_socket_in_the_docs_is_the_default_or_the_systemd_one_and_says_which(doc: Path):
-    text = doc.read_text()
-    for found in SOCKET_URI.finditer(text):
-        uri, before = found.group(0), text[max(0, found.start() - SAYS_WHICH):found.start()]
-        if uri == "unix:///path":
-            continue
-        if DEFAULT_SOCKETS.fullmatch(uri):
-            assert "default" in before.lower(), f"{doc.name}: {uri} is not said to be the default"
-        else:
-            assert uri == SYSTEMD_SOCKET, (
-                f"{doc.name}: {uri} is neither the default socket nor the systemd unit's")
-            assert re.search(r"systemd|image|container", before), (
-                f"{doc.name}: {uri} is not said to be the systemd unit's (or the image's)")
+def _blocks(text: str) -> list[str]:
+    """Paragraphs and fenced code blocks, in order."""
+    blocks, current, fenced = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if not fenced and current:
+                blocks.append("\n".join(current))
+                current = []
+            current.append(line)
+            fenced = not fenced
+            if not fenced:
+                blocks.append("\n".join(current))
+                current = []
+        elif fenced or line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    return [*blocks, "\n".join(current)] if current else blocks
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_socket_a_doc_names_is_the_default_or_systemds_and_says_which(doc: Path):
+    wrong = []
+    blocks = _blocks(doc.read_text())
+    for i, block in enumerate(blocks):
+        context = (blocks[i - 1] + "\n" + block if i else block).lower()
+        for found in SOCKET.findall(block):
+            path = found.removeprefix("unix://")
+            if path == SYSTEMD_SOCKET:
+                said = "systemd" in context
+            elif DEFAULT_SOCKETS.fullmatch(path):
+                said = "default" in context
+            else:
+                wrong.append(f"{found} (neither the daemon's default nor {SYSTEMD_SOCKET})")
+                continue
+            if not said:
+                whose = "the systemd unit's" if path == SYSTEMD_SOCKET else "the default"
+                wrong.append(f"{found} (its paragraph does not say it is {whose})")
+    assert not wrong, f"{doc.relative_to(ROOT)}: {wrong}"
 
 
 def glossary_terms(text: str) -> list[str]:

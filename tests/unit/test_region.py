@@ -9,11 +9,12 @@ import pytest
 
 from ec_daemon.durable.dead import clean_stale
 from ec_daemon.durable.region import PREFIX, Region, RegionError
+from ec_protocol.stamps import TRAILER_BYTES, file_bytes, read_canary, whole
 
 
 def test_create_locks_prefaults_and_close_removes(tmp_path):
     region = Region.create(tmp_path, 1 << 20)
-    assert region.path.exists() and region.path.stat().st_size == 1 << 20
+    assert region.path.exists() and region.path.stat().st_size == (1 << 20) + TRAILER_BYTES
     assert stat.S_IMODE(region.path.stat().st_mode) == 0o600
     assert clean_stale(tmp_path) == []  # locked: a live daemon's
     region.close()
@@ -124,7 +125,50 @@ def test_the_daemon_maps_no_page_of_the_region():
         assert stamps.stamps(0, 8) == [7] * 4 + [0] * 4  # cut: reads as free
         assert region.read([(16 * mib, 10)]) == [bytes(10)]
         region.restore()
-        assert region.shortfall() is None and os.stat(region.path).st_size == 32 * mib
+        assert region.shortfall() is None and os.stat(region.path).st_size == file_bytes(32 * mib)
+
+
+def test_the_canary_shows_any_cut_even_one_regrown_at_once_and_is_renewed():
+    """The file's last 8 bytes are a random non-zero canary the daemon wrote
+    at creation, none of whose bytes is 0. A cut that is regrown before
+    anyone looks at the size (a worker's ftruncate to 0, to mid-region, to
+    the payload's end or one byte short, then back) leaves the file whole but
+    zeroes a byte of the canary (all of it when a page was cut); renewing it
+    after the repair gives another value, which a worker that mapped the file
+    before finds changed."""
+    size = 1 << 20
+    with Region.create("/dev/shm", size) as region:
+        first = region.canary
+        assert whole(first) and region.canary_intact()
+        with open(region.path, "rb") as f:
+            assert read_canary(f.fileno(), size) == first
+        for cut in (0, size // 2, size, file_bytes(size) - 1):
+            with open(region.path, "r+b") as f:  # what any client may do
+                os.ftruncate(f.fileno(), cut)
+                os.ftruncate(f.fileno(), file_bytes(size))  # and back, at once
+            assert region.shortfall() is None, cut  # the size says nothing
+            assert not region.canary_intact(), cut
+            with open(region.path, "rb") as f:
+                cut_canary = read_canary(f.fileno(), size)
+            assert not whole(cut_canary) and (cut_canary == 0) == (cut <= size), cut
+            region.restore()
+            renewed = region.renew_canary()
+            assert whole(renewed) and renewed != first and region.canary_intact()
+            first = renewed
+
+
+def test_adopting_a_region_without_a_trailer_adds_one_with_a_canary(tmp_path):
+    """An older daemon's region is exactly the region's size: `add_canary`
+    grows it by the trailer and writes a canary (the payload untouched)."""
+    size = 1 << 16
+    with Region.create(tmp_path, size) as region:
+        os.truncate(region.path, size)  # as an older daemon made it
+        region.write([(size - 4, 4)], [b"last"])
+        region.canary = 0
+        assert region.shortfall() == size
+        region.add_canary()
+        assert whole(region.canary) and region.canary_intact() and region.shortfall() is None
+        assert region.read([(size - 4, 4)]) == [b"last"]
 
 
 def test_a_name_another_user_took_costs_a_generation_not_the_start(tmp_path, monkeypatch):

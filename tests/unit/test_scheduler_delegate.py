@@ -35,9 +35,10 @@ def region_files() -> Iterator[None]:
     shutil.rmtree(FOLDER, ignore_errors=True)
 
 
-def attachment(region: RegionInfo = REGION, index: int = 7) -> Attachment:
+def attachment(region: RegionInfo = REGION, index: int = 7,
+               producer_claims: bool = True) -> Attachment:
     return Attachment(session_id=f"s{index}", index=index, namespace="ns", region=region,
-                      lease_ms=10000, heartbeat_ms=2000)
+                      lease_ms=10000, heartbeat_ms=2000, producer_claims=producer_claims)
 
 
 # What a daemon says with its snapshot when both ranks of an engine mapped the region.
@@ -589,5 +590,82 @@ def test_an_engine_told_not_to_wait_defers_every_cold_miss_a_step():
         assert "answer_waits" not in d.take_stats()
         answer(d, "a", pb.VERDICT_ENCODE)
         assert d.ensure(["a"], "r1")
+    finally:
+        d.transport.close()
+
+
+def test_a_producer_claims_what_it_encodes_and_is_never_deferred():
+    """An encoder instance asks about each item it is about to encode, so
+    the daemon records it as their encoder; it goes ahead whatever the
+    answer (it cannot load), and never waits for one."""
+    d = make(role="producer", answer_wait_seconds=30.0)  # a wait would show
+    try:
+        sent = wanting(d)
+        assert d.ensure(["new", "other"], "e1")  # "other" is ready: nothing to claim
+        answer(d, "new", pb.VERDICT_ENCODING)  # another engine encodes it: no matter
+        assert d.ensure(["new"], "e1") and d.ensure(["new"], "e2")
+        assert [list(m.wants) for m in sent if m.wants] == [["new"]]  # asked once
+        assert not d.after_alloc("e1", "new")  # encoded here...
+        d.build_step_metadata(scheduled=set())
+        d.request_finished("e1", ["new"])
+        d.request_finished("e2", ["new"])
+        assert released(sent) == [] and yielded(sent) == []  # ...its save ends the claim
+        assert "deferred" not in d.take_stats()
+    finally:
+        d.transport.close()
+
+
+def test_a_producer_alone_in_its_namespace_or_on_an_older_daemon_asks_nothing():
+    d = make(role="producer")
+    try:
+        sent: list[pb.ClientMessage] = []
+        d.link.send = lambda message: sent.append(message) or True
+        assert d.ensure(["new"], "e1")  # alone: nobody would wait for its save
+        wanting(d)
+        d.link.send = lambda message: sent.append(message) or True
+        d.on_attached(attachment(producer_claims=False))  # a daemon that refuses its wants
+        d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+        assert d.ensure(["new"], "e1")
+        assert sent == []
+    finally:
+        d.transport.close()
+
+
+def test_an_item_without_media_that_nobody_makes_is_unobtainable_at_once():
+    """A consumer given items without their media asks about each, even
+    alone in its namespace; the daemon's "encode it yourself" (nobody holds
+    it, pending or claimed) or "ready" for an entry gone again says that
+    nobody will make it; "being encoded" and no answer yet do not."""
+    d = make(role="consumer", answer_wait_seconds=30.0)
+    try:
+        verdicts = {"dropped": pb.VERDICT_ENCODE, "claimed": pb.VERDICT_ENCODING,
+                    "gone": pb.VERDICT_READY}
+        sent = answering(d, verdicts)
+        d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=1)))
+        assert sorted(d.unobtainable(["dropped", "claimed", "gone", "other"], "p1")) == \
+            ["dropped", "gone"]  # "other" is ready in the view: never asked about
+        assert [list(m.wants) for m in sent if m.wants] == [["dropped", "claimed", "gone"]]
+        answer(d, "claimed", pb.VERDICT_ENCODE)  # its claimant dropped the save
+        assert d.unobtainable(["claimed"], "p1") == ["claimed"]
+        assert [list(m.wants) for m in sent if m.wants] == [["dropped", "claimed", "gone"]]
+        d.request_finished("p1", ["dropped", "claimed", "gone"])  # failed: forgotten
+        assert released(sent) == ["dropped", "claimed"]  # (p1 no longer waits for them)
+        verdicts["claimed"] = pb.VERDICT_ENCODING  # the retry's encode claimed it again
+        assert d.unobtainable(["claimed"], "p2") == []  # asked afresh, not the old answer
+        assert [h for m in sent for h in m.wants][-1] == "claimed"
+    finally:
+        d.transport.close()
+
+
+def test_nothing_is_unobtainable_while_detached_or_stale():
+    d = make(role="consumer")
+    try:
+        sent = wanting(d)
+        d.freshness = False
+        assert d.unobtainable(["a"], "p1") == []
+        d.freshness = True
+        d.on_detached()
+        assert d.unobtainable(["a"], "p1") == []
+        assert not any(m.wants for m in sent)
     finally:
         d.transport.close()

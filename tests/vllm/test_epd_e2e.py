@@ -5,7 +5,13 @@ E/PD proxy (benchmarks/epd_proxy.py) in front. The PD engine runs its
 encoder for no image the encoder instance saw, answers what an engine
 without a connector answers (greedy), and when the encoder instance is
 SIGKILLed mid-stream every request is still answered, correctly, by PD
-encoding itself.
+encoding itself. The same engines behind vLLM's own proxy (its
+`disagg_epd_proxy.py`, from vLLM's source release): with `--no-rewrite`,
+the mode for a model that declares no placeholder metadata (PaliGemma), PD
+loads every image; in its default rewrite mode PD never hits for such a
+model (the proxy keys the encoder instance's item by a uuid and sends PD the
+media without it), which docs/epd.md says. (Rewrite mode with a model that
+declares placeholder metadata: test_epd_vllm_proxy.py.)
 
 Engines and the daemon start the way `make bench-serve` starts them
 (benchmarks/serve_hosts.py); encoder forwards are counted from vLLM's
@@ -13,13 +19,8 @@ per-step log as there."""
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,8 @@ from benchmarks.serve import CHAT_TEMPLATE
 from benchmarks.serve_hosts import Daemon, Engine, EngineSetup, start_engines
 from benchmarks.serve_modes import ec_config
 from benchmarks.serve_stream import make_images
-from tests.vllm.engine_proc import _remove_unmapped, _shm_mapped_by_group
+from benchmarks.vllm_proxy import VLLMProxy
+from tests.vllm.chat import chat, sigkill_engine, wait_forwards
 from tests.vllm.tiny_model import IMAGE_SIZE
 
 pytestmark = pytest.mark.timeout(1500)
@@ -39,48 +41,7 @@ SEEN = 4  # images the encoder instance encodes while it lives
 STREAM = 8  # the stream during which it is killed, each image new
 KILL_AFTER = 3  # answers of the stream before the SIGKILL
 SPACING_S = 0.5  # between the stream's requests
-COUNT_WAIT_S = 30.0  # vLLM logs a step's encoder inputs after it answers
-
-
-def chat(url: str, model: str, image: Path) -> tuple[int, str]:
-    """One greedy chat request of 8 tokens showing `image`: (status, text)."""
-    data = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
-    body = {"model": model, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data}},
-                {"type": "text", "text": "caption en\n"}]}]}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=600) as reply:
-            return reply.status, json.loads(reply.read())["choices"][0]["message"]["content"]
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def wait_forwards(engine: Engine, at_least: int) -> int:
-    deadline = time.monotonic() + COUNT_WAIT_S
-    while engine.encoder_forwards() < at_least and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return engine.encoder_forwards()
-
-
-def sigkill_engine(engine: Engine) -> None:
-    """SIGKILL the engine's process group (by its pid) and remove the shared
-    memory vLLM's processes mapped (their resource tracker died with them)."""
-    assert engine.proc is not None
-    theirs = _shm_mapped_by_group(engine.proc.pid)
-    os.killpg(engine.proc.pid, signal.SIGKILL)
-    engine.proc.wait(60)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(engine.proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    _remove_unmapped(theirs)
-    engine.proc = None
+NO_REWRITE = 3  # images sent through vLLM's proxy with --no-rewrite
 
 
 class Topology:
@@ -96,7 +57,8 @@ def epd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     model = str(tiny_model)
     cores = tuple(sorted(os.sched_getaffinity(0)))
     setup = EngineSetup("cpu", model, CHAT_TEMPLATE, cores=cores)
-    images = make_images(folder, SEEN + STREAM, IMAGE_SIZE, 34, "epd")
+    # seen, the stream, vLLM's proxy with --no-rewrite, then in rewrite mode
+    images = make_images(folder, SEEN + STREAM + NO_REWRITE + 1, IMAGE_SIZE, 34, "epd")
 
     # The reference: an engine without a connector, first and alone.
     plain = Engine(0, setup, [], {}, folder / "reference.log")
@@ -139,6 +101,44 @@ def test_pd_runs_no_encode_for_images_the_encoder_instance_saw(epd: Topology) ->
     assert epd.daemon.stats()["saves"] >= SEEN
     assert epd.pd.encoder_forwards() == 0, epd.pd.log_tail()
     assert epd.proxy.stats.encoder_ok == SEEN and epd.proxy.stats.encoder_failed == 0
+
+
+def test_vllms_proxy_with_no_rewrite_has_pd_load_every_image(
+        epd: Topology, vllm_proxy_script: Path, tmp_path: Path) -> None:
+    """vLLM's proxy sends each image to the encoder instance without a uuid
+    and PD the request unchanged: both key the image by its content."""
+    images = epd.images[SEEN + STREAM:SEEN + STREAM + NO_REWRITE]
+    e_before, pd_before = epd.encoder.encoder_forwards(), epd.pd.encoder_forwards()
+    with VLLMProxy(epd.encoder.url, epd.pd.url, tmp_path / "proxy.log", no_rewrite=True,
+                   proxy=vllm_proxy_script) as proxy:
+        for image in images:
+            status, text = chat(proxy.url, epd.model, image)
+            assert status == 200, text + proxy.log_tail()
+            assert text == epd.reference[image], image.name
+        stages = proxy.stages()
+    assert [(s.mode, s.attempt) for s in stages] == [("no-rewrite", 0)] * NO_REWRITE
+    assert wait_forwards(epd.encoder, e_before + NO_REWRITE) == e_before + NO_REWRITE
+    assert epd.pd.encoder_forwards() == pd_before, epd.pd.log_tail()  # every image loaded
+
+
+def test_vllms_proxy_rewriting_for_a_model_without_placeholder_metadata_never_hits(
+        epd: Topology, vllm_proxy_script: Path, tmp_path: Path) -> None:
+    """PaliGemma declares no placeholder metadata: the encoder instance
+    reports none, so the proxy sends PD the media, but without the uuid it
+    gave the encoder instance's item. PD keys the image by its content and
+    misses what E saved under the uuid: it encodes the image itself (right,
+    and what docs/epd.md tells such models to avoid with --no-rewrite)."""
+    image = epd.images[-1]
+    e_before, pd_before = epd.encoder.encoder_forwards(), epd.pd.encoder_forwards()
+    with VLLMProxy(epd.encoder.url, epd.pd.url, tmp_path / "proxy.log",
+                   proxy=vllm_proxy_script) as proxy:
+        status, text = chat(proxy.url, epd.model, image)
+        assert status == 200, text + proxy.log_tail()
+        assert [s.mode for s in proxy.stages()] == ["rewrite"]
+        assert proxy.count("as metadata references") == 0  # nothing was rewritten
+    assert text == epd.reference[image]
+    assert wait_forwards(epd.encoder, e_before + 1) == e_before + 1
+    assert wait_forwards(epd.pd, pd_before + 1) == pd_before + 1  # encoded again by PD
 
 
 def test_the_encoder_instance_killed_mid_stream_costs_pd_encodes_never_an_error(

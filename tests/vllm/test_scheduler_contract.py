@@ -136,3 +136,29 @@ def test_a_metadata_only_item_the_cache_never_gets_fails_its_request_not_the_eng
     # The engine goes on: a request with its media is encoded as usual.
     steps = run_to_end(consumer, sh.request("p2", "img-media"))
     assert [mm for s in steps for mm in s.encoded] == ["img-media"]
+
+
+def test_a_metadata_only_request_fails_at_once_when_the_producers_save_was_dropped(
+        engines, daemon):
+    """The encoder instance's worker drops the save (its queue is full)
+    after vLLM finished the request in the same step, so the producer
+    announced the item without knowing. It had claimed the item, and its
+    worker reports the dropped save to the daemon at once: the consumer,
+    which has no media to encode from, fails the request at once, not after
+    ec_daemon_max_defer_s (120 s here)."""
+    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_s=120)
+    producer = engines("ec_producer", "encoder", ec_daemon_save_queue_bytes=1)
+    h.wait_until(lambda: producer.connector.scheduler_delegate.wanting
+                 and consumer.connector.scheduler_delegate.wanting)
+    (step,) = run_to_end(producer, sh.request("e1", "img-d"))
+    params = step.finished["e1"].ec_transfer_params
+    assert list(params) == ["img-d"]  # announced: the drop was not known yet
+    assert daemon.stats()["convergence"]["claims"] == 1  # claimed before encoding
+    assert producer.worker.worker_delegate.stats["saves_skipped_busy"] == 1
+
+    consumer.scheduler.add_request(sh.request("p1", "img-d", MultiModalKwargsItem({}), params))
+    finished: dict[str, Any] = {}
+    h.wait_until(lambda: finished.update(consumer.step().finished) or "p1" in finished,
+                 timeout=60)  # (half the deferral's bound: told by the daemon)
+    assert finished["p1"].finish_reason == FinishReason.ERROR
+    assert "img-d" not in consumer.encoder_cache

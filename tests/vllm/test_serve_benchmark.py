@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import serve_metadata
 from benchmarks.serve_epd import sweep_streams
 from benchmarks.serve_report import recovery, summarise, with_ratios
 from benchmarks.serve_stream import MOVE, ROUND_ROBIN, Outcome, Request, make_stream
@@ -36,7 +37,18 @@ def test_the_serving_benchmark_runs_every_workload_and_every_event_happens(tmp_p
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     workloads = {w["key"]: w for w in result["workloads"]}
-    assert sorted(workloads) == ["a@1", "a@2", "b", "c", "d", "e", "f@20", "f@50", "f@80"]
+    assert sorted(workloads) == ["a@1", "a@2", "b", "c", "d", "e", "e-meta", "f@20", "f@50",
+                                 "f@80"]
+
+    # (e)'s metadata-only part runs its own modes on a tiny Qwen2-VL whatever --modes says:
+    # one engine, and E/PD through vLLM's proxy with and without its rewrite.
+    meta = {row["mode"]: row for row in workloads.pop("e-meta")["modes"]}
+    assert set(meta) == set(serve_metadata.MODES)
+    for mode, row in meta.items():
+        assert row["failed"] == 0 and all(r["ok"] for r in row["requests_detail"]), mode
+    assert meta["rewrite"]["pd_media_kib_per_request"] == 0  # PD got no media at all
+    assert meta["no-rewrite"]["pd_media_kib_per_request"] > 0
+    assert meta["rewrite"]["pd_encoder_forwards"] == 0 == meta["no-rewrite"]["pd_encoder_forwards"]
 
     for key, workload in workloads.items():
         rows = {row["mode"]: row for row in workload["modes"]}
