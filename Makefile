@@ -36,7 +36,8 @@ VLLM_NEXT_VERSION ?= 0.33.0
 VLLM_LATEST_VERSION ?= 0.34.0
 VLLM_CONNECTOR_TESTS := tests/vllm/test_vllm_names.py tests/vllm/test_connector_interface.py \
 	tests/vllm/test_connector_contract.py tests/vllm/test_scheduler_contract.py \
-	tests/vllm/test_model_runner_v2.py tests/vllm/test_store_namespace.py \
+	tests/vllm/test_model_runner_v2.py tests/vllm/test_failed_loads.py \
+	tests/vllm/test_store_namespace.py \
 	tests/vllm/test_vllm_plugin.py::test_the_entry_point_registers_the_connector_by_name_once_or_many_times
 VLLM ?=
 VLLM_WHEEL_VENV = .venv-vllm-$(VLLM)

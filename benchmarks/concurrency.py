@@ -2,11 +2,13 @@
 
 Each engine process runs the scheduler side and a worker (the delegates the
 connector uses, in one process as vLLM's single-GPU executor has them) and
-steps on a fixed cadence. The scheduler's part is timed: lookups, dispatch
-of hits (`build_step_metadata`) and the previous step's worker output
+steps on a fixed cadence. The scheduler's part is timed: `ensure` (a cached
+key's load is staged, its request waits a step or two), lookups, the step's
+metadata (`build_step_metadata`) and the previous step's worker output
 (`apply_worker_output(done, failed)`, as vLLM applies step k's in step
-k+1). The worker's part is not: loads (`WorkerDelegate.load`: copy and
-stamp check, no RPC) and saves of the misses (queued for the saver thread).
+k+1). The worker's part is not: staged loads (`WorkerDelegate.stage`: copy
+and stamp check, no RPC), adoptions, and saves of the misses (queued for the
+saver thread).
 
 A probe process saves a fresh key every 20 ms; every engine's view records
 when the ready event arrives, so the lag is measured from just before the
@@ -91,25 +93,36 @@ def _engine(socket: str, index: int, items_every: int, seconds: float,
     time.sleep(max(0.0, next_step - time.monotonic()))
     request = loads = failed = 0
     done: list[int] = []
-    failures: list[int] = []
+    failures: list[tuple[int, str]] = []
+    waiting: list[tuple[str, str]] = []  # (request, key) deferred while a load stages
     while time.monotonic() < deadline:
         count = len(step_us)
         keys = [*(hot_key(rng.randrange(HOT_KEYS)) for _ in range(3)), f"f{index}-{count}"] \
             if items_every and (count + index) % items_every == 0 else []
         started = time.perf_counter()
         misses = []
+        asked = waiting
+        waiting = []
         for key in keys:
             request += 1
+            asked.append((f"r{request}", key))
+        for rid, key in asked:
+            if not scheduler.ensure([key], rid):
+                waiting.append((rid, key))
+                continue
             if not scheduler.has_item(key):
                 misses.append(key)
-            scheduler.after_alloc(f"r{request}", key)
+            scheduler.after_alloc(rid, key)
         meta = scheduler.build_step_metadata()
         scheduler.apply_worker_output(done, failures)  # the previous step's
         step_us.append((time.perf_counter() - started) * 1e6)
         # The worker's part, off the scheduler's path.
-        result = worker.load(meta.loads, meta.regions)
+        for adopt in meta.adopt:
+            worker.adopt(adopt.transfer_id)
+        worker.drop(meta.drop)
+        result = worker.stage(meta.loads, meta.regions, meta.step)
         loads += len(meta.loads)
-        done, failures = result.done, list(result.failed)
+        done, failures = result.done, [(t, result.kinds[t]) for t in result.failed]
         failed += len(failures)
         for key in misses:
             worker.save(key, entry(rng.randrange(192)))

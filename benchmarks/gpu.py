@@ -22,6 +22,11 @@ compute stream finds it idle when it returns (counted as a host sync), and
 the stream then idles while the host queues the next kernel (the chain's
 time against the same chain without loads, per load).
 
+What `ec_daemon_verify_checksum` costs a GPU load: each load again, then the
+xxh3-64 of its pages read on the host once the copy landed, as a CUDA
+worker checks it (`verify_cost`: that load's time over the plain load's;
+under 1.05 would make the check the default).
+
     python -m benchmarks.gpu [--json PATH]
 
 With --json, the file is rewritten after every row, so a run that is
@@ -48,6 +53,7 @@ from benchmarks.gpu_device import BENCH_REGION_BYTES as REGION_BYTES
 from ec_client.copy import get_backend
 from ec_client.copy.mapping import RegionMapping
 from ec_client.copy.pinning import REGISTER_CHUNK_BYTES as CHUNK
+from ec_protocol.checksums import checksum
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -119,7 +125,13 @@ def _rows(name: str, backend: Any, mapping: RegionMapping, rows: list[dict[str, 
         def load(nbytes: int = nbytes, extents: list[tuple[int, int]] = extents) -> None:
             backend.load(mapping, extents, backend.empty((nbytes,), "uint8"))
 
+        def verified_load(nbytes: int = nbytes, extents: list[tuple[int, int]] = extents
+                          ) -> None:
+            backend.load(mapping, extents, backend.empty((nbytes,), "uint8"))
+            checksum(mapping.view[offset:offset + length] for offset, length in extents)
+
         save_s, load_s = _median_s(save, nbytes), _median_s(load, nbytes)
+        verified_s = _median_s(verified_load, nbytes)
         out = backend.empty((nbytes,), "uint8")
         backend.load(mapping, extents, out)
         rows.append({"case": case, "backend": name, "bytes": nbytes, "extents": len(extents),
@@ -127,7 +139,8 @@ def _rows(name: str, backend: Any, mapping: RegionMapping, rows: list[dict[str, 
                      "save_gbps": nbytes / save_s / 1e9, "load_gbps": nbytes / load_s / 1e9,
                      "memcpy_d2h_gbps": nbytes / base_d2h / 1e9,
                      "memcpy_h2d_gbps": nbytes / base_h2d / 1e9,
-                     "save_ratio": base_d2h / save_s, "load_ratio": base_h2d / load_s})
+                     "save_ratio": base_d2h / save_s, "load_ratio": base_h2d / load_s,
+                     "verify_cost": verified_s / load_s})
         written()
 
 
@@ -246,7 +259,8 @@ def print_results(results: dict[str, Any]) -> None:
         for row in part.get("rows", []):
             print(f"  {row['case']:>32}  save {row['save_gbps']:6.1f} GB/s "
                   f"({row['save_ratio']:.2f}x memcpy)  load {row['load_gbps']:6.1f} GB/s "
-                  f"({row['load_ratio']:.2f}x memcpy)  bit-exact {row['bit_exact']}")
+                  f"({row['load_ratio']:.2f}x memcpy)  bit-exact {row['bit_exact']}  "
+                  f"checksum check {row.get('verify_cost', float('nan')):.2f}x a load")
         if "compute_stream" in part:
             c = part["compute_stream"]
             print(f"  compute stream: {c['host_syncs_per_load']:.2f} host syncs per load, "

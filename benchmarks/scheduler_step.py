@@ -1,16 +1,19 @@
 """Scheduler-side step cost of the vLLM-free delegate against a real daemon.
 
-One step is what vLLM's scheduler does per engine step: has_item and
-after_alloc per multimodal item, build_step_metadata once, and applying the
-workers' output of the previous step once (`apply_worker_output(done,
-failed)`: one entry per rank and transfer, here one rank). Measured on the
-calling thread: wall time per step, blocking RPCs made on it, messages it
-queued on the session stream (touches ride on heartbeats: a hit sends
-nothing), and the pickled size of the metadata sent to workers. The
-worker's part (`WorkerDelegate.load`: copy, stamp check) runs after each
-step, off the timed path; the RPCs it makes are counted too (none by
-design). The full comparison with vLLM's in-process connector is
-`make bench`.
+One step is what vLLM's scheduler does per engine step: `ensure` per
+request (a cached item's load is staged and its request waits), has_item
+and after_alloc per multimodal item of the requests that go ahead,
+build_step_metadata once, and applying the workers' output of the previous
+step once (`apply_worker_output(done, failed)`: one entry per rank and
+transfer, here one rank). A hit case's items are cached: each request for
+them waits while their loads are staged, then hits. Measured on the calling
+thread: wall time per step, blocking RPCs made on it, messages it queued on
+the session stream (touches ride on heartbeats: a hit sends nothing), and the
+pickled size of the metadata sent to workers. The worker's part
+(`WorkerDelegate.stage`: copy, stamp check; adoptions and drops) runs after
+each step, off the timed path; the RPCs it makes are counted too (none by
+design). The full comparison with vLLM's in-process connector is `make
+bench`.
 
     python -m benchmarks.scheduler_step [--steps N]
 """
@@ -68,22 +71,33 @@ def run_case(daemon: Daemon, items: int, rows: int, hit: bool, steps: int) -> di
         times, meta_bytes = [], []
         load_rpcs = hits = failed = 0
         done: list[int] = []
-        failures: list[int] = []
+        failures: list[tuple[int, str]] = []
+        waiting: list[str] = []  # requests deferred while their loads stage
         for step in range(steps):
             started = time.perf_counter()
-            for i, h in enumerate(hashes):
-                hits += scheduler.has_item(h if hit else f"{h}-miss-{step}")
-                scheduler.after_alloc(f"r{step}-{i}", h if hit else f"{h}-miss-{step}")
+            requests = [*waiting, *(f"r{step}-{i}" for i in range(items))]
+            waiting = []
+            for request in requests:
+                i = int(request.rsplit("-", 1)[1])
+                h = hashes[i] if hit else f"{hashes[i]}-miss-{request}"
+                if not scheduler.ensure([h], request):
+                    waiting.append(request)
+                    continue
+                hits += scheduler.has_item(h)
+                scheduler.after_alloc(request, h)
             meta = scheduler.build_step_metadata()
             scheduler.apply_worker_output(done, failures)  # the previous step's loads
             times.append(time.perf_counter() - started)
             meta_bytes.append(len(pickle.dumps(meta)))
+            for adopt in meta.adopt:  # the worker's part, untimed
+                assert worker.adopt(adopt.transfer_id) is not None
+            worker.drop(meta.drop)
             before = worker.transport.calls_from_this_thread()
-            result = worker.load(meta.loads, meta.regions)  # the worker's part, untimed
+            result = worker.stage(meta.loads, meta.regions, meta.step)
             load_rpcs += worker.transport.calls_from_this_thread() - before
-            done, failures = result.done, list(result.failed)
+            done, failures = result.done, [(t, result.kinds[t]) for t in result.failed]
             failed += len(failures)
-        assert hits == (items * steps if hit else 0) and not failed, (hits, failed)
+        assert (hits > 0) == hit and not failed, (hits, failed)
         times.sort()
         return {"median_us": statistics.median(times) * 1e6,
                 "p99_us": times[int(len(times) * 0.99) - 1] * 1e6,

@@ -3,26 +3,38 @@
 Both run in this process, on real vLLM objects (a VllmConfig of a tiny
 PaliGemma, `Request`s carrying `MultiModalFeatureSpec`s), driven through the
 calls vLLM's scheduler makes per engine step, per request in order:
-`has_cache_item` for each of its items (`_try_schedule_encoder_inputs`),
-`update_state_after_alloc` for each (`_allocate_encoder_inputs`, hits and
-misses), then once `build_connector_meta`, `update_connector_output` with what
-the workers returned (`update_from_output`) and `take_unavailable_requests`.
+`ensure_cache_available` (a request it defers waits for the next step, as
+vLLM keeps it waiting), `has_cache_item` for each of its items
+(`_try_schedule_encoder_inputs`), `update_state_after_alloc` for each
+(`_allocate_encoder_inputs`, hits and misses), then once
+`build_connector_meta` (the step's scheduled tokens, a decode of an earlier
+request among them, and the encoder outputs of the previous step's requests
+freed, as vLLM frees them once they finish),
+`update_connector_output` with what the workers returned
+(`update_from_output`) and `take_unavailable_requests`. Ours stages each
+hit's load in the step that first asks about it, deferring its request, and
+the request hits once every rank reported it staged
+(`ec_client.scheduler_side.staging`); upstream loads in the step that asks.
+Saved ids are used round-robin from a pool of five per hit a step, so none is
+in vLLM's encoder cache when it is asked about again.
 
 - ours: `ECDaemonConnector` (SCHEDULER role, built by vLLM's factory)
   attached to a real daemon subprocess. Workers live in a forked process, as
   vLLM's do: another engine's `WorkerDelegate` saved the hits beforehand into
   the connector's namespace, and this engine's `WorkerDelegate` (one rank)
-  loads each step's dispatched transfers after the step, outside the timed
-  region, copying and checking stamps as vLLM's worker does. It reports
-  `ECDaemonWorkerMetadata(done=<one entry per rank and transfer>, stats={})`;
-  only then does the scheduler's view consider those loads finished.
+  stages each step's loads after the step, outside the timed region, copying
+  and checking stamps as vLLM's worker does, adopts and drops what the step
+  says. It reports `ECDaemonWorkerMetadata(done=<one entry per rank and
+  transfer>, stats={})`; only then does the scheduler's view consider those
+  loads finished, and their requests hit.
 - upstream: `ECCPUScheduler` (ec_both, no NIXL), instantiated directly (so
   without the ECCPUConnector forwarding layer ours goes through). Hits were
   saved in a warm-up step and marked ready by a `completed_saves` report.
   Workers report `ECCPUWorkerMetadata` with the saves and loads of the step.
 
 Worker reports arrive one step late (the copies of step k are reported in
-step k+1), for both. Misses are fresh identifiers every step. Upstream
+step k+1, as with vLLM's async scheduling), for both: a hit of ours is
+deferred two steps. Misses are fresh identifiers every step. Upstream
 allocates blocks for every miss (it is its own producer), so its region is
 sized to hold all of a case's misses without evicting, which caps the steps
 of the large all-miss cases. Ours saves nothing for misses in those cases
@@ -78,7 +90,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -98,7 +110,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 from benchmarks.scheduler_step import count_sends
-from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.common.contract import StepMetadata
 from ec_client.engine_token import derived_engine_token
 from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
 from ec_client.worker_side.worker import WorkerDelegate
@@ -112,6 +124,7 @@ MATRIX = ((1, 256, 2000), (8, 256, 1000), (8, 1024, 600), (32, 1024, 300))
 HIT_RATIOS = (0.0, 0.5, 1.0)
 EVICTION_CASE = (8, 1024, 0.5, 600)
 EVICTION_CACHE_STEPS = 7  # upstream's small cache: the hits plus this many steps of misses
+HIT_POOL = 5  # saved ids per hit a step, used round-robin
 # Ours: the hits plus this many steps of misses (filled before the run), and
 # a lease whose heartbeats (lease/10) carry touches well within that turnover.
 EVICTION_DAEMON_STEPS = 256
@@ -142,6 +155,12 @@ class Case:
     @property
     def max_hits(self) -> int:
         return math.ceil(self.items * self.hit_ratio)
+
+    @property
+    def hit_pool(self) -> int:
+        """Saved ids: each is asked about again only once its previous
+        request's encoder output was freed (4 steps later at most)."""
+        return HIT_POOL * self.max_hits
 
     @property
     def max_misses(self) -> int:
@@ -242,14 +261,25 @@ def _save(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id
 
 
 def _load(workers: dict[tuple[str, str], WorkerDelegate], socket: str, engine_id: str,
-          specs: list[LoadSpec], regions: dict[int, RegionInfo]
-          ) -> tuple[list[int], list[int], int]:
-    """Load `specs` as vLLM's worker does; returns the transfers done, those
-    failed, and the blocking RPCs the load made on this thread."""
+          step: dict[str, Any]) -> tuple[list[int], list[tuple[int, str]], int]:
+    """A step's loads as vLLM's worker makes them: adopts and drops what it
+    says, stages its loads; returns the transfers staged, those failed (with
+    what failed), and the blocking RPCs the staging made on this thread.
+    (A tree whose loads were not staged, the baseline of the staging's
+    cost, loads them.)"""
     worker = workers[socket, engine_id]
+    for adopt in step["adopt"]:
+        if worker.adopt(adopt.transfer_id) is None:
+            raise RuntimeError(f"adopt {adopt}: nothing staged")
     rpcs = worker.transport.calls_from_this_thread()
-    result = worker.load(specs, regions)
-    return result.done, list(result.failed), worker.transport.calls_from_this_thread() - rpcs
+    if hasattr(worker, "stage"):
+        worker.drop(step["drop"])
+        result = worker.stage(step["loads"], step["regions"], step["step"])
+        failed = [(t, result.kinds[t]) for t in result.failed]
+    else:
+        result = worker.load(step["loads"], step["regions"])
+        failed = list(result.failed)
+    return result.done, failed, worker.transport.calls_from_this_thread() - rpcs
 
 
 def _detach(workers: dict[tuple[str, str], WorkerDelegate], socket: str) -> bool:
@@ -312,12 +342,13 @@ class DaemonEngine:
                                  dtype):
             raise RuntimeError("saves did not land")
 
-    def load(self, specs: list[LoadSpec], regions: Mapping[int, RegionInfo]
-             ) -> tuple[list[int], list[int], int]:
-        """This engine's worker (one rank) loads `specs`: (done, failed,
-        blocking RPCs on the load path)."""
-        done, failed, rpcs = self.workers.call("load", self.daemon.socket, self.engine_id,
-                                               specs, dict(regions))
+    def load(self, metadata: StepMetadata) -> tuple[list[int], list[tuple[int, str]], int]:
+        """This engine's worker (one rank) works through a step's loads:
+        (staged, failed, blocking RPCs on the load path)."""
+        step = {"loads": metadata.loads, "regions": dict(metadata.regions),
+                **{name: getattr(metadata, name, default)
+                   for name, default in (("adopt", []), ("drop", []), ("step", 0))}}
+        done, failed, rpcs = self.workers.call("load", self.daemon.socket, self.engine_id, step)
         return done, failed, rpcs
 
     def close(self) -> None:
@@ -359,16 +390,19 @@ class Driver:
         self.case = case
         self.scheduler = scheduler
         self.tag = f"{case.tag}-{self.impl}"
-        self.hit_ids = [f"{self.tag}-hit-{i}" for i in range(case.max_hits)]
+        self.hit_ids = [f"{self.tag}-hit-{i}" for i in range(case.hit_pool)]
+        self.saved = set(self.hit_ids)
         self.samples: list[Sample] = []
-        self.hits = self.lookups = self.unavailable = 0
+        self.hits = self.lookups = self.unavailable = self.deferrals = 0
         self.asked_hits = 0  # lookups of saved ids in the timed steps
-        self.step_hits = 0
+        self.step_hits = self.step_saved = 0
         self.lost: list[str] = []  # timed steps where saved ids missed, and why
         self.stale_steps = self.stale_misses = 0  # of those, while the view was not fresh
         self._step = 0
+        self._next_hit = 0
+        self._waiting: list[Request] = []  # deferred by the previous step
+        self._freed: list[str] = []  # the previous step's items: their requests finished
         self._reply = ECConnectorOutput()
-        self._output = empty_output()
 
     # hooks
     def rpcs(self) -> int:
@@ -398,42 +432,59 @@ class Driver:
     def run(self, steps: int, timed: bool = True) -> None:
         for _ in range(steps):
             hits = self.case.hits_at(self._step)
+            hit_ids = [self.hit_ids[(self._next_hit + i) % len(self.hit_ids)]
+                       for i in range(hits)]
+            self._next_hit += hits
             misses = [f"{self.tag}-{self._step}-miss-{i}" for i in range(self.case.items - hits)]
-            ids = spread(self.hit_ids[:hits], misses)
-            requests = [make_request(f"{self.tag}-{self._step}-{i}", mm_hash, self.case.rows)
-                        for i, mm_hash in enumerate(ids)]
+            ids = spread(hit_ids, misses)
+            requests = [*self._waiting,
+                        *(make_request(f"{self.tag}-{self._step}-{i}", mm_hash, self.case.rows)
+                          for i, mm_hash in enumerate(ids))]
             meta = self.step(requests, timed)
             if timed:
-                self.asked_hits += hits
-                if self.step_hits != hits and self.stale():
+                self.asked_hits += self.step_saved
+                if self.step_hits != self.step_saved and self.stale():
                     self.stale_steps += 1
-                    self.stale_misses += hits - self.step_hits
-                elif self.step_hits != hits:
-                    self.lost.append(f"step {self._step}: {self.step_hits} of {hits} hits "
-                                     f"({self.why_missed()})")
+                    self.stale_misses += self.step_saved - self.step_hits
+                elif self.step_hits != self.step_saved:
+                    self.lost.append(f"step {self._step}: {self.step_hits} of "
+                                     f"{self.step_saved} hits ({self.why_missed()})")
             self._reply = ECConnectorOutput(ec_connector_worker_meta=self.worker_meta(meta))
             self.after_step(meta, misses)
             self._step += 1
 
     def step(self, requests: list[Request], timed: bool = True) -> Any:
         scheduler, rpcs, msgs = self.scheduler, self.rpcs(), self.msgs()
-        hits = 0
+        # Earlier requests decode in every step: its workers run it even where
+        # every new request waits (vLLM's V1 runner skips steps without tokens).
+        hits = saved = 0
+        tokens = 1
+        waiting: list[Request] = []
         cpu, wall = time.thread_time(), time.perf_counter()
         for request in requests:
+            if not scheduler.ensure_cache_available(request, 0):
+                waiting.append(request)
+                continue
+            tokens += request.num_prompt_tokens
             for feature in request.mm_features:
                 hits += scheduler.has_cache_item(feature.identifier)
             for index in range(len(request.mm_features)):
                 scheduler.update_state_after_alloc(request, index)
-        meta = scheduler.build_connector_meta(self._output)
+        meta = scheduler.build_connector_meta(empty_output(tokens, self._freed))
         scheduler.update_connector_output(self._reply)
         unavailable = scheduler.take_unavailable_requests()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        self.step_hits = hits
+        scheduled = [r for r in requests if r not in waiting]
+        saved = sum(f.identifier in self.saved for r in scheduled for f in r.mm_features)
+        self._freed = [f.identifier for r in scheduled for f in r.mm_features]
+        self._waiting = waiting
+        self.step_hits, self.step_saved = hits, saved
         if timed:
             self.samples.append(Sample(wall, cpu, self.rpcs() - rpcs, self.msgs() - msgs,
                                        len(pickle.dumps(meta))))
             self.hits += hits
-            self.lookups += len(requests)
+            self.lookups += len(scheduled)
+            self.deferrals += len(waiting)
             self.unavailable += len(unavailable)
         return meta
 
@@ -516,16 +567,19 @@ class DaemonDriver(Driver):
                 f"{len(self.hit_ids)} hit ids in the view, last error {link.last_error!r}")
 
     def worker_meta(self, meta: Any) -> ECDaemonWorkerMetadata | None:
-        """The worker's part of the step: it loads what the step dispatched
-        and reports it (in the next step's `update_connector_output`)."""
+        """The worker's part of the step: it stages what the step sent,
+        adopts and drops what it says, and reports the staged loads (in the
+        next step's `update_connector_output`)."""
         self.load_path_steps += 1
-        if not meta.loads:
+        if not (meta.loads or getattr(meta, "adopt", None) or getattr(meta, "drop", None)):
             return None
-        done, failed, rpcs = self.engine.load(meta.loads, meta.regions)
+        done, failed, rpcs = self.engine.load(meta)
         self.loads += len(meta.loads)
         self.failed_loads += len(failed)
         self.load_rpcs += rpcs
-        return ECDaemonWorkerMetadata(done=done, stats={})
+        if "failed" not in ECDaemonWorkerMetadata.__dataclass_fields__:  # (the baseline)
+            return ECDaemonWorkerMetadata(done=done, stats={})
+        return ECDaemonWorkerMetadata(done=done, stats={}, failed=failed)
 
     def after_step(self, meta: Any, misses: list[str]) -> None:
         if self.case.evictions and misses:
@@ -548,7 +602,7 @@ class DaemonDriver(Driver):
 def steps_for(case: Case, row_bytes: int) -> tuple[Case, int]:
     """The case with its steps capped so upstream's region holds every miss
     (or, for the eviction case, a few steps of them); and that capacity in rows."""
-    hit_rows = case.max_hits * case.rows
+    hit_rows = case.hit_pool * case.rows
     miss_rows = case.max_misses * case.rows
     if case.evictions:
         return case, hit_rows + EVICTION_CACHE_STEPS * miss_rows
@@ -633,6 +687,7 @@ def summarize(case: Case, driver: Driver) -> dict[str, Any]:
     return {"case": case.name, "items": case.items, "rows": case.rows,
             "hit_ratio": case.hit_ratio, "evictions": case.evictions, "impl": driver.impl,
             "steps": len(samples), "hits": driver.hits,
+            "deferrals_per_step": driver.deferrals / len(samples),
             "blocking_rpcs_per_step": sum(s.rpcs for s in samples) / len(samples),
             "msgs_per_step": msgs / len(samples),
             "msgs_per_hit": msgs / driver.hits if driver.hits else None,
@@ -699,7 +754,7 @@ def run_all(scale: float, workers: Workers, folder: Path, only: str = ""
             extra: tuple[str, ...] = ()
             size = MAIN_DAEMON_BYTES
             if case.evictions:
-                capacity = (case.max_hits + EVICTION_DAEMON_STEPS * case.max_misses) * case.rows
+                capacity = (case.hit_pool + EVICTION_DAEMON_STEPS * case.max_misses) * case.rows
                 size = f"{-(-capacity * row_bytes >> 20)}MiB"
                 extra = ("--lease-seconds", str(EVICTION_LEASE_SECONDS))
             if size not in engines:

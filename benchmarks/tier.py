@@ -7,8 +7,9 @@ figure is the best round, so both see the same machine.
 
 - saves/s: a worker saves 1 MiB entries and waits for them to land (with the
   tier on, each is then published in the background);
-- hit steps/s: a scheduler step of 8 hits (`ensure`, `has_item`,
-  `after_alloc`, `build_step_metadata`, every rank reporting), vLLM's calls,
+- hit steps/s: 8 hits through the two scheduler steps each takes (`ensure`
+  stages their loads, every rank reports, then `ensure`, `has_item`,
+  `after_alloc`, `build_step_metadata` use them), vLLM's calls,
   measured once the publications of the saves went out (write-behind: on a
   two-core machine they would otherwise share the cores with the steps);
 - the daemon's CPU per published 1 MiB (`publish_cpu`): the same saves on
@@ -60,15 +61,20 @@ class _Host:
         return count / (time.perf_counter() - started)
 
     def hit_steps(self, keys: list[str], steps: int) -> float:
+        """Hits per second as steps of `keys`: each hit two scheduler steps,
+        the one that stages its load (the request waits) and the one that
+        uses it, every rank reporting in between."""
+        from tests import staged
+
         s = self.scheduler
         started = time.perf_counter()
-        for _ in range(steps):
-            assert s.ensure(keys)
-            for key in keys:
-                assert s.has_item(key)
-                s.after_alloc("req", key)
+        for step in range(steps):
+            assert not s.ensure(keys, f"req-{step}")  # cached: their loads are staged
             loads = s.build_step_metadata().loads
             s.apply_worker_output([spec.transfer_id for spec in loads])
+            assert s.ensure(keys, f"req-{step}")
+            hits, _ = staged.use(s, keys, f"req-{step}")
+            assert all(hits)
         return steps / (time.perf_counter() - started)
 
     def drained(self) -> None:
@@ -258,8 +264,7 @@ def promotions(one: _Host, two: _Host, quick: bool, data_of: Callable[[int], Any
                 assert time.perf_counter() - started < 60, "never promoted"
                 time.sleep(0.0002)
             best = min(best, time.perf_counter() - started)
-            assert two.scheduler.has_item(key)
-            two.scheduler.build_step_metadata()
+            assert two.scheduler.view.get(key) is not None
         rows.append({"MiB": size // MiB, "promote_ms": best * 1e3,
                      "promote_gbps": size / best / 1e9})
     return rows

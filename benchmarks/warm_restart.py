@@ -237,7 +237,7 @@ def engines_back(entries: int) -> dict[str, Any]:
     try:
         started, wall = time.monotonic(), time.time()
         daemon.start(wait=False)
-        while not scheduler.has_item(last):  # the snapshot's last entry: all of them
+        while not (scheduler.serving() and scheduler.view.get(last)):  # the snapshot's last
             scheduler.build_step_metadata()
             now = time.monotonic() - started
             if scheduler.link.attachment is not None:
@@ -292,7 +292,9 @@ def hit_rate_around_a_kill(fresh: bool, seconds_after: float) -> dict[str, Any]:
             out = []
             end = time.monotonic() + seconds
             while time.monotonic() < end:
-                out.append((time.monotonic(), scheduler.has_item(rng.choice(keys))))
+                key = rng.choice(keys)  # (its load would be staged: a hit a step later)
+                hit = scheduler.serving() and scheduler.view.get(key) is not None
+                out.append((time.monotonic(), hit))
                 scheduler.build_step_metadata()
                 time.sleep(0.01)
             return out

@@ -19,19 +19,19 @@ the systemd unit's): the default is the daemon's default socket.
 Extra-config keys (all optional): `ec_client.common.settings` declares them, with
 their defaults and meaning (docs/vllm.md's table is printed from it).
 
-Loads: the scheduler puts each hit's extents, stamp and region into the
-step metadata; every worker rank copies and verifies it, then reports the
-transfer in its worker metadata, which vLLM aggregates over the ranks into
-`update_connector_output`; the scheduler's view keeps the entry's eviction
-unacknowledged until all ranks reported. No load involves the daemon.
-
-A load that a worker finds unusable (its pages were reused, or its region
-could not be mapped) cannot happen in any ordinary event (a daemon restart,
-a re-attach, a late rank, a slow step). If it happens anyway the worker
-raises before the forward pass and the engine stops with that error: vLLM
-has no way to fail a request from the worker before its output is streamed,
-and any placeholder would be kept in the encoder cache, and the KV computed
-from it in the prefix cache, serving wrong output to later requests.
+Loads are staged a step before the step that uses them
+(`ec_client.scheduler_side.staging` says why): `ensure_cache_available`
+finds an item in the cache, puts its load (extents, stamp, checksum, region)
+into the step's metadata and defers the request; every worker rank copies
+it into memory it keeps aside, verifies it, and reports it in its worker
+metadata, which vLLM aggregates over the ranks into
+`update_connector_output` (the scheduler's view keeps the entry's eviction
+unacknowledged until all ranks reported). The next time vLLM asks, the item
+is a hit, and the step that uses it moves the staged output into vLLM's
+encoder cache (`adopt`). A load any rank could not use (its pages reused or
+rewritten by another process, a bogus entry, a region it cannot map) is a
+miss: vLLM encodes the item, or a request without its media fails through
+`take_unavailable_requests`; the engine goes on. No load involves the daemon.
 
 The namespace is the layout fingerprint every process of an engine computes
 alike at construction: model, revision, dtype, quantization, the LM
@@ -144,18 +144,21 @@ class ECDaemonConnectorMetadata(StepMetadata, ECConnectorMetadata):
 
 @dataclass
 class ECDaemonWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler each step: one entry per rank and transfer that
-    landed, the items whose save ended without an entry (`dropped`: the
-    scheduler's producer announces no metadata for them), and the worker's
-    counters (vLLM aggregates over the ranks)."""
+    """Workers -> scheduler each step: one entry per rank and transfer staged
+    (`done`) or not (`failed`: with what failed), the items whose save ended
+    without an entry (`dropped`: the scheduler's producer announces no
+    metadata for them), and the worker's counters (vLLM aggregates over the
+    ranks)."""
 
     done: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    failed: list[tuple[int, str]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         assert isinstance(other, ECDaemonWorkerMetadata)
         self.done.extend(other.done)
+        self.failed.extend(other.failed)
         self.dropped.extend(other.dropped)
         self.stats = merge_stats(self.stats, other.stats)
         return self
@@ -322,6 +325,7 @@ class ECDaemonConnector(ECConnectorBase):
         # `vllm:ec_daemon_attached` as vLLM was last told (-1: not yet).
         self._attached_said = -1
         self._done: list[int] = []
+        self._failed: list[tuple[int, str]] = []
         self._load_seconds: list[float] = []
         lora = vllm_config.lora_config
         # vLLM names an item `lora_name:mm_hash` when a LoRA adapter changes the
@@ -347,6 +351,9 @@ class ECDaemonConnector(ECConnectorBase):
                 or new_engine_token(),
                 max_defer_seconds=self.settings.max_defer_seconds,
                 answer_wait_seconds=self.settings.answer_wait_seconds,
+                staging_bytes=self.settings.staging_bytes,
+                workers_run_idle_steps=workers_run_idle_steps(vllm_config),
+                verify_checksum=self.settings.verify_checksum,
                 metadata_type=ECDaemonConnectorMetadata, **self.settings.transport)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config, engine_id, layout)
@@ -382,7 +389,8 @@ class ECDaemonConnector(ECConnectorBase):
             world_size=world, role=self._ec_role, backend=backend,
             engine_token=derived_engine_token(engine_id, vllm_config.instance_id),
             save_queue_bytes=self.settings.save_queue_bytes, hold_saves=True,
-            **self.settings.transport)
+            staging_bytes=self.settings.staging_bytes,
+            verify_checksum=self.settings.verify_checksum, **self.settings.transport)
 
     def _private(self, identifier: str) -> bool:
         """An item whose encoder output depends on a LoRA adapter."""
@@ -407,34 +415,49 @@ class ECDaemonConnector(ECConnectorBase):
             self._worker.regions.step_done()
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Before the step's forward: the staged loads it uses go into vLLM's
+        encoder cache, those no step will use are dropped, and the loads it
+        planned are staged (copied, verified, kept aside) and reported. A
+        load that fails is reported, never raised: its request encodes the
+        item or fails, and nothing unverified enters the encoder cache."""
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ECDaemonConnectorMetadata)
+        worker = self._worker
+        if metadata.adopt or metadata.inline:
+            self._adopt(metadata, encoder_cache)
+        if metadata.drop:
+            worker.drop(metadata.drop)
         if not metadata.loads:
             return
-        # An item vLLM's encoder cache still holds keeps its tensor (vLLM's
-        # contract, as its example connector does): the scheduler can dispatch
-        # a load for one it evicted and re-allocated in the same pass, which
-        # the worker never freed. Not copied, so never a stamp check either;
-        # reported done, so the scheduler's view releases the entry.
-        loads = [spec for spec in metadata.loads if spec.mm_hash not in encoder_cache]
-        self._done.extend(spec.transfer_id for spec in metadata.loads
-                          if spec.mm_hash in encoder_cache)
-        if not loads:
-            return
         started = time.perf_counter()
-        result = self._worker.load(loads, metadata.regions)
-        if result.failed:
-            # Before the forward pass, and nothing was put in the encoder cache.
-            reasons = "; ".join(f"transfer {t}: {why}" for t, why in result.failed.items())
-            raise RuntimeError(
-                f"ec-daemon: {len(result.failed)} encoder cache load(s) are unusable ({reasons}). "
-                "Stopping rather than computing from wrong encoder outputs; this is a bug or "
-                "an extraordinary event (see the ec-daemon troubleshooting section).")
+        result = worker.stage(metadata.loads, metadata.regions, metadata.step)
         self._load_seconds.append(time.perf_counter() - started)
-        for mm_hash, array in result.loaded.items():
-            encoder_cache[mm_hash] = torch.as_tensor(array)  # (no copy: numpy from cpu)
         self._done.extend(result.done)
+        self._failed.extend((t, result.kinds[t]) for t in result.failed)
+
+    def _adopt(self, metadata: ECDaemonConnectorMetadata,
+               encoder_cache: dict[str, torch.Tensor]) -> None:
+        """This step's hits into vLLM's encoder cache: staged here, or carried
+        whole (`inline`). An item vLLM's encoder cache still holds keeps its
+        tensor (vLLM's contract, as its example connector does): the
+        scheduler can adopt a load for one it evicted and re-allocated in the
+        same pass, which the worker never freed."""
+        assert self._worker is not None
+        worker = self._worker
+        for adopt in metadata.adopt:
+            output = worker.adopt(adopt.transfer_id)
+            if adopt.mm_hash in encoder_cache:
+                continue
+            if output is None:  # every rank reported it staged: never
+                raise RuntimeError(
+                    f"ec-daemon: the staged load {adopt.transfer_id} of {adopt.mm_hash} is not "
+                    "on this rank (a bug; or an executor that hands the scheduler one rank's "
+                    "reports only, and this rank failed to stage it)")
+            encoder_cache[adopt.mm_hash] = torch.as_tensor(output)  # (no copy: numpy from cpu)
+        for inline in metadata.inline:
+            if inline.mm_hash not in encoder_cache:
+                encoder_cache[inline.mm_hash] = _from_payload(inline, worker.backend.device)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
                     **kwargs: Any) -> None:
@@ -449,10 +472,10 @@ class ECDaemonConnector(ECConnectorBase):
         stats = self._worker.take_stats(self._load_seconds if self._worker.rank == 0 else None)
         self._load_seconds = []
         dropped = self._worker.take_dropped()
-        if not self._done and not stats and not dropped:
+        if not self._done and not self._failed and not stats and not dropped:
             return None
-        meta = ECDaemonWorkerMetadata(self._done, stats, dropped)
-        self._done = []
+        meta = ECDaemonWorkerMetadata(self._done, stats, self._failed, dropped)
+        self._done, self._failed = [], []
         return meta
 
     # --------------------------------------------------------- scheduler
@@ -464,29 +487,41 @@ class ECDaemonConnector(ECConnectorBase):
         return self._scheduler.has_item(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """False defers the request a step: an item it still needs is being
-        made by another engine of this host or promoted from the second tier
-        (bounded; see `SchedulerDelegate.ensure`), or came without media and
-        is not in the cache yet (`RequestItems.fetched`: failed at once when
-        nobody will make it). A producer claims the items it is about to
-        encode and is never deferred. Items already computed, or held in
-        vLLM's encoder cache, need no transfer and are not asked about (vLLM
-        asks every step, decodes included)."""
-        if self._scheduler is None:
+        """False defers the request a step: an item it still needs is in the
+        cache and its load is being staged (it is a hit next time), or it is
+        being made by another engine of this host or promoted from the second
+        tier (bounded; see `SchedulerDelegate.ensure`), or came without media
+        and is not in the cache yet (`RequestItems.fetched`: failed at once
+        when nobody will make it). An item whose load failed is encoded, or
+        fails a request without its media. A producer claims the items it is
+        about to encode and is never deferred. Items
+        already computed, or held in vLLM's encoder cache, need no transfer
+        and are not asked about (vLLM asks every step, decodes included)."""
+        scheduler = self._scheduler
+        if scheduler is None:
             return True
-        self._active.add(request.request_id)
-        items = self._items
-        needed = [f for f in request.mm_features
-                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                  and not self._private(f.identifier) and not items.held(f.identifier)]
-        if not needed:
-            return True
-        fetch = [f.identifier for f in needed if items.metadata_only(request, f)]
-        encodable = [f.identifier for f in needed if f.identifier not in fetch]
-        ready = not encodable or self._scheduler.ensure(encodable, request.request_id)
-        fetched = not fetch or items.fetched(request.request_id, fetch,
-                                             self._scheduler.has_item,
-                                             self._scheduler.unobtainable)
+        request_id = request.request_id
+        self._active.add(request_id)
+        items, private = self._items, self._adapter_items
+        # Only an item a producer announced can be metadata-only (vLLM asks
+        # every step, for waiting requests again and again: one pass here).
+        announced = bool(request.ec_transfer_params)
+        encodable: list[str] = []
+        fetch: list[str] = []
+        for feature in request.mm_features:
+            position = feature.mm_position
+            mm_hash = feature.identifier
+            if position.offset + position.length <= num_computed_tokens \
+                    or (private and ":" in mm_hash) or items.held(mm_hash):
+                continue
+            if announced and items.metadata_only(request, feature):
+                fetch.append(mm_hash)
+            else:
+                encodable.append(mm_hash)
+        ready = not encodable or scheduler.ensure(encodable, request_id)
+        fetched = not fetch or items.fetched(
+            request_id, fetch, lambda mm_hash: scheduler.stage(mm_hash, request_id),
+            scheduler.unobtainable)
         return ready and fetched
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
@@ -499,7 +534,8 @@ class ECDaemonConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         assert self._scheduler is not None
         self._items.freed(scheduler_output.free_encoder_mm_hashes)  # as the workers drop them
-        metadata = self._scheduler.build_step_metadata(scheduler_output.num_scheduled_tokens)
+        metadata = self._scheduler.build_step_metadata(
+            scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens)
         assert isinstance(metadata, ECDaemonConnectorMetadata)  # (metadata_type)
         return metadata
 
@@ -508,7 +544,7 @@ class ECDaemonConnector(ECConnectorBase):
             return
         meta = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(meta, ECDaemonWorkerMetadata):
-            self._scheduler.apply_worker_output(meta.done)
+            self._scheduler.apply_worker_output(meta.done, meta.failed)
             if meta.dropped:
                 self._items.saves_dropped(meta.dropped)
             if meta.stats:
@@ -517,7 +553,7 @@ class ECDaemonConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         if self._scheduler is None:
             return set()
-        return self._scheduler.take_unavailable_requests() | self._items.take_unavailable()
+        return self._items.take_unavailable()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Items the request was to have encoded here, or waited for, are
@@ -609,6 +645,31 @@ class ECDaemonConnector(ECConnectorBase):
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+
+
+def workers_run_idle_steps(vllm_config: VllmConfig) -> bool:
+    """Do this engine's workers run the EC connector in a step that schedules
+    no tokens? Model Runner V2 does (`ActiveECConnector.no_forward`), the V1
+    model runner does not (its `execute_model` returns before the connector's
+    context). vLLM 0.34 has only V2; 0.32 and 0.33 choose per engine
+    (`VllmConfig.use_v2_model_runner`: the environment, Triton, features),
+    alike in the scheduler's process and its workers'."""
+    chooses = getattr(type(vllm_config), "use_v2_model_runner", None)
+    return chooses is None or bool(vllm_config.use_v2_model_runner)
+
+
+def _from_payload(inline: Any, device: str) -> torch.Tensor:
+    """An inline load's bytes as a tensor of its shape and dtype on `device`."""
+    dtype = getattr(torch, inline.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {inline.dtype!r}")  # (the scheduler read it: never)
+    payload = inline.payload
+    if not payload:
+        return torch.empty(inline.shape, dtype=dtype, device=device)
+    # (A bytearray: writable, so torch takes it without a copy.)
+    tensor = torch.frombuffer(payload if isinstance(payload, bytearray) else bytearray(payload),
+                              dtype=dtype).reshape(inline.shape)
+    return tensor if device == "cpu" else tensor.to(device)
 
 
 def check_backend_device(name: str, backend_device: str, worker_device: str) -> None:

@@ -11,10 +11,10 @@ Three facts the daemon cannot tell it, kept on vLLM's scheduling thread:
   token-in-token-out serving accepts such items only with those params, and
   vLLM's E/PD proxy sends them so in its default rewrite mode). This engine
   cannot encode them, so they are loaded from the daemon or the request fails
-  cleanly (`take_unavailable_requests`): at once when the daemon says nobody
-  will make the item (the scheduler delegate's `unobtainable`: its save was
-  dropped or refused, or its producer is gone), else after
-  `max_defer_seconds`. Failed, not re-encoded: without the media there is
+  cleanly (`take_unavailable_requests`): at once when its load from the cache
+  failed, or the daemon says nobody will make the item (the scheduler
+  delegate's `unobtainable`: its save was dropped or refused, or its producer
+  is gone), else after `max_defer_seconds`. Failed, not re-encoded: without the media there is
   nothing to encode, and vLLM's proxy retries a request PD fails with a 500
   (`--decode-retries`, 1 by default) by encoding it again, so failing at once
   costs the client the retry only, where waiting would add the whole bound.
@@ -57,6 +57,8 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
     PlaceholderMetadataResolver,
     collect_ec_item_metadata,
 )
+
+from ec_client.scheduler_side.staging import Stage
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -121,22 +123,28 @@ class RequestItems:
         return not any(element.data is not None for key, element in data.items()
                        if key not in metadata)
 
-    def fetched(self, request_id: str, mm_hashes: list[str], loadable: Callable[[str], bool],
+    def fetched(self, request_id: str, mm_hashes: list[str], stage: Callable[[str], Stage],
                 unobtainable: Callable[[list[str], str], list[str]]) -> bool:
         """May the request go ahead as far as these metadata-only items go?
-        Each must be `loadable` now (which claims it for this step). One not
-        loadable defers the request; the request is failed
-        (`take_unavailable`), since this engine has no media to encode it
-        from, at once when `unobtainable(missing, request_id)` names an item
-        nobody will make, else after `max_defer_seconds`."""
+        Each must be staged (`stage`: the item's load, planned now if the
+        cache has it). One still staging, or not in the cache yet, defers
+        the request; the request is failed (`take_unavailable`), since this
+        engine has no media to encode it from, at once when an item's load
+        failed or `unobtainable(missing, request_id)` names an item nobody
+        will make, else after `max_defer_seconds`."""
+        if request_id in self._unobtainable:
+            return False
         now = time.monotonic()
         for mm_hash in mm_hashes:
             self._fetch_since.setdefault((request_id, mm_hash), now)
-        missing = [mm_hash for mm_hash in mm_hashes if not loadable(mm_hash)]
-        if not missing:
-            return True
-        if request_id in self._unobtainable:
+        states = {mm_hash: stage(mm_hash) for mm_hash in mm_hashes}
+        failed = [h for h, state in states.items() if state is Stage.FAILED]
+        if failed:
+            self._fail(request_id, f"its load of {', '.join(failed)} from the cache failed")
             return False
+        missing = [h for h, state in states.items() if state is Stage.ABSENT]
+        if not missing:
+            return all(state is Stage.STAGED for state in states.values())
         lost = unobtainable(missing, request_id)
         if lost:
             self._fail(request_id, f"nobody will make {', '.join(lost)} (its encoder "

@@ -28,7 +28,17 @@ COUNTERS = {
     "hits": ("vllm:ec_daemon_hits", "Lookups answered from the ec-daemon cache"),
     "loads": ("vllm:ec_daemon_loads", "Loads dispatched to the workers"),
     "load_bytes": ("vllm:ec_daemon_load_bytes", "Bytes of dispatched loads"),
-    "load_failures": ("vllm:ec_daemon_load_failures", "Loads a worker found unusable"),
+    "load_failures": ("vllm:ec_daemon_load_failures",
+                      "Loads a worker found unusable: their requests encoded the item, or "
+                      "failed without its media"),
+    "loads_checksum_mismatch": ("vllm:ec_daemon_loads_checksum_mismatch",
+                                "Loads whose bytes did not match their entry's checksum "
+                                "(another process rewrote them): refused, reported to the daemon"),
+    "loads_stamp_mismatch": ("vllm:ec_daemon_loads_stamp_mismatch",
+                             "Loads whose pages no longer carried their entry's stamp: refused"),
+    "loads_inline": ("vllm:ec_daemon_loads_inline",
+                     "Loads the scheduler's process staged itself (a step its workers did "
+                     "not run)"),
     "saves_done": ("vllm:ec_daemon_saves", "Encoder outputs saved to the cache"),
     "saves_already_cached": ("vllm:ec_daemon_saves_already_cached",
                              "Saves dropped: the key was cached or being saved"),

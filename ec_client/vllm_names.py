@@ -96,9 +96,12 @@ USES: tuple[Use, ...] = (
     Use("vllm.config:LoRAConfig.enable_tower_connector_lora", "items an adapter encodes",
         optional=True),
     Use("vllm.config:DeviceConfig.device_type", "check_backend_device"),
+    # Absent from 0.34, whose workers all run Model Runner V2.
+    Use("vllm.config:VllmConfig.use_v2_model_runner", "workers_run_idle_steps", optional=True),
     # What vLLM's scheduler and workers hand the connector.
     *_fields("vllm.v1.core.sched.output:SchedulerOutput",
-             "free_encoder_mm_hashes num_scheduled_tokens", "build_connector_meta"),
+             "free_encoder_mm_hashes num_scheduled_tokens total_num_scheduled_tokens",
+             "build_connector_meta"),
     Use("vllm.v1.outputs:ECConnectorOutput.ec_connector_worker_meta",
         "update_connector_output"),
     *_fields("vllm.v1.request:Request", "request_id mm_features ec_transfer_params",

@@ -1,9 +1,15 @@
 """The scheduler-to-worker contract: what a scheduler step hands its workers
-(`StepMetadata`: the loads, the regions they name, the generations to keep
-mapped, the namespace) and what a worker needs to map a region
-(`RegionInfo`). Plain values, cheap to pickle (vLLM sends them to every rank
-each step), in a module of their own so worker processes never import the
-scheduler's side.
+(`StepMetadata`: the loads to stage, the staged loads to adopt or drop, the
+regions the loads name, the generations to keep mapped, the namespace) and
+what a worker needs to map a region (`RegionInfo`). Plain values, cheap to
+pickle (vLLM sends them to every rank each step), in a module of their own so
+worker processes never import the scheduler's side.
+
+A load lands one step before the step that uses it (docs/architecture.md,
+"Staged loads"): a step's `loads` are copied by every rank into memory it
+keeps aside and verified; each rank reports them in its worker metadata;
+a later step that schedules a request needing one names it in `adopt`, and
+the ranks move the staged output into vLLM's encoder cache without a copy.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ class RegionInfo:
 
 class LoadSpec(NamedTuple):
     """One load for the workers: copy `extents` of region `generation` into
-    an output of `shape`/`dtype`, check the pages carry stamp `entry_id`
-    (and, where the loader checks it, that the bytes have `checksum`, their
-    writer's xxh3-64; 0: none), then report `transfer_id`. (A NamedTuple:
-    built once per hit on the scheduler's path, and cheap to pickle.)"""
+    an output of `shape`/`dtype`, check the pages carry stamp `entry_id` and
+    (unless 0) that the bytes hash to `checksum` (xxh3-64), then report
+    `transfer_id`. (A NamedTuple: built once per hit on the scheduler's path,
+    and cheap to pickle.)"""
 
     mm_hash: str
     transfer_id: int
@@ -44,12 +50,42 @@ class LoadSpec(NamedTuple):
     checksum: int = 0
 
 
+class Adopt(NamedTuple):
+    """A staged load this step uses: move the output staged under
+    `transfer_id` into vLLM's encoder cache as `mm_hash`."""
+
+    mm_hash: str
+    transfer_id: int
+
+
+class InlineLoad(NamedTuple):
+    """An output the scheduler's process staged and verified itself (a step
+    its workers did not run: `StepMetadata.loads` would not have reached
+    them), carried whole: the ranks put `payload` (row-major bytes) into the
+    encoder cache as `mm_hash`, with `shape` and `dtype`."""
+
+    mm_hash: str
+    transfer_id: int
+    shape: tuple[int, ...]
+    dtype: str
+    payload: bytes | bytearray
+
+
 @dataclass
 class StepMetadata:
     """Scheduler -> workers, once per step. Extents, never one id per row;
     the regions the loads name, by generation."""
 
+    # Loads to stage: copy, verify, keep aside, report.
     loads: list[LoadSpec] = field(default_factory=list)
+    # Staged loads this step's requests use, and ones no request will use.
+    adopt: list[Adopt] = field(default_factory=list)
+    drop: list[int] = field(default_factory=list)
+    inline: list[InlineLoad] = field(default_factory=list)
+    # Steps the workers run, counted by the scheduler (0: not counted). A
+    # worker drops a staged output no step adopted within
+    # ec_client.common.contract.STAGED_STEPS of its staging.
+    step: int = 0
     regions: dict[int, RegionInfo] = field(default_factory=dict)
     # The region generations this scheduler may still have a rank load from:
     # its loads dispatched and not reported by every rank (these included),
@@ -63,3 +99,17 @@ class StepMetadata:
     # worker presents it to the daemon, which then counts it as one of this
     # engine's ranks. Never logged: it is what keeps other clients out.
     engine_token: str = ""
+
+
+# A staged output no step adopted this many worker steps after the step that
+# staged it is dropped by the worker. The scheduler drops its own record of it
+# earlier (`ADOPT_STEPS`), so it never names one a worker dropped.
+STAGED_STEPS = 64
+ADOPT_STEPS = STAGED_STEPS // 2
+
+# Why a rank could not stage a load (`WorkerMetadata`): the entry's bytes are
+# not what its writer saved (reported to the daemon, which checks and hides
+# it), or anything else (the load's request only).
+STAMP_MISMATCH = "stamp"
+CHECKSUM_MISMATCH = "checksum"
+UNUSABLE = "unusable"

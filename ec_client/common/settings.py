@@ -21,6 +21,16 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
 PREFIX = "ec_daemon_"
 MAX_WEIGHTS_ID_CHARS = 128
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
+# Loads staged a step before their use, per worker rank (on its device,
+# outside vLLM's encoder budget): docs/architecture.md, "Staged loads".
+DEFAULT_STAGING_BYTES = 256 << 20
+# Each load checked against its entry's checksum: off, since it costs more
+# than 5% of a load (docs/performance.md, 2b: the cpu backend's load of 1-64
+# MiB takes 1.3-1.5x as long with it; a CUDA worker reads the pages on the
+# host after its copy: benchmarks/gpu.py's `verify_cost`). Turn it on where
+# other processes that map the region (any engine's workers, a --group) are
+# not trusted.
+DEFAULT_VERIFY_CHECKSUM = False
 # How long a request is deferred at most for another engine's encode or a
 # promotion.
 DEFAULT_MAX_DEFER_SECONDS = 10.0
@@ -48,6 +58,19 @@ def _non_negative(name: str, scale: float = 1.0) -> Callable[[Any], float]:
         if not number >= 0:  # (NaN too)
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         return number * scale
+    return parse
+
+
+def _flag(name: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be true or false, got {value!r}")
     return parse
 
 
@@ -83,6 +106,18 @@ KEYS: tuple[Key, ...] = (
         f"`{DEFAULT_SAVE_QUEUE_BYTES}` ({DEFAULT_SAVE_QUEUE_BYTES >> 20} MiB)",
         "memory held by encoder outputs waiting to be saved (outside vLLM's encoder budget); "
         "a full queue skips the save"),
+    Key("ec_daemon_staging_bytes", "staging_bytes", int, DEFAULT_STAGING_BYTES,
+        f"`{DEFAULT_STAGING_BYTES}` ({DEFAULT_STAGING_BYTES >> 20} MiB)",
+        "memory each worker rank holds for loads copied and verified a step before the step "
+        "that uses them (on its device, outside vLLM's encoder budget); a hit that finds it "
+        "full is encoded instead"),
+    Key("ec_daemon_verify_checksum", "verify_checksum", _flag("ec_daemon_verify_checksum"),
+        DEFAULT_VERIFY_CHECKSUM, f"`{str(DEFAULT_VERIFY_CHECKSUM).lower()}`",
+        "check each load against the checksum its writer recorded: a load whose bytes another "
+        "process of the region rewrote is then refused (its request encodes the item), "
+        "counted (`loads_checksum_mismatch`) and reported to the daemon, which hides the "
+        "entry. Costs the loads more than 5% (docs/performance.md), so it is off; turn it on "
+        "where processes that map the region are not trusted"),
     Key("ec_daemon_max_defer_s", "max_defer_seconds", _non_negative("ec_daemon_max_defer_s"),
         DEFAULT_MAX_DEFER_SECONDS, f"`{DEFAULT_MAX_DEFER_SECONDS:g}`",
         "how long a request is deferred at most while another engine of this host encodes "
@@ -130,6 +165,8 @@ class ConnectorSettings:
     deadline_seconds: float
     namespace: str
     save_queue_bytes: int
+    staging_bytes: int
+    verify_checksum: bool
     max_defer_seconds: float
     answer_wait_seconds: float
     weights_id: str

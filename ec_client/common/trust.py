@@ -65,14 +65,15 @@ def attached_socket_owner(uri: str) -> int | None:
         return None
 
 
-def open_region(path: str, expected_uid: int | None = None) -> int:
-    """Open the region file read-write and return the descriptor (the caller
-    closes it). Refuses a symlink, anything but a regular file, and, when
-    `expected_uid` is given, a file owned by anyone but that user or root.
-    Raises UntrustedError, or another OSError (FileNotFoundError when the
-    daemon that named it is gone)."""
+def open_region(path: str, expected_uid: int | None = None, *, writable: bool = True) -> int:
+    """Open the region file read-write (read-only unless `writable`) and
+    return the descriptor (the caller closes it). Refuses a symlink,
+    anything but a regular file, and, when `expected_uid` is given, a file
+    owned by anyone but that user or root. Raises UntrustedError, or another
+    OSError (FileNotFoundError when the daemon that named it is gone)."""
     # O_NONBLOCK: a FIFO or device put in its place must not block the open.
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW \
+        | os.O_NONBLOCK
     try:
         fd = os.open(path, flags)
     except OSError as exc:

@@ -38,7 +38,7 @@ Load = tuple[RegionMapping, Extents, Any]  # a load: the mapping, its extents, t
 BACKENDS = ("auto", "cpu", "torch", "cupy")
 # What every backend has: `CopyBackend`'s members, checked on custom ones.
 INTERFACE = ("name", "device", "stats", "attach", "detach", "pinned", "empty", "prepare_save",
-             "save", "load", "load_all")
+             "save", "load", "load_all", "loaded_bytes")
 
 
 class CopyBackend(Protocol):
@@ -82,6 +82,12 @@ class CopyBackend(Protocol):
         the TypeError or ValueError that refused it, or the OSError
         (`mapping.RegionCut`) of a file another process cut under it (its
         `out` is garbage; the others go on)."""
+
+    def loaded_bytes(self, out: Any) -> memoryview | None:
+        """A loaded output's bytes as host memory, read without a copy, where
+        this backend's outputs are host memory (`cpu`); None where they are
+        not (CUDA): a loader that checks what it loaded reads the region's
+        pages instead (`ec_client.worker_side.worker`)."""
 
 
 def check_extents(mapping: RegionMapping, extents: Extents, nbytes: int) -> None:

@@ -104,6 +104,9 @@ class Backend:
             mapping.read_into(offset, data[done:done + length])
         return out
 
+    def loaded_bytes(self, out: Any) -> memoryview:
+        return as_bytes(out)
+
     def load_all(self, loads: Sequence[Load]) -> list[Exception | None]:
         errors: list[Exception | None] = []
         for mapping, extents, out in loads:

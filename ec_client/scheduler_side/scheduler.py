@@ -1,25 +1,34 @@
 """Scheduler delegate: what vLLM's scheduler side calls each step, on plain values.
 
 Hot-path rules (docs/architecture.md, "The hit-to-load path"): nothing here
-waits on the network, and a hit sends nothing. Misses and hits are answered
-from the local `ReadyView`, and only while the session is fresh (its
-heartbeats are echoed: see `session`). A hit's load goes into the step
-metadata with the entry's extents, its stamp (entry_id), its region and a
-transfer id minted here; the view keeps the entry's eviction unacknowledged
-until every rank reported that transfer through vLLM's worker metadata
-(`apply_worker_output`). Recency and load counts reach the daemon as
-touches on the next heartbeat. Saves need nothing from the scheduler.
+waits on the network but a cold miss's bounded wait for its answer
+(`ec_client.scheduler_side.wants`), and a hit sends nothing. Lookups are
+answered from the local `ReadyView`, and only while the session is fresh
+(its heartbeats are echoed: see `session`).
 
-Before vLLM schedules a request with media it asks `ensure`: an item the
-view does not hold is *wanted* (one stream message) and the daemon answers:
-encode it (nobody else is), or wait for another engine's save or a
-promotion from the second tier, which ends with a ready event (then
-`has_item` hits); a producer only claims what it encodes (never deferred),
-and a consumer given an item without its media learns at once when nobody
-will make it (`unobtainable`). What is asked and told, and every bound on
-waiting for it, is `ec_client.scheduler_side.wants`'s. This is the one wait
-on the scheduler's path, for a miss only, bounded per step; hits never
-wait. Wants are sent only where they help: another engine shares the
+Before vLLM schedules a request with media it asks `ensure`. An item the
+view holds is *staged* (`ec_client.scheduler_side.staging`, which says why):
+its load, with the entry's extents, stamp (entry_id), checksum, region and a
+transfer id minted here, goes into this step's metadata, the request is
+deferred, and every rank copies and verifies it into memory it keeps aside
+and reports it through vLLM's worker metadata (`apply_worker_output`); the
+view keeps the entry's eviction unacknowledged until every rank reported.
+The next time vLLM asks, a staged item is a hit (`has_item`), and the step
+that uses it adopts it (`after_alloc`, `build_step_metadata`). A load that
+failed on any rank is a miss: the request encodes the item (or, without its
+media, fails: the vLLM shell decides). Recency and load counts reach the
+daemon as touches on the next heartbeat. Saves need nothing from the
+scheduler.
+
+An item the view does not hold is *wanted* (one stream message) and the
+daemon answers: encode it (nobody else is), or wait for another engine's
+save or a promotion from the second tier, which ends with a ready event
+(then it is staged); a producer only claims what it encodes (never
+deferred), and a consumer given an item without its media learns at once
+when nobody will make it (`unobtainable`). What is asked and told, and every
+bound on waiting for it, is `ec_client.scheduler_side.wants`'s. This is the
+one wait on the scheduler's path, for a miss only, bounded per step; hits
+never wait. Wants are sent only where they help: another engine shares the
 namespace, or a second tier is on (the daemon says which).
 
 Hits are answered only once every worker rank of the engine has mapped the
@@ -38,9 +47,9 @@ the new session's snapshot. A load dispatched before a restart still reads
 the old region (workers keep it mapped; nobody reuses its pages).
 
 Threads: vLLM makes every per-step call from its one scheduling thread, so
-the delegate's own state (planned, dispatched and unavailable loads) is that
-thread's alone and takes no lock. The only lock on a step is the view's,
-taken at the step boundary when the step looked anything up.
+the delegate's own state (staged loads, wants) is that thread's alone and
+takes no lock. The only lock on a step is the view's, taken at the step
+boundary when the step staged anything.
 """
 
 from __future__ import annotations
@@ -51,14 +60,19 @@ import os
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
 from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import DEFAULT_ANSWER_WAIT_SECONDS, DEFAULT_MAX_DEFER_SECONDS
+from ec_client.common.settings import (
+    DEFAULT_ANSWER_WAIT_SECONDS,
+    DEFAULT_MAX_DEFER_SECONDS,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_VERIFY_CHECKSUM,
+)
 from ec_client.common.trust import attached_socket_owner, open_region
-from ec_client.scheduler_side.view import ReadyView, Ref, Refs, ViewEntry
+from ec_client.scheduler_side.staging import Stage, Staging
+from ec_client.scheduler_side.view import ReadyView, Refs
 from ec_client.scheduler_side.wants import Wants
 from ec_protocol.protocol import (
     BOTH,
@@ -72,14 +86,12 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-# A dispatched load whose ranks never all reported is given up after this
-# (a backstop: vLLM returns every step's worker output, and a load takes
-# milliseconds). Its eviction is then acknowledged, logged.
-INFLIGHT_TTL_SECONDS = 120.0
 # Ranks still not all mapped this long after an attach or a rank's loss is
 # worth a warning (engines start their scheduler before their workers, and
 # stop their workers first).
 UNMAPPED_WARNING_SECONDS = 30.0
+
+
 class _Current(NamedTuple):
     """The attachment hits are answered for, the view epoch it filled, the
     lineage its loads in flight count in, and its namespace."""
@@ -90,17 +102,6 @@ class _Current(NamedTuple):
     namespace: str
 
 
-@dataclass(slots=True)
-class _Transfer:
-    ref: Ref
-    lineage: int
-    generation: int
-    left: int  # rank reports still to come
-    request_ids: list[str]
-    started: float
-    failed: bool = False
-
-
 class SchedulerDelegate(LinkListener):
     def __init__(self, socket: str, *, engine_id: str, layout: Layout, role: Role = BOTH,
                  ranks: int = 1, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
@@ -109,8 +110,11 @@ class SchedulerDelegate(LinkListener):
                  max_defer_seconds: float = DEFAULT_MAX_DEFER_SECONDS,
                  answer_wait_seconds: float = DEFAULT_ANSWER_WAIT_SECONDS,
                  metadata_type: type[StepMetadata] = StepMetadata,
-                 world_size: int = 0, engine_token: str = "") -> None:
-        """`ranks`: how many worker ranks load (and report) each dispatched load.
+                 world_size: int = 0, engine_token: str = "",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 workers_run_idle_steps: bool = True,
+                 verify_checksum: bool = DEFAULT_VERIFY_CHECKSUM) -> None:
+        """`ranks`: how many worker ranks stage (and report) each load.
         `world_size`: how many distinct worker ranks must have mapped the
         region before hits are answered (0: `ranks`; the daemon's count of
         what the ranks attached with, if larger).
@@ -118,7 +122,14 @@ class SchedulerDelegate(LinkListener):
         put in every step's metadata for its workers to present; empty: the
         daemon counts every rank attached under `engine_id` without one.
         `metadata_type`: what `build_step_metadata` returns (the vLLM
-        connector's subclass, so the step's metadata is built once)."""
+        connector's subclass, so the step's metadata is built once).
+        `staging_bytes`: what the loads staged at once may hold (each rank's
+        staging area is as large). `workers_run_idle_steps`: the workers see
+        the metadata of a step that schedules no tokens (vLLM's Model Runner
+        V2; its V1 runner does not: see `ec_client.scheduler_side.staging`).
+        `verify_checksum`: loads staged in this process are checked against
+        their entry's checksum (the workers check theirs when they are told
+        to, `ec_daemon_verify_checksum`)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
@@ -131,25 +142,20 @@ class SchedulerDelegate(LinkListener):
         self.ranks = ranks
         self.world_size = world_size or ranks
         self.engine_token = engine_token
+        self.workers_run_idle_steps = workers_run_idle_steps
         self._metadata_type = metadata_type
         self.transport = Transport(socket, deadline_seconds, token_file=token_file,
                                    tls_ca=tls_ca)
         self.view = ReadyView()
         self.wants = Wants(self.view, self._send_items, max_defer_seconds=max_defer_seconds,
                            answer_wait_seconds=answer_wait_seconds)
+        self.staging = Staging(self.view, self._send, ranks=ranks, limit_bytes=staging_bytes,
+                               admit_seconds=max_defer_seconds, verify_checksum=verify_checksum)
         self._current: _Current | None = None
         self._ids = itertools.count(1)
-        self._planned: dict[str, tuple[LoadSpec, list[str], _Current]] = {}
-        self._dispatched: dict[int, _Transfer] = {}
-        self._unavailable: set[str] = set()
-        self._hits_this_step: dict[str, tuple[ViewEntry, _Current]] = {}
-        self._loading: dict[int, int] = {}  # generation -> loads in flight
-        self._keep: tuple[int | None, frozenset[int]] | None = None  # (current, keep)
         self._generation: int | None = None  # of the last attachment, kept while detached
         self._next_expiry = 0.0
         self._taken: dict[str, tuple[int, int]] = {}
-        # Since the last take_stats (plain ints: the hot path counts them).
-        self._loads = self._load_bytes = self._load_failures = 0
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, listener=self, engine_token=engine_token)
@@ -158,24 +164,47 @@ class SchedulerDelegate(LinkListener):
 
     # --------------------------------------------------- per-step calls
 
-    def has_item(self, mm_hash: str) -> bool:
-        """Is `mm_hash` cached and loadable? Local; a yes stays loadable
-        until this step's `build_step_metadata`."""
+    def stage(self, mm_hash: str, request_id: str, now: float = 0.0) -> Stage:
+        """Where request `request_id`'s item `mm_hash` stands: STAGED (a hit
+        when vLLM asks), WAIT (its load is staging, or was planned now: defer
+        the request), FAILED (it cannot be loaded: encode it, or fail a
+        request without its media), ABSENT (not in the cache, or not
+        loadable now: a miss)."""
+        staged = self.staging.state(mm_hash, request_id, now)
+        if staged is not None:
+            return staged
+        entry = self.view.get(mm_hash)
+        if entry is None:
+            return Stage.ABSENT
         # The attachment first: a re-attach clears the view before it
-        # publishes the new one, so a hit never pairs an old entry with a
-        # new region. The other way round (a re-attach after `current` was
-        # read, then the new view's entry) the epoch has moved by the time
-        # the claim returns: a miss, since entry ids restart with the daemon
+        # publishes the new one, so an entry is never paired with another
+        # region. The other way round (a re-attach after `current` was read,
+        # then the new view's entry) the epoch has moved by the time the
+        # claim returns: not staged, since entry ids restart with the daemon
         # and the old region may carry the same stamp on other bytes.
         current = self._current
         if current is None or not self.can_load or not self.link.fresh():
-            return False
-        # A ready entry is a miss while the ranks map.
-        entry = self.view.claim(mm_hash, current.epoch, self._ranks_mapped)
-        if entry is None:
-            return False
-        self._hits_this_step[mm_hash] = (entry, current)
-        return True
+            return Stage.ABSENT
+        if self.staging.refused(mm_hash, entry.entry_id, now or time.monotonic()):
+            return Stage.FAILED
+        if not self.staging.room(entry.nbytes):
+            return Stage.ABSENT
+        # A ready entry is not staged while the ranks map.
+        claimed = self.view.claim(mm_hash, current.epoch, self._ranks_mapped)
+        if claimed is None:
+            return Stage.ABSENT
+        spec = LoadSpec(mm_hash, next(self._ids), claimed.entry_id, current.region.generation,
+                        claimed.nbytes, claimed.shape, claimed.dtype, claimed.extents,
+                        claimed.checksum)
+        self.staging.plan(spec, current.region, current.lineage, request_id)
+        return Stage.WAIT
+
+    def has_item(self, mm_hash: str) -> bool:
+        """Is `mm_hash` staged on every rank (vLLM's `has_cache_item`)? Local;
+        a yes stays one until this step's `build_step_metadata`."""
+        hit = self.staging.hit(mm_hash)
+        self.view.count(hit)
+        return hit
 
     @property
     def wanting(self) -> bool:
@@ -195,30 +224,43 @@ class SchedulerDelegate(LinkListener):
         return self._current is not None and self.view.get(mm_hash) is not None
 
     def serving(self) -> bool:
-        """Would a lookup of a ready item hit now? Attached and fresh, the
+        """Would a ready item be staged now? Attached and fresh, the
         snapshot in, and every worker rank mapped the region."""
         return self._current is not None and self._ranks_mapped and self.view.synced \
             and self.link.fresh()
 
     def ensure(self, mm_hashes: Iterable[str], request_id: str = "") -> bool:
-        """May request `request_id`, needing these items, be scheduled now?
-        False defers it (vLLM asks again next step): another engine or a
-        promotion is making an item, or the daemon has not answered yet.
-        Waits only for the answers to items wanted here for the first time,
-        `answer_wait_seconds` per step in all. Items this engine was told to
-        encode are offered to waiting engines at the step's end if no request
-        needing them ran (`build_step_metadata`); `request_finished` releases
-        them. A producer (it cannot load) claims the items it is about to
-        encode and is never deferred."""
-        if not self._wanting or not self.link.fresh():
-            return True
+        """May request `request_id`, needing these items (each with its
+        media), be scheduled now? False defers it (vLLM asks again next
+        step): an item's load is staging (or was planned now), another
+        engine or a promotion is making one, or the daemon has not answered
+        yet. An item whose load failed goes ahead, as a miss. Waits only for
+        the answers to items wanted here for the first time,
+        `answer_wait_seconds` per step in all (`Wants`). A producer (it
+        cannot load) claims the items it is about to encode and is never
+        deferred."""
         if not self.can_load:
-            if self._producer_claims:  # (an older daemon refuses a producer's wants)
-                self.wants.claim(mm_hashes, request_id)
+            if self._producer_claims and self._wanting and self.link.fresh():
+                self.wants.claim(mm_hashes, request_id)  # (an older daemon refuses them)
             return True
-        if not self._ranks_mapped:
-            return True
-        return self.wants.ensure(mm_hashes, request_id)
+        ready = True
+        misses: list[str] = []
+        now = time.monotonic()
+        for mm_hash in mm_hashes:
+            state = self.stage(mm_hash, request_id, now)
+            if state is Stage.WAIT:
+                ready = False
+            elif state is Stage.ABSENT:
+                misses.append(mm_hash)
+        if misses and self._wanting and self._ranks_mapped and self.link.fresh():
+            view = self.view
+            if not self.wants.ensure(misses, request_id):
+                ready = False
+            for mm_hash in misses:  # landed while the step waited for answers
+                if view.get(mm_hash) is not None \
+                        and self.stage(mm_hash, request_id, now) is Stage.WAIT:
+                    ready = False
+        return ready
 
     def unobtainable(self, mm_hashes: Iterable[str], request_id: str = "") -> list[str]:
         """Of these items, which this engine cannot encode (they came without
@@ -234,9 +276,12 @@ class SchedulerDelegate(LinkListener):
 
     def request_finished(self, request_id: str, mm_hashes: Iterable[str]) -> None:
         """Request `request_id`, which needed these items, finished or was
-        aborted: those no other request of this engine needs, that this
-        engine was to encode and did not start, or waits for, are released
-        (a waiting engine encodes them at once instead of after its bound)."""
+        aborted: their staged loads no other request needs are dropped, and
+        those this engine was to encode and did not start, or waits for, are
+        released (a waiting engine encodes them at once instead of after its
+        bound)."""
+        mm_hashes = tuple(mm_hashes)
+        self.staging.request_finished(request_id, mm_hashes)
         self.wants.request_finished(request_id, mm_hashes)
 
     def _send_items(self, field_name: str, mm_hashes: list[str]) -> None:
@@ -247,148 +292,78 @@ class SchedulerDelegate(LinkListener):
             self.link.send(message)
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
-        """vLLM allocated encoder space for this item; plan its load if it
-        was a hit. Returns True when the item will be loaded."""
-        planned = self._planned.get(mm_hash)
-        if planned is not None:
-            planned[1].append(request_id)
+        """vLLM allocated encoder space for this item; the step adopts its
+        staged load if it was a hit. Returns True when the item is loaded."""
+        if self.staging.adopt(mm_hash):
             return True
-        hit = self._hits_this_step.get(mm_hash)
-        if hit is None:  # computed by the engine (and saved by its worker)
-            self.wants.computing(mm_hash)
-            return False
-        entry, current = hit
-        spec = LoadSpec(mm_hash, next(self._ids), entry.entry_id, current.region.generation,
-                        entry.nbytes, entry.shape, entry.dtype, entry.extents, entry.checksum)
-        self._planned[mm_hash] = (spec, [request_id], current)
-        return True
+        self.wants.computing(mm_hash)  # computed by the engine (and saved by its worker)
+        return False
 
-    def build_step_metadata(self, scheduled: Container[str] | None = None) -> StepMetadata:
-        """The step's loads; marks them in flight in the view (which then
-        withholds their evictions' acknowledgements). Items this engine was
-        told to encode for requests none of which ran this step (none among
-        the `scheduled` request ids: no KV room, no budget, waiting for
-        another item; with None, any not being encoded) are offered to an
-        engine that waits for them (`yields`): it encodes, this one waits.
-        Returns an instance of the delegate's `metadata_type`."""
+    def build_step_metadata(self, scheduled: Container[str] | None = None,
+                            tokens: int | None = None) -> StepMetadata:
+        """The step's metadata: the loads planned this step (in flight in the
+        view from now), the staged loads it adopts or drops. `tokens`: the
+        tokens the step schedules (None: some); a step with none is not run
+        by workers that do not run idle steps, so its loads are staged here.
+        Items this engine was told to encode for requests none of which ran
+        this step (none among the `scheduled` request ids) are offered to an
+        engine that waits for them (`Wants.step_end`). Returns an instance
+        of the delegate's `metadata_type`."""
         self.wants.step_end(scheduled)
-        if self._hits_this_step:
-            self._hits_this_step.clear()
         now = time.monotonic()
-        if (self._dispatched or self.wants) and now >= self._next_expiry:
-            self._expire(now)
-        view, attached = self.view, self._current  # read once: the link thread may replace it
+        if (self.staging.in_flight() or self.wants) and now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            self.staging.expire(now)
+            self.wants.expire(now)
+        attached = self._current  # read once: the link thread may replace it
         metadata = self._metadata_type()
         metadata.engine_token = self.engine_token
-        lineage = view.lineage
-        planned = self._planned
-        if not planned:
-            view.end_step((), lineage, self._send)
-        else:
-            self._planned = {}
-            loads, regions, dispatched = metadata.loads, metadata.regions, self._dispatched
-            loading, ranks = self._loading, self.ranks
-            in_view: Refs = []  # loads the view counts (older ones: see has_item)
-            nbytes = 0
-            for spec, request_ids, current in planned.values():
-                ref = (spec.mm_hash, spec.entry_id)
-                generation = spec.generation
-                dispatched[spec.transfer_id] = _Transfer(ref, current.lineage, generation,
-                                                         ranks, request_ids, now)
-                count = loading.get(generation, 0)
-                loading[generation] = count + 1
-                if not count:
-                    self._keep = None
-                if current.lineage == lineage:
-                    in_view.append(ref)
-                loads.append(spec)
-                regions[generation] = current.region
-                nbytes += spec.nbytes
-            view.end_step(in_view, lineage, self._send)
-            self._loads += len(loads)
-            self._load_bytes += nbytes
+        visible = tokens is None or tokens > 0 or self.workers_run_idle_steps
+        self.staging.end_step(metadata, visible, self.view.lineage)
         if attached is None:
-            metadata.keep = self._keep_now(None)
+            metadata.keep = self.staging.keep(None)
         else:
-            metadata.keep = self._keep_now(attached.region.generation)
+            metadata.keep = self.staging.keep(attached.region.generation)
             metadata.namespace = attached.namespace
+        mismatches = self.staging.take_mismatches()
+        if mismatches:
+            self._report_mismatches(mismatches)
         return metadata
 
-    def apply_worker_output(self, done: Iterable[int] = (),
-                            failed: Iterable[int] = ()) -> None:
-        """One report per rank and transfer: `done` landed and verified,
-        `failed` must not be used (their requests become unavailable)."""
-        failed = tuple(failed)
-        for transfer_id in failed:
-            transfer = self._dispatched.get(transfer_id)
-            if transfer is not None and not transfer.failed:
-                transfer.failed = True
-                self._unavailable.update(transfer.request_ids)
-                self._load_failures += 1
-        finished: list[_Transfer] = []
-        self._reported(failed, finished)
-        self._reported(done, finished)
-        if finished:
-            self._finish(finished)
+    def _report_mismatches(self, refs: Refs) -> None:
+        """Entries whose bytes a load found wrong: the daemon reads their
+        pages itself and hides those that do not match (the next save of
+        the key lands); it changes nothing on a report the pages contradict."""
+        log.warning("ec-daemon: %d entr%s found with bytes that are not their writer's (told "
+                    "to the daemon): %s", len(refs), "y" if len(refs) == 1 else "ies",
+                    ", ".join(f"{h} (entry {e})" for h, e in refs[:8]))
+        for start in range(0, len(refs), MAX_BATCH):
+            self.link.send(pb.ClientMessage(mismatches=[
+                pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs[start:start + MAX_BATCH]]))
 
-    def take_unavailable_requests(self) -> set[str]:
-        if not self._unavailable:
-            return set()
-        taken, self._unavailable = self._unavailable, set()
-        return taken
+    def apply_worker_output(self, done: Iterable[int] = (),
+                            failed: Iterable[tuple[int, str]] = ()) -> None:
+        """One report per rank and transfer: `done` staged and verified,
+        `failed` (transfer id, what failed) must not be used: its requests
+        encode the item, or fail without its media."""
+        self.staging.reported(done, failed)
 
     def take_stats(self) -> Counter[str]:
         """Counters since the previous call (vLLM's connector stats)."""
         lookups, hits = self._counts_since("stats")
-        stats = Counter(lookups=lookups, hits=hits, loads=self._loads,
-                        load_bytes=self._load_bytes, load_failures=self._load_failures,
-                        **self.wants.take_stats())
-        self._loads = self._load_bytes = self._load_failures = 0
+        counts = self.staging.counts
+        stats = Counter(lookups=lookups, hits=hits, loads=counts.loads,
+                        load_bytes=counts.load_bytes, load_failures=counts.load_failures,
+                        loads_inline=counts.inline, **self.wants.take_stats())
+        counts.loads = counts.load_bytes = counts.load_failures = counts.inline = 0
         return +stats  # without zero counts
 
     def close(self) -> None:
         self.link.stop()
         self.transport.close()
+        self.staging.reader.close()
 
     # ------------------------------------------------------------ helpers
-
-    def _reported(self, transfer_ids: Iterable[int], finished: list[_Transfer]) -> None:
-        """One rank reported each of `transfer_ids`; those all ranks reported
-        go to `finished`."""
-        dispatched = self._dispatched
-        for transfer_id in transfer_ids:
-            transfer = dispatched.get(transfer_id)
-            if transfer is None:
-                continue
-            transfer.left -= 1
-            if transfer.left <= 0:
-                del dispatched[transfer_id]
-                finished.append(transfer)
-
-    def _finish(self, transfers: list[_Transfer]) -> None:
-        """These loads landed on every rank: the view may acknowledge."""
-        lineage = self.view.lineage
-        loading = self._loading
-        refs: Refs = []
-        for transfer in transfers:
-            left = loading.get(transfer.generation, 0) - 1
-            if left > 0:
-                loading[transfer.generation] = left
-            elif loading.pop(transfer.generation, None) is not None:
-                self._keep = None  # the generation left StepMetadata.keep
-            if transfer.lineage == lineage:
-                refs.append(transfer.ref)
-        self.view.finish(refs, lineage, self._send)
-
-    def _keep_now(self, generation: int | None) -> frozenset[int]:
-        """StepMetadata.keep while attached to region `generation`, rebuilt
-        only when it changed."""
-        cached = self._keep
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        keep = frozenset(self._loading) | ({generation} if generation is not None else set())
-        self._keep = (generation, keep)
-        return keep
 
     def _counts_since(self, reader: str) -> tuple[int, int]:
         """(lookups, hits) since `reader` last asked; each reader (the
@@ -397,18 +372,6 @@ class SchedulerDelegate(LinkListener):
         taken = self._taken.get(reader, (0, 0))
         self._taken[reader] = counts
         return counts[0] - taken[0], counts[1] - taken[1]
-
-    def _expire(self, now: float) -> None:
-        self._next_expiry = now + 1.0
-        self.wants.expire(now)
-        stale = [t for t, x in self._dispatched.items()
-                 if now - x.started > INFLIGHT_TTL_SECONDS]
-        for transfer_id in stale:
-            transfer = self._dispatched.pop(transfer_id)
-            log.warning("ec-daemon load %d of %s: %d rank report(s) missing after %.0fs; "
-                        "releasing the entry", transfer_id, transfer.ref[0], transfer.left,
-                        INFLIGHT_TTL_SECONDS)
-            self._finish([transfer])
 
     # ------------------------------------------------- link callbacks
 
@@ -436,11 +399,12 @@ class SchedulerDelegate(LinkListener):
         # region missing here (a client left in a restarted container's old
         # /dev/shm) or not the daemon's raises, and the link tries again later.
         os.close(open_region(attachment.region.path, owner))
+        self.staging.region_owner = owner
         self._wanting = False  # until the new session's NamespaceInfo
         self._producer_claims = attachment.producer_claims
         self._ranks_mapped = False  # until the new session's EngineRanks
         self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
-        self.wants.clear()  # answers of the old daemon mean nothing to the new one
+        self.wants.clear()
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
         self.view.clear(keep_loads=same_region)

@@ -8,10 +8,11 @@ acknowledged the eviction. So the view acknowledges an eviction only when
 engine dispatched is still in flight: that is what keeps the bytes under
 a running copy, without any pin message.
 
-- Claims: between `has_item` saying yes and the engine dispatching that
-  load later in the same step, an eviction must not be acknowledged.
-  Entries looked up since the last step boundary are claimed; `end_step`
-  turns the dispatched ones into loads in flight and releases the rest.
+- Claims: between the scheduler choosing an entry to load (`claim`, from
+  `SchedulerDelegate.stage`) and the step's end, when the load goes out, an
+  eviction must not be acknowledged. Entries claimed since the last step
+  boundary stay loadable; `end_step` turns the dispatched ones into loads in
+  flight and releases the rest.
 - Loads in flight: counted per (mm_hash, entry_id) from `end_step` until
   `finish` (every rank reported, through vLLM's worker metadata). An
   eviction of an entry in flight is withheld until its last load finished.
@@ -90,32 +91,38 @@ class ReadyView:
 
     def claim(self, mm_hash: str, epoch: int | None = None,
               serve: bool = True) -> ViewEntry | None:
-        """A lookup: the entry if it is ready, `serve` and the view is still
-        at `epoch` (None: any), counted a hit; it then stays loadable until
-        `end_step`. Otherwise None, a miss (a ready entry not served: the
-        ranks still map). Lock-free (see the module docstring); the epoch is
-        read after the entry (see `SchedulerDelegate.has_item`)."""
+        """The entry if it is ready, `serve` and the view is still at `epoch`
+        (None: any); it then stays loadable until `end_step`. Otherwise None
+        (a ready entry not served: the ranks still map). Lock-free (see the
+        module docstring); the epoch is read after the entry (see
+        `SchedulerDelegate.stage`)."""
         self._claimed.add(mm_hash)
         entry = self._entries.get(mm_hash)
-        lookups, hits = self._counts
         if entry is None or not serve or (epoch is not None and self.epoch != epoch):
-            self._counts = (lookups + 1, hits)
             return None
-        self._counts = (lookups + 1, hits + 1)  # the daemon's hit counters follow these
         return entry
 
-    def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send) -> bool:
+    def count(self, hit: bool) -> None:
+        """One lookup by vLLM (`has_cache_item`), a hit or not: the daemon's
+        hit counters follow these."""
+        lookups, hits = self._counts
+        self._counts = (lookups + 1, hits + hit)
+
+    def end_step(self, dispatched: Sequence[Ref], lineage: int, send: Send,
+                 loaded: Sequence[Ref] = ()) -> bool:
         """Step boundary: the loads `dispatched` from entries of `lineage` are
-        in flight; acknowledge the deferred evictions of the others. Returns
-        False when the acknowledgements could not be sent."""
-        if not self._claimed and not dispatched:
+        in flight; `loaded` ones (copied by the scheduler's process) are done
+        already; both are touched. Acknowledge the deferred evictions of the
+        others. Returns False when the acknowledgements could not be sent."""
+        if not self._claimed and not dispatched and not loaded:
             return True  # nothing claimed or dispatched since the last boundary
         with self._lock:
             self._claimed.clear()
-            if dispatched and lineage == self.lineage:
+            if (dispatched or loaded) and lineage == self.lineage:
                 inflight, touches = self._inflight, self._touches
                 for ref in dispatched:
                     inflight[ref] = inflight.get(ref, 0) + 1
+                for ref in (*dispatched, *loaded):
                     if ref in touches or len(touches) < MAX_PENDING_TOUCHES:
                         touches[ref] = touches.get(ref, 0) + 1
             if not self._deferred:

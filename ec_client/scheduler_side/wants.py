@@ -24,6 +24,12 @@ Three kinds of engine ask, for three reasons:
   entry that is gone again means it never will, and the request is failed
   at once rather than after the deferral's bound.
 
+Items this engine was told to encode that it encodes (vLLM allocated their
+encoder outputs) are said to the daemon at the step's end (`encoding`): a
+claim its engine says nothing of passes to a waiting engine within seconds
+(the daemon's CLAIM_START_SECONDS), so a view that wanted an item and never
+encoded it holds nobody else's request for long.
+
 Each item is asked about once while any request of this engine needs it;
 answers arrive on the link's thread (`answered`), everything else runs on
 vLLM's scheduling thread.
@@ -67,7 +73,7 @@ class Wants:
     def __init__(self, view: ReadyView, send: Callable[[str, list[str]], None], *,
                  max_defer_seconds: float, answer_wait_seconds: float) -> None:
         """`send(field, mm_hashes)`: a stream message with `mm_hashes` as its
-        repeated `field` ("wants", "yields", "releases")."""
+        repeated `field` ("wants", "yields", "releases", "encoding")."""
         self.view = view
         self.send = send
         self.max_defer_seconds = max_defer_seconds
@@ -80,6 +86,8 @@ class Wants:
         # Items this engine was told to encode that `ensure` saw this step:
         # mm_hash -> the requests that needed them (`step_end`).
         self._claimed: dict[str, set[str]] = {}
+        # Items it was told to encode that vLLM allocated this step (`step_end`).
+        self._encoding: list[str] = []
         self.deferred = self.defer_timeouts = 0
         self.answer_waits = self.answer_wait_us = 0
 
@@ -125,9 +133,12 @@ class Wants:
 
     def computing(self, mm_hash: str) -> None:
         """vLLM allocated this item's encoder output: this engine encodes it
-        (and, if it saves, its save ends any claim)."""
+        (said at the step's end when the daemon told it to; if it saves, its
+        save ends the claim)."""
         want = self._wants.get(mm_hash)
         if want is not None:
+            if not want.computing and want.verdict == pb.VERDICT_ENCODE:
+                self._encoding.append(mm_hash)
             want.computing = True
             self._claimed.pop(mm_hash, None)
 
@@ -155,7 +166,11 @@ class Wants:
         """Items this engine was told to encode for requests none of which
         ran this step (none among `scheduled`; with None, any not being
         encoded) are offered to an engine that waits for them (`yields`):
-        it encodes, this one waits. The next step may wait for answers again."""
+        it encodes, this one waits. The items it started encoding this step
+        are said (`encoding`). The next step may wait for answers again."""
+        if self._encoding:
+            encoding, self._encoding = self._encoding, []
+            self.send("encoding", encoding)
         if self._claimed:
             claimed, self._claimed = self._claimed, {}
             idle = [h for h, requests in claimed.items()
@@ -173,6 +188,7 @@ class Wants:
     def clear(self) -> None:
         """A new session: the old daemon's answers mean nothing to the new one."""
         self._wants = {}
+        self._encoding = []
 
     def take_stats(self) -> dict[str, int]:
         stats = {"deferred": self.deferred, "defer_timeouts": self.defer_timeouts,

@@ -22,6 +22,14 @@ engine id, can count as its ranks.
   stamps against its entry_id. A load either returns exactly the saved bytes or is listed
   as failed with the reason; the scheduler's view kept the pages from reuse
   until this rank's report reaches it through vLLM's worker metadata.
+- With `verify_checksum`, a load whose entry carries its writer's checksum
+  is checked against it after its copy landed (`_checksum_holds`): a
+  process that rewrote the entry's bytes in the region (any worker of any
+  engine maps it read-write) fails the load instead of feeding the model.
+- `stage` is `load` into the rank's staging area (`ec_client.worker_side.staging`):
+  the vLLM connector stages every load a step before the step that uses
+  it, and `adopt` hands the staged output over when that step comes, so a
+  load that fails costs its request, never the engine.
 """
 
 from __future__ import annotations
@@ -34,14 +42,26 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.common.contract import (
+    CHECKSUM_MISMATCH,
+    STAMP_MISMATCH,
+    UNUSABLE,
+    LoadSpec,
+    RegionInfo,
+)
 from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import DEFAULT_SAVE_QUEUE_BYTES
+from ec_client.common.settings import (
+    DEFAULT_SAVE_QUEUE_BYTES,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_VERIFY_CHECKSUM,
+)
 from ec_client.common.trust import attached_socket_owner
 from ec_client.copy import CopyBackend, get_backend
-from ec_client.copy.mapping import RegionMapping
+from ec_client.copy.mapping import RegionDamaged, RegionMapping
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.saver import Saver
+from ec_client.worker_side.staging import StagingArea
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role, pb
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -58,6 +78,9 @@ class LoadResult:
     loaded: dict[str, Any] = field(default_factory=dict)  # mm_hash -> array
     done: list[int] = field(default_factory=list)  # transfer ids served
     failed: dict[int, str] = field(default_factory=dict)  # transfer id -> why it failed
+    # transfer id -> what failed (ec_client.common.contract: STAMP_MISMATCH,
+    # CHECKSUM_MISMATCH: the entry's bytes are not its writer's; UNUSABLE)
+    kinds: dict[int, str] = field(default_factory=dict)
 
 
 class WorkerDelegate(LinkListener):
@@ -69,7 +92,9 @@ class WorkerDelegate(LinkListener):
                  save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES,
                  token_file: str | None = None, tls_ca: str | None = None,
                  stream_saves: bool = True, start: bool = True,
-                 engine_token: str = "", hold_saves: bool = False) -> None:
+                 engine_token: str = "", hold_saves: bool = False,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 verify_checksum: bool = DEFAULT_VERIFY_CHECKSUM) -> None:
         """`allocate_out(shape, dtype)`: a load's output (default: the
         backend's `empty`, on its device, ordered for its copies).
         `stream_saves=False`: saves by Allocate and Report calls even where
@@ -78,8 +103,11 @@ class WorkerDelegate(LinkListener):
         (`ec_client.engine_token`); else `join` presents it once learnt.
         `hold_saves`: saves wait, within `save_queue_bytes`, until
         `follow_scheduler` hears the scheduler's namespace (the vLLM
-        connector: its workers and scheduler identify the weights apart)."""
+        connector: its workers and scheduler identify the weights apart).
+        `staging_bytes`: the bound of the staging area (`stage`).
+        `verify_checksum`: check each load against its entry's checksum."""
         self.rank = rank
+        self.verify_checksum = verify_checksum
         # The engine's token, and the attachment it was presented on.
         self._engine_token = engine_token
         self._joined: tuple[Attachment, str] | None = None
@@ -92,6 +120,7 @@ class WorkerDelegate(LinkListener):
         self._stats_taken: Counter[str] = Counter()
         self.regions = Regions(on_map=self.backend.attach, on_unmap=self.backend.detach,
                                open_mapping=self._open_region)
+        self.staging = StagingArea(staging_bytes)
         self._region_owner: int | None = None  # the socket's owner at the last attach
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=rank,
@@ -207,13 +236,23 @@ class WorkerDelegate(LinkListener):
             # The region's canary, after the copies landed: a file another
             # process cut under them fails their loads (`Regions.intact`).
             errors = self.regions.check_loads([m for *_, m in planned], errors)
-            for (spec, stamps, out, _), error in zip(planned, errors, strict=True):
+            for (spec, stamps, out, mapping), error in zip(planned, errors, strict=True):
                 if error is not None:
                     reasons[spec.transfer_id] = f"{type(error).__name__}: {error}"
                 elif not stamps.holds(spec.extents, spec.entry_id):  # after the copy landed
                     self.stats["loads_stamp_mismatch"] += 1
                     reasons[spec.transfer_id] = ("its pages were reused (stamp mismatch): "
                                                  "the bytes are not the entry's")
+                    result.kinds[spec.transfer_id] = STAMP_MISMATCH
+                elif self.verify_checksum and spec.checksum \
+                        and (holds := self._checksum_holds(spec, out, mapping)) is not True:
+                    if holds is not False:  # the file ended under the read: a cut
+                        reasons[spec.transfer_id] = f"{type(holds).__name__}: {holds}"
+                        continue
+                    self.stats["loads_checksum_mismatch"] += 1
+                    reasons[spec.transfer_id] = ("its bytes do not match the checksum its "
+                                                 "writer recorded: another process rewrote them")
+                    result.kinds[spec.transfer_id] = CHECKSUM_MISMATCH
                 else:
                     result.loaded[spec.mm_hash] = out
         for spec in specs:  # in the step's order
@@ -225,8 +264,81 @@ class WorkerDelegate(LinkListener):
                 log.error("ec-daemon load of %s (entry %d) failed: %s", spec.mm_hash,
                           spec.entry_id, reason)
                 result.failed[spec.transfer_id] = reason
+                result.kinds.setdefault(spec.transfer_id, UNUSABLE)
                 self.stats["loads_failed"] += 1
         return result
+
+    def _checksum_holds(self, spec: LoadSpec, out: Any,
+                        mapping: RegionMapping) -> bool | RegionDamaged:
+        """Do the loaded bytes hash to the entry's checksum? Read after the
+        copy landed (and the stamps, which held). Where the backend's
+        outputs are host memory (`cpu`) that is the output itself: what the
+        model will read, exactly. On a CUDA device it is the region's pages,
+        read on the host where the stamps were: that proves the pages held
+        the entry's bytes once the copy had landed, so a rewrite that was
+        there when the copy read them (the case that lasts: a scribbled
+        entry) is caught; it does not prove what the device holds if another
+        process rewrote the pages during the copy and put them back before
+        this read (no host-side check can without reading the device copy)."""
+        loaded = self.backend.loaded_bytes(out)
+        if loaded is not None:
+            return checksum((loaded,)) == spec.checksum
+        # Read with pread, never through the mapping: a page another process
+        # cut would make that a SIGBUS (RegionCut here, a failed load).
+        try:
+            return checksum(mapping.chunks(spec.extents)) == spec.checksum
+        except RegionDamaged as exc:
+            return exc
+
+    def stage(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo],
+              step: int = 0) -> LoadResult:
+        """`load` each spec into the staging area (a step before the step
+        that uses it), in step `step` of the scheduler's count: the result
+        lists what was staged (`done`) and what failed, nothing `loaded`.
+        A load that finds the area full fails (its request encodes the item).
+        Outputs no step adopted `STAGED_STEPS` steps after theirs are dropped
+        first."""
+        expired = self.staging.expire(step)
+        if expired:
+            self.stats["staged_expired"] += expired
+        room = self.staging.limit_bytes - self.staging.bytes
+        fitting: list[LoadSpec] = []
+        full: list[LoadSpec] = []
+        for spec in specs:
+            if spec.nbytes <= room:
+                room -= spec.nbytes
+                fitting.append(spec)
+            else:
+                full.append(spec)
+        result = self.load(fitting, regions) if fitting else LoadResult()
+        for spec in fitting:
+            output = result.loaded.pop(spec.mm_hash, None)
+            if output is not None and spec.transfer_id not in result.failed:
+                self.staging.put(spec.transfer_id, spec.mm_hash, output, spec.nbytes, step)
+        for spec in full:
+            reason = (f"the staging area holds {self.staging.bytes} of its "
+                      f"{self.staging.limit_bytes} bytes (ec_daemon_staging_bytes)")
+            log.warning("ec-daemon load of %s (entry %d) not staged: %s", spec.mm_hash,
+                        spec.entry_id, reason)
+            result.failed[spec.transfer_id] = reason
+            result.kinds[spec.transfer_id] = UNUSABLE
+            self.stats["loads_staging_full"] += 1
+        return result
+
+    def adopt(self, transfer_id: int) -> Any | None:
+        """The output staged under `transfer_id`, out of the staging area
+        (None when this rank holds none: it failed here, or was dropped)."""
+        taken = self.staging.take(transfer_id)
+        if taken is None:
+            return None
+        self.stats["loads_adopted"] += 1
+        return taken[1]
+
+    def drop(self, transfer_ids: Sequence[int]) -> None:
+        """Staged outputs no step will use (their requests ended)."""
+        dropped = self.staging.drop(list(transfer_ids))
+        if dropped:
+            self.stats["staged_dropped"] += dropped
 
     def _plan(self, spec: LoadSpec, info: RegionInfo | None,
               held: ExitStack) -> tuple[LoadSpec, Any, Any, RegionMapping]:
@@ -285,6 +397,7 @@ class WorkerDelegate(LinkListener):
         self.regions.make_current(None)
 
     def close(self) -> None:
+        self.staging.clear()
         self.saver.close(timeout=self.transport.deadline_seconds)
         self.link.stop()
         self.regions.close()

@@ -156,9 +156,9 @@ class SaveReport(NamedTuple):
 class ClientMessage:
     """One message of a session stream (`wire.client_message`): entries
     acknowledged, held and touched (mm_hash, entry_id[, loads]), items
-    wanted, released and yielded, the heartbeat if it carries one, and a
-    worker's saves (allocations asked for, reports), the engine token a
-    worker presents."""
+    wanted, released, yielded and being encoded, the heartbeat if it carries
+    one, and a worker's saves (allocations asked for, reports), the engine
+    token a worker presents."""
 
     acks: list[tuple[str, int]]
     holds: list[tuple[str, int]]
@@ -173,6 +173,8 @@ class ClientMessage:
     # A view's report: these entries' bytes did not match their checksum
     # when its engine loaded them (`plane.verify`).
     mismatches: list[tuple[str, int]] = field(default_factory=list)
+    # A view's engine encodes these items it was told to (`Convergence.started`).
+    encoding: list[str] = field(default_factory=list)
 
 
 class ReportStatus(enum.Enum):

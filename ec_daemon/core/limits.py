@@ -57,6 +57,10 @@ DEFAULT_MAX_WATCHERS_PER_PEER = 16
 DEFAULT_METRICS_PORT = 0  # off
 DEFAULT_REMOTE_TTL_SECONDS = 3600.0
 DEFAULT_REMOTE_CLAIM_SECONDS = 30.0
+# A claimant says it encodes the item in the step it was told to (vLLM's
+# steps take milliseconds to a second): a claim it said nothing of in this
+# long goes to a waiting engine.
+CLAIM_START_SECONDS = 2.0
 DEFAULT_REMOTE_QUEUE_BYTES = 256 << 20
 DEFAULT_REMOTE_INDEX_BYTES = 64 << 20
 DEFAULT_REMOTE_PROMOTION_BYTES = 256 << 20

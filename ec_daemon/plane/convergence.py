@@ -27,6 +27,14 @@ Why claims and not a lock: an engine that is told to wait loses nothing it
 would not have spent encoding, and the daemon, which sees every save and
 every session end, is the one place that knows when to pass a claim on.
 
+A claim lasts CLAIM_SECONDS once its engine says it is encoding the item
+(`started`: vLLM allocated the encoder output, in the step that was told
+ENCODE), and CLAIM_START_SECONDS until then: an engine that wants an item
+and never encodes it (a client that only wants, a request that never runs
+and is not yielded) no longer holds every other engine's request for it
+for their whole bound (10 s, a request without media failing meanwhile);
+a waiting engine is told to encode within seconds.
+
 What a client can hold, and what it costs the loop: the items a view claims
 or waits for are indexed by session, so a session's end touches its own
 items only, and bounds come due from a heap, so upkeep touches only the
@@ -54,6 +62,7 @@ from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Resolution, V
 from ec_daemon.core.limits import (
     ANSWER_SECONDS,
     CLAIM_SECONDS,
+    CLAIM_START_SECONDS,
     MAX_ITEMS_MAKING,
     PROMOTE_SECONDS,
 )
@@ -94,6 +103,7 @@ class Convergence:
                  resolve: Callable[[Key, bool], bool] | None = None,
                  call_later: Callable[[float, Callable[[], None]], object] | None = None,
                  claim_seconds: float = CLAIM_SECONDS,
+                 claim_start_seconds: float = CLAIM_START_SECONDS,
                  promote_seconds: float = PROMOTE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """With a second tier (all None without one): `remote_available(namespace,
@@ -109,6 +119,7 @@ class Convergence:
         self.resolve = resolve
         self.call_later = call_later
         self.claim_seconds = claim_seconds
+        self.claim_start_seconds = claim_start_seconds
         self.promote_seconds = promote_seconds
         self.clock = clock
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -241,6 +252,18 @@ class Convergence:
             if making is not None and making.kind is Verdict.PROMOTING:
                 self._hand_over(key, making, "its promotion failed")
 
+    def started(self, session: Session, mm_hashes: Iterable[str]) -> None:
+        """`session`'s engine encodes these items now: the claims it holds on
+        them last until their saves land (or CLAIM_SECONDS)."""
+        namespace = session.namespace
+        for mm_hash in mm_hashes:
+            key = (namespace, mm_hash)
+            making = self.making.get(key)
+            if making is None or making.holder is not session or making.started:
+                continue
+            making.started = True
+            self._postpone(key, making, self.claim_seconds)
+
     def save_given_up(self, key: Key, instance: str) -> None:
         """A save of `key` by engine instance `instance` (`Session.engine_key`)
         was aborted, refused or skipped: if that instance was making it (or it
@@ -333,7 +356,7 @@ class Convergence:
                 self.call_later(ANSWER_SECONDS, lambda: self.answer_meanwhile(key, making))
             return None
         if session.can_save:
-            self._items.put(key, Making(Verdict.ENCODING, session, now + self.claim_seconds))
+            self._items.put(key, Making(Verdict.ENCODING, session, now + self.claim_start_seconds))
             self.counters["claims"] += 1
         return Verdict.ENCODE
 
@@ -359,8 +382,8 @@ class Convergence:
                 waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
             return
         waiters.remove(heir)
-        self._items.put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_seconds,
-                                    waiters))
+        self._items.put(key, Making(Verdict.ENCODING, heir,
+                                    self.clock() + self.claim_start_seconds, waiters))
         self.counters["handovers"] += 1
         (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
                                             key[1], why)

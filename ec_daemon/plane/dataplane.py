@@ -242,8 +242,8 @@ class DataPlane:
                 or (beat is not None and beat.lookups)) and not session.is_scheduler:
             raise FailedPrecondition("only scheduler sessions acknowledge, hold, touch, count "
                                      "lookups or report mismatches")
-        if (m.wants or m.releases) and not session.is_scheduler:
-            raise FailedPrecondition("only scheduler sessions want or release items")
+        if (m.wants or m.releases or m.encoding) and not session.is_scheduler:
+            raise FailedPrecondition("only scheduler sessions want, release or encode items")
         if m.yields and not (session.is_scheduler and session.can_load):
             # (a producer never waits: it cannot take another's claim in its place)
             raise FailedPrecondition("only scheduler sessions of consumer or both engines "
@@ -253,7 +253,8 @@ class DataPlane:
         if m.engine_token and session.rank is None:
             raise FailedPrecondition("only worker sessions present an engine token on the "
                                      "stream (a scheduler names its own at Attach)")
-        for mm_hash in (*m.wants, *m.releases, *m.yields, *(r.mm_hash for r in m.reports)):
+        for mm_hash in (*m.wants, *m.releases, *m.yields, *m.encoding,
+                        *(r.mm_hash for r in m.reports)):
             validate_mm_hash(mm_hash)
         self.cache.sessions.renew(session)
         if m.engine_token:  # before its saves: they are the instance's
@@ -272,6 +273,8 @@ class DataPlane:
             self.convergence.release(session, m.releases)
         if m.yields:
             self.convergence.step_aside(session, m.yields)
+        if m.encoding:
+            self.convergence.started(session, m.encoding)
         if m.wants:
             self.convergence.want(session, m.wants)
         if beat is not None:

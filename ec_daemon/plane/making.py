@@ -34,6 +34,8 @@ class Making:
     holder: Session | None
     deadline: float
     waiters: list[Session] = field(default_factory=list)
+    # Its holder said it encodes it (`Convergence.started`).
+    started: bool = False
     # Being resolved by the second tier (`Convergence.resolve`): it takes the
     # resolution's outcome, and no other (see `resolved`).
     resolving: bool = False

@@ -209,7 +209,8 @@ def client_message(message: Any) -> ClientMessage:
         reports=[SaveReport(r.request_id, r.mm_hash, r.saved, r.checksum)
                  for r in batch(message.reports, "reports")],
         engine_token=_engine_token(message.engine_token, "engine_token"),
-        mismatches=refs(message.mismatches, "mismatches"))
+        mismatches=refs(message.mismatches, "mismatches"),
+        encoding=batch(message.encoding, "encoding"))
 
 
 def save_allocations(values: Any) -> list[SaveAllocate]:

@@ -124,11 +124,10 @@ def produce(prefix: str, seed: int, count: int) -> dict[str, Any]:
 
 
 def lookup(scheduler: SchedulerDelegate, keys: list[str]) -> dict[str, Any]:
-    """One step that looks `keys` up and plans nothing: the hits, and the
-    entry id the view holds for each key (None when it holds none)."""
-    hits = [scheduler.has_item(k) for k in keys]
-    scheduler.build_step_metadata()
+    """Which `keys` would be loaded (the view holds them, and serves), and
+    the entry id the view holds for each key (None when it holds none)."""
     entries = [scheduler.view.get(k) for k in keys]
+    hits = [e is not None and scheduler.serving() for e in entries]
     return {"hits": hits, "entry_ids": [e.entry_id if e is not None else None for e in entries]}
 
 
@@ -143,13 +142,16 @@ def load(scheduler: SchedulerDelegate, worker: WorkerDelegate, keys: list[str],
     deadline = time.monotonic() + timeout
     while len(loaded) < len(keys) and time.monotonic() < deadline:
         steps += 1
-        for k in keys:
-            if k not in loaded and scheduler.has_item(k):
-                scheduler.after_alloc(f"req-{k}-{steps}", k)
+        missing = [k for k in keys if k not in loaded]
+        for k in missing:  # a request for each: the loads of those cached are staged
+            scheduler.stage(k, f"req-{k}-{steps}")
         metadata = scheduler.build_step_metadata()
+        for k in missing:
+            scheduler.request_finished(f"req-{k}-{steps}", [k])
         if metadata.loads:
             result = worker.load(metadata.loads, metadata.regions)
-            scheduler.apply_worker_output(result.done, list(result.failed))
+            scheduler.apply_worker_output(result.done,
+                                          [(t, result.kinds[t]) for t in result.failed])
             for mm_hash, array in result.loaded.items():
                 loaded[mm_hash] = digest(array)
             failed += [f"{spec.mm_hash}: {result.failed[spec.transfer_id]}"

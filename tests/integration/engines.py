@@ -23,6 +23,7 @@ import numpy as np
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout, pb
+from tests import staged
 
 LAYOUT = Layout("test-model", "mixed", {"image": 2048})
 ATTACH_TIMEOUT = 20.0
@@ -137,13 +138,13 @@ def producer_main(socket: str, engine_id: str, seed: int, count: int, conn: Any)
 
 
 def _step(scheduler: SchedulerDelegate, hashes: list[str], plan: bool) -> tuple[list[bool], Any]:
-    """One scheduler step: look `hashes` up, plan loads of the hits when
-    `plan`, end the step. Returns the answers and the step's metadata."""
-    hits = [scheduler.has_item(h) for h in hashes]
+    """One scheduler step: requests need `hashes`, and the loads of those the
+    cache holds are sent when `plan` (`tests.staged.plan`); without `plan`,
+    whether each would be (nothing is staged). Returns the answers and the
+    step's metadata."""
     if plan:
-        for h in hashes:
-            scheduler.after_alloc(f"req-{h}", h)
-    return hits, scheduler.build_step_metadata()
+        return staged.plan(scheduler, hashes)
+    return [staged.servable(scheduler, h) for h in hashes], scheduler.build_step_metadata()
 
 
 def _state(scheduler: SchedulerDelegate) -> dict[str, Any]:
@@ -157,8 +158,8 @@ def _state(scheduler: SchedulerDelegate) -> dict[str, Any]:
 
 def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
     """An engine's scheduler side. Commands: step (hashes, plan) -> (hits,
-    StepMetadata); report (done, failed) -> (loads in flight, requests made
-    unavailable); wait_hit hash -> True once it hits (no load planned);
+    StepMetadata); report (done, failed) -> loads in flight; wait_hit hash ->
+    True once its load would be staged (nothing staged);
     wait_ranks -> True once hits are answered (every rank mapped the region);
     wait_serving -> True once hits are answered and wants sent;
     ensure (hashes, seconds) -> `ensure_within`;
@@ -171,9 +172,13 @@ def scheduler_main(socket: str, engine_id: str, ranks: int, conn: Any) -> None:
         command, payload = conn.recv()
         if command == "step":
             conn.send(_step(scheduler, *payload))
-        elif command == "report":
+        elif command == "stage":  # hashes -> as "step", the requests going on
+            conn.send(staged.plan(scheduler, payload, finish=False))
+        elif command == "use":  # hashes -> (hits, StepMetadata): the step that uses them
+            conn.send(staged.use(scheduler, payload))
+        elif command == "report":  # (done, failed: [(transfer id, what failed)])
             scheduler.apply_worker_output(*payload)
-            conn.send((scheduler.view.inflight(), scheduler.take_unavailable_requests()))
+            conn.send(scheduler.view.inflight())
         elif command == "wait_ranks":  # hits answered (every rank mapped the region)
             wait_until(scheduler.serving, "the scheduler never served hits")
             conn.send(True)
@@ -226,11 +231,14 @@ def wait_until(predicate: Any, what: str, seconds: float = ATTACH_TIMEOUT) -> No
 
 def ensure_within(scheduler: SchedulerDelegate, hashes: list[str],
                   seconds: float) -> tuple[bool, float]:
-    """Ask `ensure` as vLLM does every step, until it says yes or `seconds`
-    pass: (whether it said yes, seconds it took)."""
+    """Ask `ensure` as vLLM does every step, until it says yes, or until
+    every item it does not say yes to is in the cache (`ensure` stages its
+    load then: a hit once staged), or `seconds` pass: (whether either
+    happened, seconds it took)."""
     started = time.monotonic()
     while True:
-        if scheduler.ensure(hashes):
+        if scheduler.ensure(hashes) or all(staged.servable(scheduler, h) or scheduler.ensure([h])
+                                           for h in hashes):
             return True, time.monotonic() - started
         if time.monotonic() - started > seconds:
             return False, time.monotonic() - started
@@ -303,9 +311,9 @@ def worker_main(socket: str, engine_id: str, rank: int, world: int, start: bool,
             worker.save(mm_hash, array)
             worker.flush(30)
             conn.send(dict(worker.stats))
-        elif command == "load":
+        elif command == "load":  # -> (done, [(transfer id, what failed)], loaded)
             result = worker.load(*payload)
-            conn.send((result.done, result.failed,
+            conn.send((result.done, [(t, result.kinds[t]) for t in result.failed],
                        {h: describe(a) for h, a in result.loaded.items()}))
         elif command == "copy_forever":
             spec, regions = payload
@@ -380,14 +388,9 @@ def churn_main(socket: str, engine_id: str, seed: int, keys: int, seconds: float
         i = int(rng.integers(keys))
         mm_hash = key(0, i)
         counts["steps"] += 1
-        if scheduler.has_item(mm_hash):
+        if staged.servable(scheduler, mm_hash):
             counts["hits"] += 1
-            scheduler.after_alloc("r", mm_hash)
-            metadata = scheduler.build_step_metadata()
-            worker.regions.step(metadata.keep)  # as the connector does each step
-            result = worker.load(metadata.loads, metadata.regions)
-            worker.regions.step_done()
-            scheduler.apply_worker_output(result.done, list(result.failed))
+            result = staged.load(scheduler, worker, [mm_hash])
             counts["failed"] += len(result.failed)
             for loaded in result.loaded.values():
                 counts["loads"] += 1

@@ -27,6 +27,7 @@ import psutil
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
+from tests import staged
 from tests.integration.daemon import Daemon
 
 LAYOUT = Layout("soak-model", "uint8", {"image": 1024})
@@ -61,31 +62,39 @@ def engine_main(socket: str, index: int, seconds: float, conn: Any) -> None:
     while time.monotonic() < deadline:
         keys = rng.sample(range(KEYS), rng.randint(1, 4))
         started = time.perf_counter()
-        misses = []
-        for key in keys:
-            request += 1
-            if scheduler.has_item(f"k{key}"):
-                stats["hits"] += 1
-            else:
-                misses.append(key)
-            scheduler.after_alloc(f"r{request}", f"k{key}")
-        meta = scheduler.build_step_metadata()
-        stats["step_us"].append((time.perf_counter() - started) * 1e6)
+        request += 1
+        # Two steps, as vLLM's: the first asks about the request's items and
+        # stages the loads of those the cache holds (the workers copy, verify
+        # and report them); the second looks them up (hits, counted by the
+        # daemon) and adopts what was staged. step_us: the scheduler's calls.
+        hashes = [f"k{key}" for key in keys]
+        _, meta = staged.plan(scheduler, hashes, f"r{request}", finish=False)
+        scheduler_us = (time.perf_counter() - started) * 1e6
         stats["loads"] += len(meta.loads)
-        result = worker.load(meta.loads, meta.regions)
-        scheduler.apply_worker_output(result.done, result.failed)
+        worker.regions.step(meta.keep)
+        try:
+            result = worker.stage(meta.loads, meta.regions, meta.step)
+        finally:
+            worker.regions.step_done()
+        staged.report(scheduler, result)
         stats["loads_failed"] += len(result.failed)
-        for mm_hash, array in result.loaded.items():
-            key = int(mm_hash[1:])
+        started = time.perf_counter()
+        hits, used = staged.use(scheduler, hashes, f"r{request}")
+        stats["step_us"].append(scheduler_us + (time.perf_counter() - started) * 1e6)
+        stats["hits"] += sum(hits)
+        misses = [key for key, hit in zip(keys, hits, strict=True) if not hit]
+        worker.drop(used.drop)
+        for adopt in used.adopt:  # every hit, adopted: exactly the saved bytes
+            array = worker.adopt(adopt.transfer_id)
+            key = int(adopt.mm_hash[1:])
             want = checksums.setdefault(key, crc(payload(key)))
-            if crc(array) == want and array.shape == payload(key).shape:
+            if array is not None and crc(array) == want and array.shape == payload(key).shape:
                 stats["loads_verified"] += 1
             else:
                 stats["corrupt"] += 1
         for key in misses:
             stats["saves_queued"] += worker.save(f"k{key}", payload(key))
         stats["steps"] += 1
-        scheduler.take_unavailable_requests()
     worker.flush(30)
     stats["saves_done"] = worker.stats["saves_done"]
     scheduler.close()

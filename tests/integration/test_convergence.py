@@ -19,7 +19,9 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_daemon.core.limits import CLAIM_START_SECONDS
 from ec_protocol.protocol import BOTH, CONSUMER, MAX_BATCH, PRODUCER, Role, pb
+from tests import staged
 from tests.integration import engines, raw
 from tests.integration.daemon import Daemon
 from tests.integration.engines import LAYOUT, Proc, ensure_within, wait_until
@@ -83,15 +85,15 @@ def test_engines_that_miss_one_item_at_once_encode_it_once(daemon):
         assert len(through) == 1, through
         encoder = through[0]
         waiters = [s for e, s in views.items() if e != encoder]
-        assert not any(s.has_item("img") for s in waiters)
+        assert not any(staged.servable(s, "img") for s in waiters)
         for s in views.values():
             s.build_step_metadata()
-        # The encoder's worker saves: the waiters hit, nobody else encodes.
+        # The encoder's worker saves: the waiters load it, nobody else encodes.
         save(daemon, encoder, "img")
         for s in waiters:
-            ok, _ = ensure_within(s, ["img"], WAIT)
-            assert ok and s.has_item("img")
-            s.build_step_metadata()
+            wait_until(lambda s=s: s.view.get("img") is not None, "the save never landed")
+            assert not s.ensure(["img"])  # its load is staged, a hit next step
+            assert [spec.mm_hash for spec in s.build_step_metadata().loads] == ["img"]
         stats = daemon.stats()
         assert stats["convergence"]["claims"] == 1
         assert stats["convergence"]["waits"] >= 2
@@ -116,7 +118,7 @@ def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
         assert not b.ensure(["img"]), "B did not wait for A's encode"
         a.signal(signal.SIGKILL)
         ok, _ = ensure_within(b, ["img"], WAIT)
-        assert ok and not b.has_item("img")  # B encodes now ...
+        assert ok and not staged.servable(b, "img")  # B encodes now ...
         assert b.take_stats()["defer_timeouts"] == 0  # ... told to, not timed out
         assert daemon.stats()["convergence"]["handovers"] == 1
     finally:
@@ -140,7 +142,7 @@ def test_a_claim_whose_request_does_not_run_passes_on_at_once(daemon):
         assert not b.ensure(["img"]), "B did not wait for A"
         a.build_step_metadata(scheduled=set())  # A's request found no room this step
         ok, _ = ensure_within(b, ["img"], WAIT)
-        assert ok and not b.has_item("img")  # B encodes, told to at once
+        assert ok and not staged.servable(b, "img")  # B encodes, told to at once
         assert not b.after_alloc("req-b", "img")  # (vLLM: its encoder output is allocated)
         b.build_step_metadata()
         assert daemon.stats()["convergence"]["releases"] == 1
@@ -163,6 +165,49 @@ def test_a_claimant_that_never_saves_is_waited_for_only_up_to_the_bound(daemon):
         ok, seconds = ensure_within(b, ["img"], WAIT)
         assert ok and seconds >= 0.9  # the bound, from B's first ask
         assert b.take_stats()["defer_timeouts"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# Protects (issue 40, finding 10): a view that wants an item and never starts
+# encoding it (never schedules the request, never saves, never gives it up)
+# held every other engine's request for it for the waiter's whole bound (10 s,
+# 199 deferred steps; a request without media failed instead). An engine that
+# encodes says so when vLLM allocates the output: a claim not started within
+# CLAIM_START_SECONDS passes to a waiting engine, which is told to encode.
+def test_a_claimant_that_never_starts_encoding_passes_its_claim_on_within_seconds(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B", max_defer=10.0)  # the default bound
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok  # A holds the claim, and never schedules the request
+        assert not b.ensure(["img"])
+        ok, seconds = ensure_within(b, ["img"], 8.0)
+        assert ok and seconds < 5.0, seconds  # passed on, long before B's own bound
+        assert not staged.servable(b, "img")  # B encodes it
+        assert b.take_stats().get("defer_timeouts", 0) == 0  # told to, not timed out
+        assert daemon.stats()["convergence"]["handovers"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_claimant_that_started_encoding_keeps_its_claim_until_its_save(daemon):
+    a = scheduler(daemon, "A")
+    b = scheduler(daemon, "B", max_defer=10.0)
+    try:
+        wanting(a, b)
+        ok, _ = ensure_within(a, ["img"], WAIT)
+        assert ok and not a.after_alloc("req-a", "img")  # vLLM allocated it: A encodes
+        a.build_step_metadata(scheduled={"req-a"})  # (the step's end says so)
+        assert not b.ensure(["img"])
+        time.sleep(CLAIM_START_SECONDS + 1.0)
+        assert not b.ensure(["img"]), "B did not wait for A's encode"
+        save(daemon, "A", "img")
+        wait_until(lambda: staged.servable(b, "img"), "A's save never reached B")
+        assert daemon.stats()["convergence"]["handovers"] == 0
     finally:
         a.close()
         b.close()
@@ -231,7 +276,7 @@ def test_a_claimant_whose_save_is_aborted_or_skipped_passes_its_claim_on(daemon)
             else:  # larger than the whole queue, with nothing queued: reported at once
                 assert not writer.save(mm_hash, np.concatenate([DATA, DATA]))
             ok, _ = ensure_within(b, [mm_hash], WAIT)
-            assert ok and not b.has_item(mm_hash)  # B encodes, told to at once
+            assert ok and not staged.servable(b, mm_hash)  # B encodes, told to at once
             b.build_step_metadata()
         assert b.take_stats().get("defer_timeouts", 0) == 0
         assert daemon.stats()["convergence"]["handovers"] == 3
@@ -259,7 +304,7 @@ def test_a_producer_claims_what_it_encodes_and_a_consumer_waits_for_its_save(dae
         e.build_step_metadata()
         assert e.rank.save("img", DATA) and e.rank.flush(WAIT)
         ok, _ = ensure_within(pd, ["img"], WAIT)
-        assert ok and pd.has_item("img")  # PD loads E's save
+        assert ok and staged.servable(pd, "img")  # PD loads E's save
         assert pd.take_stats().get("defer_timeouts", 0) == 0
         assert daemon.stats()["convergence"]["waits"] >= 1
     finally:
@@ -294,7 +339,7 @@ def test_a_consumer_without_the_media_learns_at_once_that_nobody_will_make_it(da
         wait_until(lambda: pd.unobtainable(["img"], "p1") == ["img"],
                    "PD was not told that nobody will make the item", WAIT)
         assert time.monotonic() - started < WAIT < pd.max_defer_seconds
-        assert not pd.has_item("img")
+        assert not staged.servable(pd, "img")
     finally:
         e.close()
         pd.close()

@@ -34,15 +34,17 @@ def test_engine_b_loads_exactly_what_engine_a_saved(big_daemon, procs):
     procs.extend([scheduler, worker])
     assert (scheduler.recv(), worker.recv()) == ("ready", "ready")
     assert scheduler.call("wait_ranks")  # the view heard that the rank mapped the region
-    hits, metadata = scheduler.call("step", (hashes, True))
+    hits, metadata = scheduler.call("stage", hashes)
     assert hits == [True] * count
     assert [s.mm_hash for s in metadata.loads] == hashes
     done, failed, loaded = worker.call("load", (metadata.loads, metadata.regions))
-    assert failed == {} and sorted(done) == sorted(s.transfer_id for s in metadata.loads)
+    assert failed == [] and sorted(done) == sorted(s.transfer_id for s in metadata.loads)
     for i, mm_hash in enumerate(hashes):
         assert loaded[mm_hash] == engines.describe(engines.make_array(7, i)), mm_hash
     assert {dtype for _, dtype, _ in loaded.values()} == {d for d, _, _ in engines.SHAPES}
-    assert scheduler.call("report", (done, [])) == (0, set())
+    assert scheduler.call("report", (done, [])) == 0
+    hits, metadata = scheduler.call("use", hashes)  # every load staged: hits
+    assert hits == [True] * count and len(metadata.adopt) == count
     # The hit-to-load path made no call to the daemon from the scheduler's thread.
     assert scheduler.call("state")["rpcs_on_scheduler_thread"] == 0
     assert scheduler.call("close") == "closed"  # its last heartbeat carries the touches

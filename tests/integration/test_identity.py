@@ -18,6 +18,7 @@ import pytest
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb
+from tests import staged
 from tests.integration.daemon import Daemon
 from tests.integration.raw import UNCAPPED
 
@@ -62,8 +63,8 @@ def test_an_impostor_of_engine_x_cannot_release_xs_load(small_daemon: Daemon) ->
         saved = output(1)
         assert writer.save("a", saved) and writer.flush(ATTACH)
         wait(lambda: x_sched.link.fresh() and x_sched.view.get("a") is not None, "a in X's view")
-        assert x_sched.has_item("a") and x_sched.after_alloc("req-1", "a")
-        meta = x_sched.build_step_metadata()  # X's load of "a" is now in flight
+        hits, meta = staged.plan(x_sched, ["a"])  # X's load of "a" is now in flight
+        assert hits == [True]
         assert [s.mm_hash for s in meta.loads] == ["a"]
 
         channel = grpc.insecure_channel(daemon.socket)
@@ -96,7 +97,7 @@ def test_an_impostor_of_engine_x_cannot_release_xs_load(small_daemon: Daemon) ->
         result = x_worker.load(meta.loads, meta.regions)
         assert not result.failed and np.array_equal(result.loaded["a"], saved)
 
-        x_sched.apply_worker_output(result.done)  # X's own report: now X acknowledges
+        staged.report(x_sched, result)  # X's own report: now X acknowledges
         wait(lambda: state(daemon, "a") == pb.ABSENT, "a reclaimed after X's report")
         channel.close()
     finally:

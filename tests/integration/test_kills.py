@@ -19,6 +19,7 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
+from tests import staged
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import Proc
@@ -56,11 +57,8 @@ def round_trip(daemon: Daemon, survivor: tuple[SchedulerDelegate, WorkerDelegate
     data = np.random.default_rng(len(key)).integers(0, 256, 70000, dtype=np.uint8)
     assert worker.save(key, data) and worker.flush(10)
     daemon.wait_for(lambda: scheduler.view.get(key), what="survivor's save")
-    assert scheduler.has_item(key)
-    scheduler.after_alloc("r", key)
-    metadata = scheduler.build_step_metadata()
-    result = worker.load(metadata.loads, metadata.regions)
-    scheduler.apply_worker_output(result.done, result.failed)
+    assert staged.servable(scheduler, key)
+    result = staged.load(scheduler, worker, [key])
     assert np.array_equal(result.loaded[key], data)
 
 

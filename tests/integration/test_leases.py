@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ec_client.common.contract import LoadSpec
+from ec_client.common.contract import STAMP_MISMATCH, LoadSpec
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import pb
 from tests.integration import engines
@@ -96,8 +96,8 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
     worker = world.start(engines.worker_main, daemon.socket, "S", 0, 1, True)
     old = world.dispatch(scheduler)
     done, failed, loaded = worker.call("load", (old.loads, old.regions))
-    assert failed == {} and loaded == {KEY: engines.describe(DATA)}
-    assert scheduler.call("report", (done, [])) == (0, set())
+    assert failed == [] and loaded == {KEY: engines.describe(DATA)}
+    assert scheduler.call("report", (done, [])) == 0
 
     scheduler.send("watch", ([KEY, "other"], 60.0))  # an engine stepping, hitting KEY
     time.sleep(0.5)
@@ -141,7 +141,7 @@ def test_a_scheduler_frozen_past_its_lease_dispatches_nothing_stale(world):
                       spec.nbytes, spec.shape, spec.dtype, spec.extents)
     done, failed, loaded = worker.call("load", ([forced], old.regions))
     assert done == [] and loaded == {}
-    assert "stamp mismatch" in failed[forced.transfer_id]
+    assert failed == [(forced.transfer_id, STAMP_MISMATCH)]
 
 
 # Protects: an engine that cannot use its attachment (a region it cannot map)
@@ -277,10 +277,10 @@ def test_an_engine_in_a_step_longer_than_the_bound_reads_the_saved_bytes(world):
     assert world.state().state == engines.pb.HIDDEN  # its ghost still awaits it
     assert not world.filler.take(daemon.stats()["capacity_bytes"])  # KEY's pages stay
     _, failed, loaded = worker.call("load", (step.loads, step.regions))
-    assert failed == {} and loaded == {KEY: engines.describe(DATA)}
+    assert failed == [] and loaded == {KEY: engines.describe(DATA)}
     daemon.wait_for(lambda: world.state().state == engines.pb.ABSENT, timeout=4 * LEASE,
                     what="KEY reclaimed once the ghost's lease ran out")
     other = np.full(4 * MiB, 0xCD, np.uint8)  # the whole cache: it reuses KEY's pages
     world.save("other", other)
     _, failed, loaded = worker.call("load", (step.loads, step.regions))
-    assert loaded == {} and "stamp mismatch" in failed[step.loads[0].transfer_id]
+    assert loaded == {} and failed == [(step.loads[0].transfer_id, STAMP_MISMATCH)]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ec_protocol.protocol import Layout
-from tests import mooncake_servers
+from tests import mooncake_servers, staged
 from tests.integration.engines import ensure_within, wait_until
 from tests.integration.test_second_tier import WAIT, Host
 from tests.remote.conftest import check_mooncake
@@ -88,7 +88,7 @@ def test_two_hosts_that_miss_one_new_item_at_once_encode_it_once(hosts):
     one, two = hosts("host-1"), hosts("host-2")
     array = tensor(7)
     ok, _ = ensure_within(one.scheduler, ["new"], WAIT)  # claims it: encodes
-    assert ok and not one.scheduler.has_item("new")
+    assert ok and not staged.servable(one.scheduler, "new")
     assert one.tier()["claims_taken"] == 1
     # Host 2 misses it meanwhile: host 1 holds the claim, so host 2 waits.
     assert not two.scheduler.ensure(["new"])
@@ -98,7 +98,7 @@ def test_two_hosts_that_miss_one_new_item_at_once_encode_it_once(hosts):
     one.save("new", array)  # host 1's encode lands and is published
     published(one, 1)
     ok, _ = ensure_within(two.scheduler, ["new"], WAIT)
-    assert ok and two.scheduler.has_item("new")
+    assert ok and staged.servable(two.scheduler, "new")
     assert two.load("new").tobytes() == array.tobytes()
     assert two.tier()["claims_taken"] == 0 and two.tier()["remote_hits"] == 1
     assert two.daemon.stats()["convergence"]["claims"] == 0  # no engine on host 2 encoded
@@ -114,7 +114,7 @@ def test_a_claimant_that_dies_costs_the_other_host_one_bounded_wait(hosts):
     assert not two.scheduler.ensure(["orphan"])
     ok, _ = ensure_within(two.scheduler, ["orphan"], WAIT)
     waited = time.monotonic() - started
-    assert ok and not two.scheduler.has_item("orphan")  # told to encode it
+    assert ok and not staged.servable(two.scheduler, "orphan")  # told to encode it
     assert waited < 5, waited
     # Host 2 took the dead host's claim over (its bytes were unreadable), or
     # waited out its time: either way it does not wait for host 1 again.
@@ -129,12 +129,12 @@ def test_a_master_that_dies_costs_misses_and_the_tier_recovers(master, hosts):
     master.kill()
     # Host 1 keeps saving and serving its own entries; the publication fails.
     one.save("during", tensor(2))
-    wait_until(lambda: one.scheduler.has_item("during"), "host 1 lost its own save")
+    wait_until(lambda: staged.servable(one.scheduler, "during"), "host 1 lost its own save")
     wait_until(lambda: one.tier()["publish_drops"] + one.tier()["publish_errors"] >= 1,
                "the publication was neither dropped nor failed", seconds=WAIT)
     # Host 2 is never stuck: what it misses is encoded within the bound.
     ok, seconds = ensure_within(two.scheduler, ["before"], WAIT)
-    assert ok and seconds < 5 and not two.scheduler.has_item("before")
+    assert ok and seconds < 5 and not staged.servable(two.scheduler, "before")
     master.restart()  # (a new master holds nothing: what was published is gone)
     wait_until(lambda: one.tier()["reachable"] == 1 and two.tier()["reachable"] == 1,
                "the tier did not come back", seconds=WAIT)
@@ -156,7 +156,7 @@ def test_a_master_that_dies_costs_misses_and_the_tier_recovers(master, hosts):
                    seconds=WAIT)
         ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
         assert ok, "host 2 was deferred past its bound"
-        if not two.scheduler.has_item(mm_hash):
+        if not staged.servable(two.scheduler, mm_hash):
             return False
         assert two.load(mm_hash).tobytes() == array.tobytes()
         return True

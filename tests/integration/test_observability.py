@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
+from tests import staged
 from tests.integration.daemon import Daemon, free_port
 
 pytestmark = pytest.mark.integration
@@ -43,12 +44,12 @@ def test_metrics_endpoint_reports_cache_activity():
             data = np.ones((4, 128), np.float32)
             assert worker.save("k", data) and worker.flush(10)
             daemon.wait_for(lambda: scheduler.view.get("k"), what="ready")
-            assert scheduler.has_item("k") and not scheduler.has_item("missing")
-            scheduler.after_alloc("r", "k")
-            metadata = scheduler.build_step_metadata()
+            _, metadata = staged.plan(scheduler, ["k"], finish=False)  # staged, as vLLM's hits
             result = worker.load(metadata.loads, metadata.regions)
             assert result.failed == {} and np.array_equal(result.loaded["k"], data)
-            scheduler.apply_worker_output(result.done)
+            staged.report(scheduler, result)
+            assert staged.use(scheduler, ["k"])[0] == [True]  # vLLM's lookup: a hit
+            assert not scheduler.has_item("missing")
         finally:
             scheduler.close()  # flushes the lookup counters on its last heartbeat
             worker.close()

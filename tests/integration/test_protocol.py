@@ -18,6 +18,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from ec_daemon.core.limits import MAX_NAMESPACE_BYTES
 from ec_daemon.core.records import OUTBOX_MIN_EVENTS
 from ec_protocol.protocol import PROTOCOL_VERSION, Layout, pb, rpc
+from tests import staged
 from tests.integration import raw
 from tests.integration.daemon import Daemon
 from tests.integration.raw import MiB, RawStream, allocate, save
@@ -543,10 +544,9 @@ def test_a_session_that_stops_reading_is_detached_and_others_carry_on():
             assert daemon.components("other") == ["scheduler", "worker 0/1"]
             data = np.arange(5000, dtype=np.float16)
             assert worker.save("after", data) and worker.flush(10)
-            daemon.wait_for(lambda: scheduler.has_item("after"), what="the save in the view")
-            scheduler.after_alloc("r", "after")
-            metadata = scheduler.build_step_metadata()
-            result = worker.load(metadata.loads, metadata.regions)
+            daemon.wait_for(lambda: staged.servable(scheduler, "after"),
+                            what="the save in the view")
+            result = staged.load(scheduler, worker, ["after"])
             assert np.array_equal(result.loaded["after"], data)
             # When it reads at last, its stream says why it ended.
             slow.drain()

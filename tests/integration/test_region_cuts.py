@@ -29,6 +29,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.checksums import checksum
 from ec_protocol.protocol import MAX_BATCH, Layout, pb
 from ec_protocol.stamps import file_bytes, read_canary, whole
+from tests import staged
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.engines import Proc
 from tests.integration.raw import UNCAPPED, attach, save
@@ -76,10 +77,9 @@ def _round(scheduler: SchedulerDelegate, worker: WorkerDelegate, name: str, numb
             and time.monotonic() < deadline:
         time.sleep(0.01)
     wanted = keys + seen[-12:-KEYS_PER_ROUND]
-    for key in wanted:
-        if scheduler.has_item(key):
-            scheduler.after_alloc(f"r-{key}", key)
-    metadata = scheduler.build_step_metadata()
+    # The step that asks about them sends the loads of those the cache holds
+    # (staged: tests/staged.py); the worker copies and checks them.
+    _, metadata = staged.plan(scheduler, wanted, f"r{number}")
     result = worker.load(metadata.loads, metadata.regions)
     for spec in metadata.loads:
         out = result.loaded.get(spec.mm_hash)
@@ -90,8 +90,7 @@ def _round(scheduler: SchedulerDelegate, worker: WorkerDelegate, name: str, numb
             counts["loads_exact_this_round"] += spec.mm_hash in keys
         else:
             counts["loads_wrong"] += 1
-    scheduler.apply_worker_output(result.done, list(result.failed))
-    scheduler.take_unavailable_requests()
+    staged.report(scheduler, result)
     return counts
 
 

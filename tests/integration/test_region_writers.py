@@ -20,6 +20,7 @@ from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout, pb
 from ec_protocol.stamps import file_bytes
+from tests import staged
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.raw import RawStream, allocate, attach, save
 
@@ -37,11 +38,9 @@ def served(daemon: Daemon, engine: str, mm_hash: str, data: np.ndarray) -> None:
     try:
         assert scheduler.link.wait_attached(WAIT) and worker.link.wait_attached(WAIT)
         assert worker.save(mm_hash, data) and worker.flush(WAIT)
-        daemon.wait_for(lambda: scheduler.serving() and scheduler.has_item(mm_hash),
+        daemon.wait_for(lambda: staged.servable(scheduler, mm_hash),
                         what=f"{mm_hash} in the view")
-        assert scheduler.after_alloc("r", mm_hash)
-        metadata = scheduler.build_step_metadata()
-        result = worker.load(metadata.loads, metadata.regions)
+        result = staged.load(scheduler, worker, [mm_hash])
         assert not result.failed and np.array_equal(result.loaded[mm_hash], data)
     finally:
         worker.close()
@@ -143,11 +142,11 @@ def test_a_saved_entrys_checksum_travels_and_a_report_is_checked_against_the_pag
             found = dict(zip(data, daemon.lookup(LAYOUT, *data), strict=True))
             for key, result in found.items():
                 assert result.entry.checksum == checksum([data[key].tobytes()])
-            daemon.wait_for(lambda: scheduler.serving() and scheduler.has_item("intact"),
+            daemon.wait_for(lambda: staged.servable(scheduler, "intact"),
                             what="the entries in the view")
             assert scheduler.view.get("intact").checksum == found["intact"].entry.checksum
-            assert scheduler.after_alloc("r", "intact")
-            (spec,) = scheduler.build_step_metadata().loads
+            _, metadata = staged.plan(scheduler, ["intact"])
+            (spec,) = metadata.loads
             assert spec.checksum == found["intact"].entry.checksum
 
             def ref(key: str) -> pb.EntryRef:

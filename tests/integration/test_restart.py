@@ -13,6 +13,7 @@ import pytest
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
+from tests import staged
 from tests.integration.daemon import Daemon, short_tmpdir
 
 pytestmark = pytest.mark.integration
@@ -20,9 +21,10 @@ LAYOUT = Layout("restart-model", "float32", {"image": 4096})
 
 
 def dispatch(daemon, scheduler, mm_hash):
-    daemon.wait_for(lambda: scheduler.has_item(mm_hash), what=f"{mm_hash} in the view")
-    scheduler.after_alloc("req", mm_hash)
-    return scheduler.build_step_metadata()
+    daemon.wait_for(lambda: staged.servable(scheduler, mm_hash), what=f"{mm_hash} in the view")
+    hits, metadata = staged.plan(scheduler, [mm_hash])
+    assert hits == [True]
+    return metadata
 
 
 # Protects: a load names its region generation and the worker keeps that
@@ -75,8 +77,9 @@ def test_a_load_dispatched_before_a_restart_reads_the_saved_bytes(shm_folder):
 
         # The new daemon's view offers nothing of the old generation.
         assert second.wait_for(lambda: scheduler.view.synced, what="the new snapshot")
-        assert len(scheduler.view) == 0 and not scheduler.has_item("k")
-        assert scheduler.build_step_metadata().loads == []
+        assert len(scheduler.view) == 0 and not staged.servable(scheduler, "k")
+        hits, metadata = staged.plan(scheduler, ["k"])
+        assert hits == [False] and metadata.loads == []
 
         assert worker.save("k", data) and worker.flush(10)
         metadata = dispatch(second, scheduler, "k")
@@ -99,14 +102,14 @@ def test_engine_keeps_going_while_the_daemon_is_down():
     scheduler = SchedulerDelegate(daemon.socket, engine_id="E", layout=LAYOUT)
     worker = WorkerDelegate(daemon.socket, engine_id="E", layout=LAYOUT)
     try:
-        assert not scheduler.has_item("k")  # misses, no waiting
-        assert not scheduler.after_alloc("req", "k")
+        assert scheduler.ensure(["k"], "req")  # misses, no waiting
+        assert not scheduler.has_item("k") and not scheduler.after_alloc("req", "k")
         assert scheduler.build_step_metadata().loads == []
         assert not worker.save("k", np.zeros(10, np.float32))  # skipped
         daemon.start()
         assert worker.link.wait_attached(15) and scheduler.link.wait_attached(15)
         assert worker.save("k", np.zeros(10, np.float32)) and worker.flush(10)
-        daemon.wait_for(lambda: scheduler.has_item("k"), what="the late daemon to serve")
+        daemon.wait_for(lambda: staged.servable(scheduler, "k"), what="the late daemon to serve")
     finally:
         scheduler.close()
         worker.close()

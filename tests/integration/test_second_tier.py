@@ -22,7 +22,7 @@ from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.scheduler_side.wants import ANSWER_SECONDS
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_daemon.remote.redis.store import value_key
-from tests import groups, redis_servers
+from tests import groups, redis_servers, staged
 from tests.integration.daemon import Daemon, free_port
 from tests.integration.engines import LAYOUT, ensure_within, wait_until
 
@@ -71,11 +71,8 @@ class Host:
 
     def load(self, mm_hash: str) -> np.ndarray:
         """A step that hits `mm_hash`, and the worker's load of it."""
-        assert self.scheduler.has_item(mm_hash)
-        assert self.scheduler.after_alloc("req", mm_hash)
-        step = self.scheduler.build_step_metadata()
-        result = self.worker.load(step.loads, step.regions)
-        self.scheduler.apply_worker_output(result.done, result.failed)
+        assert staged.servable(self.scheduler, mm_hash)
+        result = staged.load(self.scheduler, self.worker, [mm_hash])
         assert not result.failed, result.failed
         return np.asarray(result.loaded[mm_hash])
 
@@ -117,7 +114,7 @@ def test_a_miss_another_host_saved_is_promoted_and_loads_bit_exact(hosts):
             # Deferred while it is promoted; or promoted within the step's
             # answer wait already: a hit. Never "encode here".
             if two.scheduler.ensure([mm_hash]):
-                assert two.scheduler.has_item(mm_hash)
+                assert staged.servable(two.scheduler, mm_hash)
             ok, _ = ensure_within(two.scheduler, [mm_hash], WAIT)
             assert ok
             loaded = two.load(mm_hash)
@@ -149,7 +146,7 @@ def test_a_value_that_does_not_verify_is_never_served(hosts):
         value[-1] ^= 0xFF  # one payload byte flipped
         client.set(key, bytes(value))
         ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
-        assert ok and not two.scheduler.has_item("img")  # encoded here, not served
+        assert ok and not staged.servable(two.scheduler, "img")  # encoded here, not served
         assert two.scheduler.take_stats().get("defer_timeouts", 0) == 0
         tier = two.tier()
         assert tier["bad_values"] == 1 and tier["remote_hits"] == 0
@@ -163,8 +160,7 @@ def test_a_store_that_dies_costs_misses_and_the_tier_recovers(hosts):
         store.kill()
         # Host 1 keeps saving and serving locally; its publication is dropped.
         one.save("img", data(2))
-        wait_until(lambda: one.scheduler.has_item("img"), "host 1 lost its own save")
-        one.scheduler.build_step_metadata()
+        wait_until(lambda: staged.servable(one.scheduler, "img"), "host 1 lost its own save")
         wait_until(lambda: one.tier()["publish_drops"] + one.tier()["publish_errors"] >= 1,
                    "the publication was neither dropped nor failed")
         # Host 2 is never stuck: an unknown item is encoded at once.
@@ -212,7 +208,7 @@ def test_an_entry_past_its_ttl_is_a_miss(hosts):
         published(one, 1)
         time.sleep(1.5)
         ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
-        assert ok and not two.scheduler.has_item("img")
+        assert ok and not staged.servable(two.scheduler, "img")
         assert two.daemon.stats()["convergence"].get("promotions", 0) == 0
 
 
@@ -241,7 +237,7 @@ def test_a_value_that_cannot_be_cached_here_is_fetched_once(hosts):
         for _ in range(3):
             two.scheduler.wants.clear()  # a later request for the same item
             ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
-            assert ok and not two.scheduler.has_item("img")
+            assert ok and not staged.servable(two.scheduler, "img")
         tier = two.tier()
         assert tier["remote_hits"] == 1 and tier["index_entries"] == 0
         assert two.daemon.stats()["convergence"]["promotion_failures"] == 1
@@ -266,8 +262,7 @@ def test_metrics_show_the_tier_and_the_promotions(hosts):
         published(one, 1)
         indexed(two, 1)
         ok, _ = ensure_within(two.scheduler, ["img"], WAIT)
-        assert ok and two.scheduler.has_item("img")
-        two.scheduler.build_step_metadata()
+        assert ok and staged.servable(two.scheduler, "img")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         for line in ("ec_daemon_remote_reachable 1.0", "ec_daemon_remote_remote_hits_total 1.0",
@@ -296,7 +291,9 @@ def test_promotions_at_once_hold_no_more_than_the_promotion_budget(hosts):
         assert 2 << 20 < tier["promotion_bytes_peak"] <= 3 << 20
         assert tier["promotions_refused"] >= 1
         assert convergence["promotions"] + tier["promotions_refused"] == 8
-        promoted = [h for h in arrays if two.scheduler.has_item(h)]
+        promoted = [h for h in arrays if staged.servable(two.scheduler, h)]
         assert len(promoted) == convergence["promotions"]
+        result = staged.load(two.scheduler, two.worker, promoted)  # (one step loads them all)
+        assert not result.failed
         for mm_hash in promoted:
-            assert two.load(mm_hash).tobytes() == arrays[mm_hash].tobytes()
+            assert np.asarray(result.loaded[mm_hash]).tobytes() == arrays[mm_hash].tobytes()

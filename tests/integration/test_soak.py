@@ -24,6 +24,8 @@ def test_soak_has_no_corruption_and_no_leaks():
     # Every lookup reached the daemon's counters (on heartbeats, the last
     # ones flushed at close).
     assert summary["daemon_hits"] == summary["hits"]
+    # Every hit adopted what its workers staged, and those were the saved bytes.
+    assert summary["loads_verified"] == summary["hits"]
     # Once every engine detached nothing is held: no pending saves, no hidden
     # pages awaiting an acknowledgement, nothing quarantined, no ghost.
     assert all(summary[name] == 0 for name in soak.LEFT), summary

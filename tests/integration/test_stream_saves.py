@@ -17,7 +17,7 @@ import torch
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
-from tests import cuda_model
+from tests import cuda_model, staged
 from tests.integration import engines
 from tests.integration.daemon import Daemon
 from tests.integration.engines import Proc
@@ -69,12 +69,7 @@ def test_saves_land_and_are_served_by_either_path(daemon, stream, backend):
         daemon.wait_for(lambda: scheduler.serving() and all(scheduler.view.get(h)
                                                              for h in outputs),
                         what="the ready events, every rank mapped")
-        for mm_hash in outputs:
-            assert scheduler.has_item(mm_hash)
-            scheduler.after_alloc(f"r-{mm_hash}", mm_hash)
-        metadata = scheduler.build_step_metadata()
-        result = worker.load(metadata.loads, metadata.regions)
-        scheduler.apply_worker_output(result.done, list(result.failed))
+        result = staged.load(scheduler, worker, list(outputs))
         assert result.failed == {}
         for mm_hash, output in outputs.items():
             assert np.array_equal(np.asarray(result.loaded[mm_hash]), output)
@@ -205,13 +200,9 @@ def test_a_daemon_killed_and_restarted_mid_save_loses_those_saves_and_serves_lat
                                     engines.LAYOUT, f"k{i}")[0].state == engines.pb.READY,
                                 timeout=20, what=f"k{i} saved on the new daemon")
             daemon.wait_for(lambda: scheduler.serving(), timeout=20, what="the view back")
-            ready = [h for h in outputs if scheduler.has_item(h)]
-            for mm_hash in ready:
-                scheduler.after_alloc(f"r-{mm_hash}", mm_hash)
+            ready = [h for h in outputs if staged.servable(scheduler, h)]
             assert {f"k{i}" for i in range(16, 20)} <= set(ready)
-            metadata = scheduler.build_step_metadata()
-            result = worker.load(metadata.loads, metadata.regions)
-            scheduler.apply_worker_output(result.done, list(result.failed))
+            result = staged.load(scheduler, worker, ready)
             assert result.failed == {} and set(result.loaded) == set(ready)
             for mm_hash in ready:
                 assert np.array_equal(result.loaded[mm_hash], outputs[mm_hash])

@@ -88,7 +88,7 @@ class Engine:
 
     def load(self, rank: int, metadata: Any) -> list[int]:
         done, failed, loaded = self.ranks[rank].call("load", (metadata.loads, metadata.regions))
-        assert failed == {} and done == [metadata.loads[0].transfer_id]
+        assert failed == [] and done == [metadata.loads[0].transfer_id]
         assert loaded == {KEY: engines.describe(DATA)}  # never other bytes
         return done
 
@@ -115,10 +115,10 @@ def test_pages_stay_hidden_until_both_ranks_reported(engine, order):
     engine.evict()
     first, second = order
     done = engine.load(first, metadata)  # copies after the eviction: the bytes are intact
-    assert engine.scheduler.call("report", (done, [])) == (1, set())
+    assert engine.scheduler.call("report", (done, [])) == 1
     assert engine.hidden()  # one rank reported: the pages are still held
     done = engine.load(second, metadata)
-    assert engine.scheduler.call("report", (done, [])) == (0, set())
+    assert engine.scheduler.call("report", (done, [])) == 0
     engine.daemon.wait_for(engine.reclaimed, what="reclamation after both reports")
     assert engine.filler.take(engine.daemon.stats()["capacity_bytes"], keep=False)
 
@@ -148,7 +148,7 @@ def test_a_rank_restarted_after_the_dispatch_loads_from_the_region_in_the_metada
     metadata = engine.dispatch()
     engine.evict()
     done = engine.load(0, metadata)
-    assert engine.scheduler.call("report", (done, [])) == (1, set())
+    assert engine.scheduler.call("report", (done, [])) == 1
     engine.ranks[1].kill()  # it dies; its successor starts, not attached yet
     late = engine.start_rank(1, attached=False)
     engine.ranks[1] = late
@@ -157,7 +157,7 @@ def test_a_rank_restarted_after_the_dispatch_loads_from_the_region_in_the_metada
     (generation,) = metadata.regions
     assert late.call("generations") == [generation]
     assert isinstance(late.call("attach"), int)  # and it can still attach afterwards
-    assert engine.scheduler.call("report", (done, [])) == (0, set())
+    assert engine.scheduler.call("report", (done, [])) == 0
     engine.daemon.wait_for(engine.reclaimed, what="reclamation after both reports")
 
 
@@ -176,7 +176,7 @@ def test_a_rank_killed_mid_load_leaves_the_other_ranks_load_protected(engine):
                            what="the dead rank's session to end")
     assert engine.hidden()
     done = engine.load(0, metadata)
-    assert engine.scheduler.call("report", (done, [])) == (1, set())
+    assert engine.scheduler.call("report", (done, [])) == 1
     assert engine.hidden()
     # The engine shuts down cleanly: its view is gone, nothing is awaited any more.
     assert engine.scheduler.call("close") == "closed"

@@ -17,6 +17,7 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
+from tests import staged
 from tests.integration import engines
 from tests.integration.daemon import Daemon, short_tmpdir
 from tests.integration.engines import Proc
@@ -94,9 +95,10 @@ def host(shm_folder: Path) -> Iterator[Host]:
 
 
 def dispatch(scheduler: SchedulerDelegate, mm_hash: str):
-    assert scheduler.has_item(mm_hash)
-    scheduler.after_alloc("req", mm_hash)
-    return scheduler.build_step_metadata()
+    """The step that sends `mm_hash`'s load (staged, as vLLM's hits are)."""
+    hits, metadata = staged.plan(scheduler, [mm_hash])
+    assert hits == [True]
+    return metadata
 
 
 # Protects: kill -9 or a graceful stop: the next daemon adopts the region and
@@ -126,8 +128,7 @@ def test_a_restarted_daemon_serves_what_the_previous_one_held(host, how):
         assert np.array_equal(result.loaded[f"k{i}"], data(i))
     other, its_worker = host.scheduler("new"), host.worker("new")
     host.reattached(other, its_worker)
-    assert all(other.has_item(f"k{i}") for i in range(3))
-    other.build_step_metadata()
+    assert all(staged.servable(other, f"k{i}") for i in range(3))
     stats = second.stats()
     assert stats["entries"] == 3 and stats["saves"] == 0
 

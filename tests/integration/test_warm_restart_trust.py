@@ -23,6 +23,7 @@ import pytest
 from ec_daemon.core.limits import MAX_IDS_RESERVED
 from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import IDS_AT
+from tests import staged
 from tests.integration.daemon import free_port
 from tests.integration.test_warm_restart import Host, data, dispatch
 
@@ -66,13 +67,13 @@ def serves_and_saves(host: Host, *, expect_k0: bool | None, tag: str = "new") ->
     and takes two new saves."""
     scheduler, worker = host.scheduler(), host.worker()
     host.reattached(scheduler, worker)
-    if expect_k0 or (expect_k0 is None and scheduler.has_item("k0")):
+    if expect_k0 or (expect_k0 is None and staged.servable(scheduler, "k0")):
         metadata = dispatch(scheduler, "k0")
         result = worker.load(metadata.loads, metadata.regions)
         scheduler.apply_worker_output(result.done)
         assert result.failed == {} and np.array_equal(result.loaded["k0"], data(0))
     elif expect_k0 is False:
-        assert not scheduler.has_item("k0")
+        assert not staged.servable(scheduler, "k0")
     for i in (1, 2):
         assert worker.save(f"{tag}-{i}", data(i))
     assert worker.flush(10)

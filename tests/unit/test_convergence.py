@@ -6,7 +6,12 @@ import pytest
 
 from ec_client.scheduler_side.wants import ANSWER_SECONDS as scheduler_answer_seconds
 from ec_daemon.core.events import AnswerEvent, Resolution, Verdict
-from ec_daemon.core.limits import MAX_ITEMS_MAKING, MAX_ITEMS_PER_INSTANCE, MAX_ITEMS_TOKENLESS
+from ec_daemon.core.limits import (
+    CLAIM_START_SECONDS,
+    MAX_ITEMS_MAKING,
+    MAX_ITEMS_PER_INSTANCE,
+    MAX_ITEMS_TOKENLESS,
+)
 from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence, Promoted
 from ec_protocol.protocol import MAX_BATCH
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
@@ -67,6 +72,35 @@ def test_the_first_engine_encodes_and_the_others_wait_for_its_save():
     conv.want(c, ["img"])
     assert answers(c) == {"img": Verdict.READY}
     assert conv.counters["claims"] == 1 and conv.counters["waits"] == 2
+
+
+def test_a_claim_its_engine_never_starts_passes_on_and_a_started_one_is_kept():
+    """Issue 40, finding 10: a view that wants an item and never encodes it
+    held every waiter for the claim's whole bound. A claim lasts
+    CLAIM_START_SECONDS until its engine says it encodes the item, then
+    CLAIM_SECONDS."""
+    clock, cache, conv, _ = setup()
+    a, b, c, d = (scheduler(cache, engine) for engine in "ABCD")
+    conv.want(a, ["idle"])
+    conv.want(c, ["busy"])
+    conv.started(c, ["busy", "unknown"])
+    conv.started(b, ["idle"])  # (only the holder's word counts)
+    conv.want(b, ["idle"])
+    conv.want(d, ["busy"])
+    for s in (a, b, c, d):
+        drain(s)
+    clock.now += CLAIM_START_SECONDS + 0.1
+    conv.expire()
+    assert answers(b) == {"idle": Verdict.ENCODE} and answers(d) == {}
+    assert conv.making[("ns", "idle")].holder is b and conv.counters["handovers"] == 1
+    conv.started(b, ["idle"])  # the heir encodes now: kept for CLAIM_SECONDS
+    clock.now += 27  # (29.1 s after C said it encodes "busy")
+    conv.expire()
+    assert answers(d) == {} and conv.making[("ns", "busy")].holder is c
+    clock.now += 2
+    conv.expire()
+    assert answers(d) == {"busy": Verdict.ENCODE}  # the claim's whole bound, then passed on
+    assert conv.making[("ns", "idle")].holder is b
 
 
 def test_a_claim_passes_to_a_waiter_when_its_engine_ends():

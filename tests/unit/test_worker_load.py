@@ -1,5 +1,6 @@
 """WorkerDelegate without a daemon: loads from region files made here (a
-stamp table, then the payload), and the byte bound of the save queue."""
+stamp table, then the payload), staged until a step adopts them, and the
+byte bound of the save queue."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from ec_client.common.contract import LoadSpec, RegionInfo
+from ec_client.common.contract import (
+    CHECKSUM_MISMATCH,
+    STAGED_STEPS,
+    STAMP_MISMATCH,
+    UNUSABLE,
+    LoadSpec,
+    RegionInfo,
+)
 from ec_client.common.session import Attachment
 from ec_client.copy import empty_host, get_backend
 from ec_client.worker_side.worker import WorkerDelegate
+from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout
 from ec_protocol.stamps import StampTable, table_bytes
 from tests import cuda_model
@@ -76,8 +85,9 @@ class Region:
 
 def spec_for(region: Region, data: np.ndarray, extents: tuple[tuple[int, int], ...],
              entry_id: int, transfer_id: int = 1, mm_hash: str = "a") -> LoadSpec:
+    """The load of `data` saved at `extents`, with its writer's checksum."""
     return LoadSpec(mm_hash, transfer_id, entry_id, region.info.generation, data.nbytes,
-                    tuple(data.shape), str(data.dtype), extents)
+                    tuple(data.shape), str(data.dtype), extents, checksum([data.tobytes()]))
 
 
 def attachment(region: Region) -> Attachment:
@@ -156,6 +166,91 @@ def test_a_load_maps_the_region_it_names_without_an_attachment(tmp_path, worker)
     region.save(data, EXTENTS, entry_id=3)
     result = worker.load([spec_for(region, data, EXTENTS, 3)], {0xA: region.info})
     assert raw(result.loaded["a"]) == data.tobytes()
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "not verified"])
+def test_bytes_another_process_rewrote_fail_the_load_when_loads_are_verified(tmp_path, worker,
+                                                                             verify):
+    """Any process that maps the region read-write can rewrite an entry's
+    bytes and leave its stamps alone: with `verify_checksum` the load is
+    refused (on the cpu backend its output is checked, on CUDA the pages)."""
+    region = Region(tmp_path, 0xA)
+    data = payload(5)
+    region.save(data, EXTENTS, entry_id=3)
+    with open(region.path, "r+b") as f:  # 64 bytes of its second extent, rewritten
+        f.seek(EXTENTS[1][0] + 100)
+        f.write(bytes(range(64)))
+    worker.verify_checksum = verify
+    result = worker.load([spec_for(region, data, EXTENTS, 3, transfer_id=13)],
+                         {0xA: region.info})
+    if verify:
+        assert result.loaded == {} and result.kinds == {13: CHECKSUM_MISMATCH}
+        assert "another process rewrote them" in result.failed[13]
+        assert worker.stats["loads_checksum_mismatch"] == 1
+    else:  # the stamps hold: what the region holds is loaded
+        assert result.done == [13] and raw(result.loaded["a"]) != data.tobytes()
+    intact = payload(6)
+    region.save(intact, EXTENTS, entry_id=4)
+    worker.verify_checksum = True
+    result = worker.load([spec_for(region, intact, EXTENTS, 4, transfer_id=14)],
+                         {0xA: region.info})
+    assert result.done == [14] and raw(result.loaded["a"]) == intact.tobytes()
+    spec = spec_for(region, intact, EXTENTS, 4, transfer_id=15)._replace(checksum=0)
+    assert worker.load([spec], {0xA: region.info}).done == [15]  # none recorded: none checked
+
+
+def test_a_staged_load_is_kept_aside_until_a_step_adopts_it(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(1)
+    region.save(data, EXTENTS, entry_id=3)
+    result = worker.stage([spec_for(region, data, EXTENTS, 3, transfer_id=11)],
+                          {0xA: region.info}, step=1)
+    assert result.done == [11] and result.failed == {} and result.loaded == {}
+    assert worker.staging.bytes == data.nbytes
+    region.save(payload(2), EXTENTS, entry_id=3)  # rewritten after it was staged
+    out = worker.adopt(11)
+    assert raw(out) == data.tobytes()  # what was verified, not what is there now
+    assert worker.adopt(11) is None and worker.staging.bytes == 0
+    assert worker.take_stats() == {"loads_done": 1, "loads_adopted": 1}
+
+
+def test_a_failed_staging_keeps_nothing_and_says_what_failed(tmp_path, worker):
+    region = Region(tmp_path, 0xA)
+    data = payload(1)
+    region.save(data, EXTENTS, entry_id=3)
+    region.stamp(EXTENTS[:1], 4)
+    missing = LoadSpec("b", 12, 5, 0xB, 4, (1,), "float32", ((page(0), 4),))
+    result = worker.stage([spec_for(region, data, EXTENTS, 3, transfer_id=11), missing],
+                          {0xA: region.info}, step=1)
+    assert result.done == [] and result.kinds == {11: STAMP_MISMATCH, 12: UNUSABLE}
+    assert len(worker.staging) == 0 and worker.adopt(11) is None
+
+
+def test_the_staging_area_holds_its_bound_and_drops_what_no_step_adopts(tmp_path):
+    region = Region(tmp_path, 0xA)
+    data = payload(1, nbytes=PAGE)
+    one = ((page(1), PAGE),)
+    region.save(data, one, entry_id=3)
+    w = WorkerDelegate("unix:///nonexistent/ec.sock", engine_id="E", layout=LAYOUT,
+                       start=False, staging_bytes=2 * PAGE)
+    try:
+        specs = [spec_for(region, data, one, 3, transfer_id=t, mm_hash=f"k{t}")
+                 for t in (1, 2, 3)]
+        result = w.stage(specs, {0xA: region.info}, step=1)
+        assert result.done == [1, 2] and result.kinds == {3: UNUSABLE}  # no room for a third
+        assert "ec_daemon_staging_bytes" in result.failed[3]
+        w.drop([2, 99])
+        assert w.staging.bytes == PAGE and w.stats["staged_dropped"] == 1
+        assert w.stage([specs[2]], {0xA: region.info}, step=2).done == [3]
+        # Staged at steps 1 and 2, and never adopted: gone STAGED_STEPS steps later.
+        w.stage([], {}, step=STAGED_STEPS)
+        assert len(w.staging) == 2
+        w.stage([], {}, step=1 + STAGED_STEPS)
+        assert w.stats["staged_expired"] == 1 and len(w.staging) == 1
+        w.stage([], {}, step=2 + STAGED_STEPS)
+        assert w.stats["staged_expired"] == 2 and w.staging.bytes == 0
+    finally:
+        w.close()
 
 
 @pytest.mark.parametrize("stamp", [4, 0], ids=["reused", "freed"])

@@ -9,8 +9,12 @@ V1 GPU model runner (its EC mixin, removed in 0.34; `runner_v2` drives Model
 Runner V2's own class) does with the connector each step, in its order: drop the
 encoder outputs the scheduler freed, bind the metadata, `start_load_caches`,
 run the encoder for the scheduled inputs and `save_caches` each, then the
-worker metadata into `ModelRunnerOutput.ec_connector_output`. Every request
-samples one token when its prompt is done (`max_tokens=1` ends it there).
+worker metadata into `ModelRunnerOutput.ec_connector_output`; and in a step
+that schedules no tokens, nothing of the connector (its `execute_model`
+returns before `_preprocess`), where this vLLM has that runner (0.32, 0.33;
+on 0.34 it runs the connector in every step, as Model Runner V2 does). Every
+request samples one token when its prompt is done (`max_tokens=1` ends it
+there).
 """
 
 from __future__ import annotations
@@ -111,6 +115,18 @@ def finish(scheduler: Scheduler, step: Step, ec_output: ECConnectorOutput | None
             step.ec_stats = stats.ec_connector_stats
 
 
+def adopted(steps: list[Step]) -> list[str]:
+    """The items these steps' workers moved into vLLM's encoder cache from
+    the daemon (staged by them, or by the scheduler's process: `inline`)."""
+    return [item.mm_hash for s in steps for item in (*s.output.ec_connector_metadata.adopt,
+                                                      *s.output.ec_connector_metadata.inline)]
+
+
+def staged(steps: list[Step]) -> list[str]:
+    """The items these steps' workers were told to stage."""
+    return [spec.mm_hash for s in steps for spec in s.output.ec_connector_metadata.loads]
+
+
 class RunnerStandIn:
     """The worker side of one engine with one rank: the WORKER connector and
     the encoder cache vLLM's model runner keeps (`encoder_cache`)."""
@@ -122,12 +138,17 @@ class RunnerStandIn:
         self.worker = h.connector(config, ECConnectorRole.WORKER)
         self.encode = encode
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        # vLLM 0.34 has no V1 runner: its runners all run the connector when idle.
+        self.idle_steps_run = getattr(type(config), "use_v2_model_runner", None) is None
 
     def step(self) -> Step:
         output = self.scheduler.schedule()
         step = Step(output)
         for mm_hash in output.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
+        if output.total_num_scheduled_tokens == 0 and not self.idle_steps_run:
+            finish(self.scheduler, step, None)  # (the V1 runner's EMPTY_MODEL_RUNNER_OUTPUT)
+            return step
         worker = self.worker
         worker.bind_connector_metadata(output.ec_connector_metadata)
         if worker.is_consumer:

@@ -48,13 +48,16 @@ def engine(tiny_model, daemon):
 
 def hit_cycle(scheduler: Any, worker: Any, mm_hash: str, seed: int) -> dict[str, torch.Tensor]:
     """A miss whose output the engine computes and saves, then a hit that
-    loads it; returns the encoder cache of the hit's step."""
+    loads it (staged in the step before); returns the encoder cache of the
+    hit's steps."""
     tensor = h.encoder_output(seed)
-    _, hits = h.step(scheduler, worker, [h.request("r1", mm_hash)], {mm_hash: tensor})
+    _, hits = h.step(scheduler, worker, [h.request(f"r1-{mm_hash}", mm_hash)],
+                     {mm_hash: tensor})
     assert hits == [False]
+    h.forget(scheduler, [mm_hash])
     assert worker.worker_delegate.flush(20)
     h.wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
-    cache, hits = h.step(scheduler, worker, [h.request("r2", mm_hash)], {})
+    cache, hits = h.serve(scheduler, worker, [h.request(f"r2-{mm_hash}", mm_hash)])
     assert hits == [True]
     return cache
 
@@ -74,21 +77,27 @@ def test_miss_then_save_then_hit_loads_bit_exact(engine, daemon):
     tensor = h.encoder_output(1)
     _, hits = h.step(scheduler, worker, [h.request("r1", "img-1")], {"img-1": tensor})
     assert hits == [False]
+    h.forget(scheduler, ["img-1"])
     assert worker.worker_delegate.flush(20)
     h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img-1") is not None)
 
-    metadata = h.dispatch(scheduler, [h.request("r2", "img-1")])
+    request = h.request("r2", "img-1")
+    metadata = h.dispatch(scheduler, [request])  # deferred: its load is staged this step
     assert isinstance(metadata, ECDaemonConnectorMetadata)
     (spec,) = metadata.loads
     assert spec.mm_hash == "img-1" and spec.generation in metadata.regions
     assert scheduler.scheduler_delegate.view.inflight() == 1
     cache: dict[str, torch.Tensor] = {}
     meta = h.load(worker, metadata, cache)
-    assert torch.equal(cache["img-1"], tensor) and cache["img-1"].dtype == tensor.dtype
+    assert cache == {}  # staged aside, not yet in vLLM's encoder cache
     assert isinstance(meta, ECDaemonWorkerMetadata) and meta.done == [spec.transfer_id]
-
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
     assert scheduler.scheduler_delegate.view.inflight() == 0  # the one rank reported
+
+    metadata = h.use(scheduler, [request])  # a hit now: the step adopts the staged load
+    assert metadata.loads == [] and [a.transfer_id for a in metadata.adopt] == [spec.transfer_id]
+    h.load(worker, metadata, cache)
+    assert torch.equal(cache["img-1"], tensor) and cache["img-1"].dtype == tensor.dtype
     assert scheduler.take_unavailable_requests() == set()
     # The load made no call at all; the daemon learns of it from a heartbeat.
     assert scheduler.scheduler_delegate.transport.calls_from_this_thread() == 0
@@ -99,35 +108,44 @@ def test_a_load_dispatched_before_the_daemon_died_returns_the_saved_bytes(engine
     scheduler, worker = engine
     tensor = h.encoder_output(2)
     h.save_and_publish(scheduler, worker, "img-2", tensor)
-    metadata = h.dispatch(scheduler, [h.request("r", "img-2")])
+    request = h.request("r", "img-2")
+    metadata = h.dispatch(scheduler, [request])
     daemon.kill()  # between dispatch and the worker's copy; nobody reuses its pages
 
     cache: dict[str, torch.Tensor] = {}
     meta = h.load(worker, metadata, cache)
-    assert torch.equal(cache["img-2"], tensor)
     scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
+    h.load(worker, h.use(scheduler, [request]), cache)  # staged: no daemon needed
+    assert torch.equal(cache["img-2"], tensor)
     assert scheduler.take_unavailable_requests() == set()
     # The view goes with the session as soon as the link notices the daemon died.
     h.wait_until(lambda: scheduler.scheduler_delegate.view.get("img-2") is None, timeout=10)
+    assert scheduler.ensure_cache_available(h.request("r2", "img-2"), 0)  # a miss now
     assert not scheduler.has_cache_item("img-2")
 
 
-def test_a_load_whose_stamp_no_longer_matches_raises_before_the_encoder_cache_changes(engine):
+@pytest.mark.writes_region
+def test_a_load_whose_stamp_no_longer_matches_costs_its_request_not_the_engine(engine):
     scheduler, worker = engine
     h.save_and_publish(scheduler, worker, "img-good", h.encoder_output(3))
     h.save_and_publish(scheduler, worker, "img-bad", h.encoder_output(4))
-    metadata = h.dispatch(scheduler, [h.request("r1", "img-good"), h.request("r2", "img-bad")])
+    good, bad_request = h.request("r1", "img-good"), h.request("r2", "img-bad")
+    metadata = h.dispatch(scheduler, [good, bad_request])
     bad = next(spec for spec in metadata.loads if spec.mm_hash == "img-bad")
     # Its pages now belong to another entry (which no ordinary event allows).
     h.overwrite_stamps(metadata.regions[bad.generation], bad.extents, bad.entry_id + 1000)
 
     kept = torch.ones(2)
     cache = {"already-there": kept}
-    with pytest.raises(RuntimeError, match=r"unusable.*stamp mismatch"):
-        h.load(worker, metadata, cache)
-    # Nothing entered vLLM's encoder cache, not even the load that was fine.
+    meta = h.load(worker, metadata, cache)  # no exception: the failure is reported
     assert cache == {"already-there": kept} and cache["already-there"] is kept
     assert worker.worker_delegate.stats["loads_stamp_mismatch"] == 1
+    scheduler.update_connector_output(h.ECConnectorOutput(ec_connector_worker_meta=meta))
+    # The good item is a hit; the bad one a miss its request encodes.
+    assert scheduler.ensure_cache_available(good, 0)
+    assert scheduler.ensure_cache_available(bad_request, 0)
+    assert scheduler.has_cache_item("img-good") and not scheduler.has_cache_item("img-bad")
+    assert scheduler.take_unavailable_requests() == set()
 
 
 def test_engines_start_and_serve_without_a_daemon(tiny_model, tmp_path):
@@ -236,7 +254,7 @@ def test_stats_count_this_engines_lookups_hits_and_loads(engine):
     data = dict(stats.data)
     load_seconds = data.pop("load_seconds")
     assert data == {"lookups": 2, "hits": 1, "loads": 1, "load_bytes": 16 * 128 * 4,
-                    "saves_done": 1, "loads_done": 1}
+                    "saves_done": 1, "loads_done": 1, "loads_adopted": 1}
     assert len(load_seconds) == 1 and 0 < load_seconds[0] < 10
     assert scheduler.get_ec_connector_stats() is None  # each step's counters once
     # By design the worker role reports None: its counters travel in its
@@ -253,8 +271,7 @@ def test_stats_reach_vllm_at_most_once_an_interval_and_nothing_is_lost(engine, m
     hit_cycle(scheduler, worker, "img-7", 7)
     first = scheduler.get_ec_connector_stats()
     assert first is not None and first.data["hits"] == 1
-    _, hits = h.step(scheduler, worker, [h.request("r3", "img-7")], {})  # another hit
-    assert hits == [True]
+    hit_cycle(scheduler, worker, "img-8", 8)  # another hit
     assert scheduler.get_ec_connector_stats() is None
     scheduler._next_stats = 0.0  # the interval is over
     later = scheduler.get_ec_connector_stats()
@@ -375,7 +392,8 @@ def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, repo
     assert rank0.worker_delegate.saves_enabled and not rank1.worker_delegate.saves_enabled
     tensor = h.encoder_output(7)
     h.save_and_publish(scheduler, rank0, "img-7", tensor)
-    metadata = h.dispatch(scheduler, [h.request("r", "img-7")])
+    request = h.request("r", "img-7")
+    metadata = h.dispatch(scheduler, [request])
     caches: list[dict[str, torch.Tensor]] = [{}, {}]
     first = 1 if reports == "rank1+rank0" else 0
     metas = {first: h.load((rank0, rank1)[first], metadata, caches[first])}
@@ -398,7 +416,6 @@ def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, repo
 
     late = 1 - first
     metas[late] = h.load((rank0, rank1)[late], metadata, caches[late])
-    assert torch.equal(caches[0]["img-7"], tensor) and torch.equal(caches[1]["img-7"], tensor)
 
     if reports == "rank0 then rank1":
         meta = metas[1]
@@ -410,6 +427,10 @@ def test_tp2_an_entry_stays_protected_until_both_ranks_reported(tp2_engine, repo
     assert scheduler.scheduler_delegate.view.inflight() == 0
     daemon.wait_for(lambda: lookup_state(daemon, scheduler, "img-7").state == pb.ABSENT,
                     what="the eviction's acknowledgement")
+    adopting = h.use(scheduler, [request])  # both ranks staged it: a hit
+    for rank, cache in zip((rank0, rank1), caches, strict=True):
+        h.load(rank, adopting, cache)
+    assert torch.equal(caches[0]["img-7"], tensor) and torch.equal(caches[1]["img-7"], tensor)
     assert scheduler.take_unavailable_requests() == set()
 
 

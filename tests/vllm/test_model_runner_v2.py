@@ -2,10 +2,12 @@
 0.34 drives an EC connector: vLLM's own `ActiveECConnector` (the GPU class on
 CPU tensors, and from 0.34 the CPU class) beside vLLM's own Scheduler, with
 a real daemon (tests.vllm.runner_v2). Across steps: new keys saved once,
-loads bit-exact and never saved back, `start_save_caches` and `get_finished`,
-a load that fails, a request finished mid-load; audio and video items as
-images; and the stats of the step that ends activity reaching vLLM's stat
-loggers (what /metrics shows) while the engine then idles."""
+loads staged in a step without tokens (MRv2's `no_forward`), bit-exact and
+never saved back, `start_save_caches` and `get_finished`, a load that fails
+(its request re-encodes the item, or fails without its media), a request
+finished mid-load; audio and video items as images; and the stats of the
+step that ends activity reaching vLLM's stat loggers (what /metrics shows)
+while the engine then idles."""
 
 from __future__ import annotations
 
@@ -39,10 +41,13 @@ def encode(mm_hash: str, rows: int = h.IMAGE_TOKENS) -> torch.Tensor:
 
 
 @pytest.fixture(params=KINDS)
-def engines(request, tiny_model, daemon) -> Iterator[Any]:
+def engines(request, tiny_model, daemon, monkeypatch) -> Iterator[Any]:
     """Engines (vLLM's Scheduler, logging stats, and MRv2's connector class
     of the parameter's kind), all shut down at the end:
-    `make(role, instance_id, **extra)`."""
+    `make(role, instance_id, **extra)`. Their connectors know the workers
+    run Model Runner V2 (vLLM 0.32 and 0.33 choose it per engine where Triton
+    is, which this CPU lacks)."""
+    monkeypatch.setattr(vllm_connector, "workers_run_idle_steps", lambda config: True)
     made: list[r2.RunnerV2] = []
 
     def make(role: str, instance_id: str, **extra: Any) -> r2.RunnerV2:
@@ -113,32 +118,73 @@ def test_a_consumer_loads_bit_exact_and_never_saves_back_what_it_loaded(engines)
     saved = calls(engine, "save_caches")
     published(engine, "img-a")
 
-    (step,) = r2.run_to_end(engine, r2.request("r1", "img-a"))
-    assert [spec.mm_hash for spec in step.output.ec_connector_metadata.loads] == ["img-a"]
-    assert step.encoded == [] and "r1" in step.finished
+    staging, using = r2.run_to_end(engine, r2.request("r1", "img-a"))
+    # The request waits a step while its load is staged (MRv2 runs the
+    # connector in the step that schedules nothing), then adopts it.
+    assert staging.output.total_num_scheduled_tokens == 0 and staging.finished == {}
+    assert sh.staged([staging]) == ["img-a"] and sh.adopted([using]) == ["img-a"]
+    assert using.encoded == [] and "r1" in using.finished
     assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
     # The load put img-a in the cache before MRv2 noted what was there: not new.
     assert saved == [] and engine.worker.worker_delegate.stats["saves_done"] == 0
     assert engine.connector.scheduler_delegate.view.inflight() == 0  # reported
+    assert engine.worker.worker_delegate.staging.bytes == 0  # adopted, nothing kept aside
     assert engine.scheduler.ec_connector.take_unavailable_requests() == set()
 
 
-def test_a_load_that_fails_stops_the_step_before_the_forward_with_the_cache_untouched(engines):
+def corrupt(engine: r2.RunnerV2, spec: Any, region: Any) -> None:
+    """Its pages now belong to another entry (which no ordinary event allows)."""
+    h.overwrite_stamps(region, spec.extents, spec.entry_id + 1000)
+
+
+@pytest.mark.writes_region
+def test_a_load_that_fails_costs_its_request_a_miss_and_the_engine_goes_on(engines):
     produce(engines, "img-good", "img-bad")
     engine = engines("ec_consumer", "fails")
     published(engine, "img-good", "img-bad")
     engine.scheduler.add_request(r2.request("r1", "img-good"))
     engine.scheduler.add_request(r2.request("r2", "img-bad"))
-    output = engine.scheduler.schedule()
+    output = engine.scheduler.schedule()  # both deferred, their loads staged
     metadata = output.ec_connector_metadata
     bad = next(spec for spec in metadata.loads if spec.mm_hash == "img-bad")
-    # Its pages now belong to another entry (which no ordinary event allows).
-    h.overwrite_stamps(metadata.regions[bad.generation], bad.extents, bad.entry_id + 1000)
+    corrupt(engine, bad, metadata.regions[bad.generation])
 
-    with pytest.raises(RuntimeError, match=r"unusable.*stamp mismatch"):
-        engine.execute(output)
-    assert engine.encoder_cache == {}  # not even the load that was fine
+    steps = [engine.execute(output)]  # nothing raised
+    assert engine.encoder_cache == {}
+    while engine.scheduler.has_unfinished_requests():
+        assert len(steps) < 5
+        steps.append(engine.step())
+    assert sh.adopted(steps) == ["img-good"]
+    assert [mm for s in steps for mm in s.encoded] == ["img-bad"]  # re-encoded here
+    assert torch.equal(engine.encoder_cache["img-bad"], encode("img-bad"))
+    finished = {r: out.finish_reason for s in steps for r, out in s.finished.items()}
+    assert finished == {"r1": FinishReason.LENGTH, "r2": FinishReason.LENGTH}
     assert engine.worker.worker_delegate.stats["loads_stamp_mismatch"] == 1
+
+
+@pytest.mark.writes_region
+def test_a_metadata_only_item_whose_load_fails_fails_its_request_not_the_engine(engines):
+    producer = engines("ec_producer", "encoder")
+    (step,) = r2.run_to_end(producer, r2.request("e1", "img-e"))
+    params = step.finished["e1"].ec_transfer_params
+    assert producer.worker.worker_delegate.flush(20)
+    consumer = engines("ec_consumer", "prefill-decode")
+    published(consumer, "img-e")
+    consumer.scheduler.add_request(r2.request("p1", "img-e", data=MultiModalKwargsItem({}),
+                                              ec_transfer_params=params))
+    output = consumer.scheduler.schedule()
+    (spec,) = output.ec_connector_metadata.loads
+    corrupt(consumer, spec, output.ec_connector_metadata.regions[spec.generation])
+    steps = [consumer.execute(output)]
+    while consumer.scheduler.has_unfinished_requests():
+        assert len(steps) < 5
+        steps.append(consumer.step())
+    assert steps[-1].finished["p1"].finish_reason == FinishReason.ERROR
+    assert [mm for s in steps for mm in s.encoded] == [] and "img-e" not in consumer.encoder_cache
+    # The engine goes on: a request with its media is served as usual.
+    (again,) = r2.run_to_end(consumer, r2.request("p2", "img-new"))
+    assert again.encoded == ["img-new"] and again.finished["p2"].finish_reason == \
+        FinishReason.LENGTH
 
 
 def test_a_request_finished_mid_load_keeps_its_entry_until_the_worker_reported(engines):
@@ -147,22 +193,29 @@ def test_a_request_finished_mid_load_keeps_its_entry_until_the_worker_reported(e
     published(engine, "img-a")
     view = engine.connector.scheduler_delegate.view
     engine.scheduler.add_request(r2.request("r1", "img-a"))
-    output = engine.scheduler.schedule()  # the load is dispatched...
-    assert [spec.mm_hash for spec in output.ec_connector_metadata.loads] == ["img-a"]
+    output = engine.scheduler.schedule()  # the load is staged...
+    assert sh.staged([sh.Step(output)]) == ["img-a"]
     engine.scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # ...then aborted
     assert view.inflight() == 1  # its pages stay the entry's while the worker may copy
 
-    step = engine.execute(output)  # the worker loads all the same, and reports
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    step = engine.execute(output)  # the worker stages all the same, and reports
     assert view.inflight() == 0 and step.finished == {}
+    assert engine.worker.worker_delegate.staging.bytes == spec_bytes(output)
     assert engine.scheduler.ec_connector.take_unavailable_requests() == set()
 
-    # The engine goes on: vLLM's encoder cache keeps what the load brought,
-    # and the next request for it is served from there.
-    (again,) = r2.run_to_end(engine, r2.request("r2", "img-a"))
-    assert again.output.ec_connector_metadata.loads == [] and again.encoded == []
-    assert again.finished["r2"].finish_reason == FinishReason.LENGTH
+    # The engine goes on: the staged copy nobody uses is dropped, and the
+    # next request for the item stages and loads it again.
+    steps = r2.run_to_end(engine, r2.request("r2", "img-a"))
+    assert steps[0].output.ec_connector_metadata.drop == [output.ec_connector_metadata.loads[0]
+                                                           .transfer_id]
+    assert sh.adopted(steps) == ["img-a"] and [s.encoded for s in steps] == [[], []]
+    assert steps[-1].finished["r2"].finish_reason == FinishReason.LENGTH
     assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert engine.worker.worker_delegate.staging.bytes == 0
+
+
+def spec_bytes(output: Any) -> int:
+    return sum(spec.nbytes for spec in output.ec_connector_metadata.loads)
 
 
 @pytest.mark.parametrize(("modality", "embeds"), [("audio", 10), ("video", h.IMAGE_TOKENS)])
@@ -186,8 +239,7 @@ def test_audio_and_video_items_are_saved_and_loaded_like_images(engines, modalit
     steps = r2.run_to_end(consumer, r2.request("p1", "clip-1", modality,
                                                MultiModalKwargsItem({}), embeds, params))
     assert [s.encoded for s in steps] == [[]] * len(steps)
-    loads = [spec.mm_hash for s in steps for spec in s.output.ec_connector_metadata.loads]
-    assert loads == ["clip-1"]
+    assert sh.staged(steps) == sh.adopted(steps) == ["clip-1"]
     loaded = consumer.encoder_cache["clip-1"]
     assert loaded.shape == (embeds, h.HIDDEN) and torch.equal(loaded, encode("clip-1", embeds))
     assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
@@ -212,12 +264,13 @@ def test_the_step_that_ends_activity_hands_vllm_every_count(engines, monkeypatch
     published(engine, "img-a", "img-b", "img-c")
     monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
 
-    assert loads_reported(r2.run_to_end(engine, r2.request("r1", "img-a"))) == [1]
+    # (Each load is staged in a step that defers its request, then adopted.)
+    assert loads_reported(r2.run_to_end(engine, r2.request("r1", "img-a"))) == [1, 0]
     # Within the interval, and the engine then idles: handed out all the same.
-    assert loads_reported(r2.run_to_end(engine, r2.request("r2", "img-b"))) == [1]
+    assert loads_reported(r2.run_to_end(engine, r2.request("r2", "img-b"))) == [0, 1]
     # A request still decoding after its load: paced until the step it ends.
     steps = r2.run_to_end(engine, r2.request("r3", "img-c", max_tokens=3))
-    assert loads_reported(steps) == [0, 0, 1]
+    assert loads_reported(steps) == [0, 0, 0, 1]
     assert steps[-1].ec_stats is not None and steps[-1].ec_stats["lookups"] == 1
 
 

@@ -37,7 +37,7 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
-from tests import groups, mooncake_servers
+from tests import groups, mooncake_servers, staged
 from tests.integration.daemon import Daemon
 from tests.integration.engines import ensure_within, wait_until
 from tests.vllm import vllm_harness as h
@@ -117,11 +117,8 @@ class Host:
         assert self.worker.stats["saves_done"] >= 1, dict(self.worker.stats)
 
     def load(self, mm_hash: str) -> torch.Tensor:
-        assert self.scheduler.has_item(mm_hash)
-        assert self.scheduler.after_alloc("req", mm_hash)
-        step = self.scheduler.build_step_metadata()
-        result = self.worker.load(step.loads, step.regions)
-        self.scheduler.apply_worker_output(result.done, result.failed)
+        assert staged.servable(self.scheduler, mm_hash)
+        result = staged.load(self.scheduler, self.worker, [mm_hash])
         assert not result.failed, result.failed
         loaded = result.loaded[mm_hash]  # (numpy where numpy has the dtype)
         return loaded if isinstance(loaded, torch.Tensor) else torch.from_numpy(loaded)
@@ -196,10 +193,10 @@ def test_what_vllms_writer_puts_a_daemon_promotes_and_its_engine_loads(master, v
     # Deferred while it is promoted; or promoted within the step's answer
     # wait already (a quick promotion, a slow scheduler thread): a hit. Never
     # "encode here".
-    if host.scheduler.ensure([mm_hash]):
-        assert host.scheduler.has_item(mm_hash)
+    if host.scheduler.ensure([mm_hash]) or staged.servable(host.scheduler, mm_hash):
+        assert staged.servable(host.scheduler, mm_hash)
     ok, _ = ensure_within(host.scheduler, [mm_hash], WAIT)
-    assert ok and host.scheduler.has_item(mm_hash)
+    assert ok and staged.servable(host.scheduler, mm_hash)
     loaded = host.load(mm_hash)
     assert loaded.dtype == dtype
     assert tuple(loaded.shape) == tuple(written.shape) and bits(loaded) == bits(written)
@@ -229,7 +226,7 @@ def test_a_value_vllms_reader_refuses_a_daemon_refuses_too(master, vllm_client, 
 
     host = hosts(master, "refuse", namespace, "bfloat16")
     ok, _ = ensure_within(host.scheduler, [mm_hash], WAIT)
-    assert ok and not host.scheduler.has_item(mm_hash)  # encoded here, not served
+    assert ok and not staged.servable(host.scheduler, mm_hash)  # encoded here, not served
     tier = host.tier()
     assert tier["bad_values"] == 1 and tier["remote_hits"] == 0
 
@@ -288,7 +285,7 @@ def test_vllms_worker_backend_and_a_daemon_share_outputs_both_ways(master, vllm_
                    "vLLM's backend never published", WAIT)
 
         ok, _ = ensure_within(host.scheduler, ["from-vllm"], WAIT)
-        assert ok and host.scheduler.has_item("from-vllm")
+        assert ok and staged.servable(host.scheduler, "from-vllm")
         assert bits(host.load("from-vllm")) == bits(from_vllm)
         assert host.tier()["remote_hits"] == 1
     finally:

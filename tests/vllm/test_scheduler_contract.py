@@ -13,6 +13,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateReque
 from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.v1.engine import FinishReason
 
+from tests import groups
 from tests.vllm import scheduler_harness as sh
 from tests.vllm import vllm_harness as h
 
@@ -52,28 +53,59 @@ def run_to_end(runner: sh.RunnerStandIn, *requests: Any, steps: int = 10) -> lis
     return done
 
 
-def test_a_load_for_an_item_the_worker_still_holds_keeps_its_tensor(engines):
+def test_an_item_vllm_evicts_and_allocates_again_in_one_pass_is_never_loaded_over(engines):
     """vLLM evicts img-a and allocates it again in one scheduling pass (its
-    encoder cache holds two images): the worker never freed it, and the
-    load dispatched for it must keep vLLM's tensor, not copy over it."""
+    encoder cache holds two images): the worker never freed it. Nothing was
+    staged for it (vLLM held it when it asked), so it is encoded again, and
+    no load ever lands over the tensor the worker holds."""
     engine = engines("ec_both", "keeps", encoder_cache_items=2)
     run_to_end(engine, sh.request("r-a", "img-a"), sh.request("r-b", "img-b"))
     assert engine.worker.worker_delegate.flush(20)
     view = engine.connector.scheduler_delegate.view
     h.wait_until(lambda: view.get("img-a") is not None and view.get("img-b") is not None)
-    held = engine.encoder_cache["img-a"]
     loads_done = engine.worker.worker_delegate.stats["loads_done"]
 
     engine.scheduler.add_request(sh.request("r-c", "img-c"))  # a miss: evicts img-a
-    engine.scheduler.add_request(sh.request("r-a2", "img-a"))  # a hit: evicts img-b
+    engine.scheduler.add_request(sh.request("r-a2", "img-a"))  # evicts img-b
     step = engine.step()
     metadata = step.output.ec_connector_metadata
-    assert [spec.mm_hash for spec in metadata.loads] == ["img-a"]
-    assert step.encoded == ["img-c"] and step.output.free_encoder_mm_hashes == ["img-b"]
-    assert engine.encoder_cache["img-a"] is held  # vLLM's tensor kept, nothing copied
+    assert (metadata.loads, metadata.adopt, metadata.inline) == ([], [], [])
+    assert sorted(step.encoded) == ["img-a", "img-c"]
+    assert step.output.free_encoder_mm_hashes == ["img-b"]
+    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
     assert engine.worker.worker_delegate.stats["loads_done"] == loads_done
-    assert view.inflight() == 0  # the skipped load was reported done all the same
     assert set(step.finished) == {"r-c", "r-a2"}
+
+
+@pytest.mark.writes_region
+def test_a_hit_on_an_idle_engine_is_staged_by_the_schedulers_process(engines):
+    """vLLM's V1 runner runs no connector in a step that schedules nothing:
+    a lone request's load is copied and verified by the scheduler's process
+    and carried whole by the step that uses it (where vLLM has that runner)."""
+    producer = engines("ec_producer", "encoder")
+    run_to_end(producer, sh.request("e1", "img-a"), sh.request("e2", "img-bad"))
+    assert producer.worker.worker_delegate.flush(20)
+    engine = engines("ec_consumer", "idle")
+    if engine.idle_steps_run:
+        pytest.skip(groups.VLLM.reason("this vLLM has no V1 model runner (0.34 removed it)"))
+    view = engine.connector.scheduler_delegate.view
+    h.wait_until(lambda: view.get("img-a") is not None and view.get("img-bad") is not None)
+    bad = view.get("img-bad")
+    region = engine.connector.scheduler_delegate.link.attachment.region
+    with open(region.path, "r+b") as f:  # another process rewrites 64 of its bytes
+        f.seek(bad.extents[0][0] + 100)
+        f.write(bytes(range(64)))
+    bad_stamp = bad.entry_id + 1000
+    h.overwrite_stamps(region, bad.extents, bad_stamp)
+
+    steps = run_to_end(engine, sh.request("r1", "img-a"), sh.request("r2", "img-bad"))
+    assert steps[0].output.total_num_scheduled_tokens == 0  # both deferred: an idle step
+    assert sh.staged(steps) == [] and sh.adopted(steps) == ["img-a"]
+    assert [s.output.ec_connector_metadata.inline[0].mm_hash for s in steps
+            if s.output.ec_connector_metadata.inline] == ["img-a"]
+    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert [mm for s in steps for mm in s.encoded] == ["img-bad"]  # encoded, not loaded
+    assert {r for s in steps for r in s.finished} == {"r1", "r2"}
 
 
 def test_items_vllm_holds_are_never_asked_about_nor_deferred(engines, daemon):
@@ -117,8 +149,7 @@ def test_a_producer_reports_vllms_ec_transfer_params_and_a_consumer_loads_metada
     metadata_only = MultiModalKwargsItem({})  # what is left of an item without its media
     steps = run_to_end(consumer, sh.request("p1", "img-e", metadata_only, params))
     assert [s.encoded for s in steps] == [[]] * len(steps)  # never encoded here
-    loads = [spec.mm_hash for s in steps for spec in s.output.ec_connector_metadata.loads]
-    assert loads == ["img-e"]
+    assert sh.adopted(steps) == ["img-e"]
     assert torch.equal(consumer.encoder_cache["img-e"], encode("img-e"))
     assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
 

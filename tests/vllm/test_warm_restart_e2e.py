@@ -106,9 +106,11 @@ def wait_for_marker(engine: Engine, marker: Path, timeout: float) -> None:
 @pytest.mark.parametrize("start_as", ["adopting", "fresh"])
 def test_a_slow_step_across_a_daemon_restart_serves_the_saved_output(
         tiny_model, reference, tmp_path, start_as, lease):
-    """Engine 2's worker begins loading A only SLOW_STEP_SECONDS after its
-    scheduler dispatched the hit; meanwhile the daemon is killed (kill -9)
-    and another starts on the same socket, adopting the region or starting
+    """Engine 2's worker begins working on A's load only SLOW_STEP_SECONDS
+    after its scheduler dispatched it (this idle engine's loads are staged
+    by its scheduler's process on vLLM's V1 runner: its worker's step that
+    uses A is the slow one); meanwhile the daemon is killed (kill -9) and
+    another starts on the same socket, adopting the region or starting
     fresh (--fresh-start). The engine keeps running, and A, A, B, A all
     return the reference outputs."""
     lease_flags = ("--lease-seconds", str(lease))

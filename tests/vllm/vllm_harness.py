@@ -78,12 +78,21 @@ def request(request_id: str, mm_hash: str) -> Request:
                    mm_features=[feature])
 
 
-def empty_output() -> SchedulerOutput:
+def empty_output(tokens: int = 0, freed: list[str] | None = None) -> SchedulerOutput:
+    """A step's output with no request in it, but `tokens` scheduled (a step
+    without tokens is one vLLM's V1 runner runs no connector in), and the
+    encoder outputs vLLM's scheduler frees in it."""
     return SchedulerOutput(
         scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        num_scheduled_tokens={}, total_num_scheduled_tokens=tokens,
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-        free_encoder_mm_hashes=[])
+        free_encoder_mm_hashes=list(freed or ()))
+
+
+def forget(scheduler: Any, mm_hashes: list[str]) -> None:
+    """vLLM's scheduler freed these encoder outputs (its encoder cache needed
+    the room): the next request for one asks the connector again."""
+    scheduler.build_connector_meta(empty_output(freed=mm_hashes))
 
 
 def encoder_output(seed: int) -> torch.Tensor:
@@ -98,45 +107,76 @@ def wait_attached(conn: Any, timeout: float = 20.0) -> None:
 
 
 def step(scheduler: Any, worker: Any, requests: list[Request],
-         computed: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[bool]]:
+         computed: dict[str, torch.Tensor],
+         encoder_cache: dict[str, torch.Tensor] | None = None, busy: bool = True,
+         ) -> tuple[dict[str, torch.Tensor], list[bool]]:
     """One engine step: the scheduler's calls, then the model runner's.
 
-    `computed` holds what the encoder produced this step for items the
-    connector did not have. Returns the worker's encoder cache and the
-    has_cache_item answers."""
+    A request `ensure_cache_available` defers is not scheduled (its items'
+    loads are staged this step). `computed` holds what the encoder produced
+    this step for items the connector did not have. `busy`: other requests
+    run in the step too (else a step of deferred requests only schedules no
+    tokens, which vLLM's V1 runner runs no connector in: the scheduler's
+    process stages their loads). Returns the worker's encoder cache and the
+    has_cache_item answers of the requests scheduled."""
     hits = []
+    misses = []
+    tokens = int(busy)
     for req in requests:
+        if not scheduler.ensure_cache_available(req, 0):
+            continue
+        tokens += req.num_prompt_tokens
         for index, feature in enumerate(req.mm_features):
-            hits.append(scheduler.has_cache_item(feature.identifier))
+            hit = scheduler.has_cache_item(feature.identifier)
+            hits.append(hit)
+            if not hit:
+                misses.append(feature.identifier)
             scheduler.update_state_after_alloc(req, index)
-    output = empty_output()
+    output = empty_output(tokens)
     output.ec_connector_metadata = scheduler.build_connector_meta(output)
 
-    encoder_cache: dict[str, torch.Tensor] = {}
+    encoder_cache = {} if encoder_cache is None else encoder_cache
     worker.bind_connector_metadata(output.ec_connector_metadata)
     if worker.is_consumer:
         worker.start_load_caches(encoder_cache)
-    for mm_hash, tensor in computed.items():  # the encoder ran for the misses
-        encoder_cache[mm_hash] = tensor
-        worker.save_caches(encoder_cache, mm_hash)
+    for mm_hash in misses:  # the encoder runs for the misses
+        if mm_hash in computed:
+            encoder_cache[mm_hash] = computed[mm_hash]
+            worker.save_caches(encoder_cache, mm_hash)
     result = ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
     worker.clear_connector_metadata()
     scheduler.update_connector_output(result)
     return encoder_cache, hits
 
 
+def serve(scheduler: Any, worker: Any, requests: list[Request],
+          computed: dict[str, torch.Tensor] | None = None,
+          steps: int = 4, busy: bool = True) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """Steps until each request ran once (a hit's load is staged in the step
+    before): the encoder cache, and the has_cache_item answers."""
+    encoder_cache: dict[str, torch.Tensor] = {}
+    hits: list[bool] = []
+    for _ in range(steps):
+        _, answers = step(scheduler, worker, requests, computed or {}, encoder_cache, busy)
+        hits += answers
+        if len(hits) == sum(len(r.mm_features) for r in requests):
+            return encoder_cache, hits
+    raise AssertionError(f"requests still deferred after {steps} steps: {hits}")
+
+
 def dispatch(scheduler: Any, requests: list[Request]) -> Any:
-    """The scheduler's half of a step: lookups, allocations, metadata.
-    Returns the metadata bound to the workers."""
+    """The scheduler's half of the step that stages these requests' items
+    (each in the cache): they are deferred, and the step's metadata carries
+    their loads (other requests run in it). Returns the metadata bound to
+    the workers."""
     for req in requests:
-        for index, feature in enumerate(req.mm_features):
-            assert scheduler.has_cache_item(feature.identifier), feature.identifier
-            scheduler.update_state_after_alloc(req, index)
-    return scheduler.build_connector_meta(empty_output())
+        assert not scheduler.ensure_cache_available(req, 0), req.request_id
+    return scheduler.build_connector_meta(empty_output(tokens=1))
 
 
 def load(worker: Any, metadata: Any, encoder_cache: dict[str, torch.Tensor]) -> Any:
-    """The worker's half of a step for loads; returns its worker metadata."""
+    """The worker's half of a step (it stages, adopts, drops what the
+    metadata says); returns its worker metadata."""
     worker.bind_connector_metadata(metadata)
     try:
         worker.start_load_caches(encoder_cache)
@@ -145,10 +185,24 @@ def load(worker: Any, metadata: Any, encoder_cache: dict[str, torch.Tensor]) -> 
         worker.clear_connector_metadata()
 
 
+def use(scheduler: Any, requests: list[Request]) -> Any:
+    """The scheduler's half of the step that schedules these requests, each
+    item a hit (staged): the metadata whose workers adopt them."""
+    tokens = 0
+    for req in requests:
+        assert scheduler.ensure_cache_available(req, 0), req.request_id
+        tokens += req.num_prompt_tokens
+        for index, feature in enumerate(req.mm_features):
+            assert scheduler.has_cache_item(feature.identifier), feature.identifier
+            scheduler.update_state_after_alloc(req, index)
+    return scheduler.build_connector_meta(empty_output(tokens))
+
+
 def save_and_publish(scheduler: Any, worker: Any, mm_hash: str, tensor: torch.Tensor) -> None:
     """Engine computed `tensor` as `mm_hash`: save it and wait until the
     scheduler's view offers it."""
     step(scheduler, worker, [request(f"save-{mm_hash}", mm_hash)], {mm_hash: tensor})
+    forget(scheduler, [mm_hash])
     assert worker.worker_delegate.flush(20)
     wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
 
@@ -207,7 +261,7 @@ def consumer_engine_main(model: str, socket: str, seeds: list[int], conn: Any) -
     exact = 0
     all_hits = []
     for seed in seeds:
-        cache, hits = step(scheduler, worker, [request(f"c{seed}", f"img-{seed}")], {})
+        cache, hits = serve(scheduler, worker, [request(f"c{seed}", f"img-{seed}")])
         all_hits += hits
         got = cache.get(f"img-{seed}")
         exact += got is not None and torch.equal(got, encoder_output(seed))
