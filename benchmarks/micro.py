@@ -206,7 +206,7 @@ for i in range(n):
     cache.commit(worker, [key])
     view.outbox.clear()
 after = rss()
-print(before, after, cache.ready_entries)
+print(before, after, cache.table.ready_entries)
 """
 
 

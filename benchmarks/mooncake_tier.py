@@ -6,12 +6,13 @@ in one of many hosts' memory, seldom the reader's own).
 - promotion: what a daemon's promotion does to a value another daemon
   published (`MooncakeStore.put_entry`: vLLM's header and the entry, the
   checksum beside it): `RemoteTier.fetch` (the value's head: its checksum)
-  then `StoredValue.write_into` the region's pages (the value read into the
-  thread's registered buffer, copied into the pages, verified there with
-  xxh3), against a raw `get_into` of the same bytes into a registered buffer
-  by a bare MooncakeDistributedStore; and the
-  same promotion through the Redis tier (a verified fetch, then pwritev into
-  the region) against a local redis-server, with its raw GET. Best of N,
+  then `RemoteTier.fetch_into` the region's pages (the value read into the
+  thread's registered buffer, copied into a private chunk, verified there
+  with xxh3, written into the pages with pwrite), against a raw `get_into`
+  of the same bytes into a registered buffer by a bare
+  MooncakeDistributedStore; and the same promotion through the Redis tier
+  (a verified fetch, then pwritev into the region) against a local
+  redis-server, with its raw GET. Best of N,
   interleaved; every client here lends no memory, so every read crosses
   loopback TCP to the store node;
 - saves and hits on a host with `--remote mooncake://...` against one with
@@ -188,11 +189,14 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
     import redis
 
     from ec_daemon.durable.region import Region
-    from ec_daemon.remote.mooncake import MooncakeStore, parse_url, value_key
-    from ec_daemon.remote.store import open_store
-    from ec_daemon.remote.store import value_key as redis_key
-    from ec_daemon.remote.tier import RemoteTier, StoredValue
-    from ec_daemon.remote.values import Value, encode
+    from ec_daemon.remote.common import Common
+    from ec_daemon.remote.mooncake.backend import MooncakeBackend
+    from ec_daemon.remote.mooncake.codec import value_key
+    from ec_daemon.remote.mooncake.store import MooncakeStore
+    from ec_daemon.remote.mooncake.url import parse_url
+    from ec_daemon.remote.redis.store import value_key as redis_key
+    from ec_daemon.remote.tier import RemoteTier, open_tier
+    from ec_daemon.remote.values import encode
     from tests.mooncake_servers import master, raw_client
     from tests.redis_servers import single_node
 
@@ -212,22 +216,21 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
         spec = replace(parse_url(server.url), segment_bytes=0)  # (lending nothing)
         publisher = MooncakeStore(spec)
         stack.callback(publisher.close)
-        publisher.use_region(source.fileno(), source.size)
-        store: Any = MooncakeStore(spec)  # (a store without an index)
-        mooncake = RemoteTier(store, ttl_s=600, publish_queue_bytes=1 << 30)
+        common = Common(promotion_bytes=1 << 30)
+        store = MooncakeStore(spec, budget=common.budget)
+        mooncake = RemoteTier(MooncakeBackend(common, store, index_bytes=1 << 20),
+                              publish_queue_bytes=1 << 30)
         stack.callback(mooncake.stop)
-        mooncake.store.use_region(region.fileno(), region.size)
         mooncake.follow(NAMESPACE, STORE_NAMESPACE)
-        redis_tier = RemoteTier(open_store(redis_server.url), ttl_s=600,
-                                publish_queue_bytes=1 << 30)
+        redis_tier = open_tier(redis_server.url, ttl_s=600, publish_queue_bytes=1 << 30,
+                               index_bytes=1 << 20, promotion_bytes=1 << 30, claim_s=0)
         stack.callback(redis_tier.stop)
         raw = stack.enter_context(raw_client(server, global_segment_bytes=0))
         redis_raw = redis.Redis(host="127.0.0.1", port=redis_server.port, protocol=2,
                                 socket_timeout=10)
         stack.callback(redis_raw.close)
         deadline = time.monotonic() + 60
-        while not (publisher.mapped and _connected(publisher) and
-                   _connected(mooncake.store)):
+        while not (_connected(publisher) and _connected(store)):
             assert time.monotonic() < deadline, "never connected to the master"
             time.sleep(0.05)
         for size in sizes:
@@ -236,9 +239,9 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
             extents = [(0, size)]
             source.write(extents, [array])
             assert publisher.put_entry(STORE_NAMESPACE, mm_hash, array.shape, "float16",
-                                       extents) == "stored"
-            redis_tier.store.put(NAMESPACE, mm_hash, encode(NAMESPACE, mm_hash, array.shape,
-                                                            "float16", array), 600)
+                                       source, extents) == "stored"
+            redis_tier.backend.store.put(NAMESPACE, mm_hash, encode(
+                NAMESPACE, mm_hash, array.shape, "float16", array), 600)
             key = value_key(STORE_NAMESPACE, mm_hash)
             capacity = size + HEADER_BYTES
             buffer = ctypes.create_string_buffer(capacity)
@@ -247,29 +250,30 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
             def get_into(key: str = key, buffer: Any = buffer, capacity: int = capacity) -> None:
                 assert raw.get_into(key, ctypes.addressof(buffer), capacity) == capacity
 
-            def promote(mm_hash: str = mm_hash, extents: list[tuple[int, int]] = extents
-                        ) -> None:
-                value = mooncake.fetch(NAMESPACE, mm_hash)
-                assert isinstance(value, StoredValue) and value.write_into(region, extents)
+            def promote(mm_hash: str = mm_hash, extents: list[tuple[int, int]] = extents,
+                        size: int = size) -> None:
+                found = mooncake.fetch(NAMESPACE, mm_hash, size)
+                assert found is not None
+                assert mooncake.fetch_into(NAMESPACE, mm_hash, found, region, extents)
 
             def promote_resolved(mm_hash: str = mm_hash,
                                  extents: list[tuple[int, int]] = extents) -> float:
                 """The value alone, its head read before (untimed): a wanted
                 key the resolver found, whose head it remembered."""
-                found = mooncake.store.head(STORE_NAMESPACE, mm_hash)
+                found = store.head(STORE_NAMESPACE, mm_hash)
+                assert found is not None
                 started = time.perf_counter()
-                assert StoredValue(mooncake, store, NAMESPACE, mm_hash, found).write_into(
-                    region, extents)
+                assert mooncake.fetch_into(NAMESPACE, mm_hash, found, region, extents)
                 return time.perf_counter() - started
 
             def head(mm_hash: str = mm_hash) -> None:
-                assert mooncake.store.head(STORE_NAMESPACE, mm_hash) is not None
+                assert store.head(STORE_NAMESPACE, mm_hash) is not None
 
-            def redis_promote(mm_hash: str = mm_hash,
-                              extents: list[tuple[int, int]] = extents) -> None:
-                value = redis_tier.fetch(NAMESPACE, mm_hash)
-                assert isinstance(value, Value)
-                region.write(extents, value.parts)
+            def redis_promote(mm_hash: str = mm_hash, extents: list[tuple[int, int]] = extents,
+                              size: int = size) -> None:
+                found = redis_tier.fetch(NAMESPACE, mm_hash, size)
+                assert found is not None
+                assert redis_tier.fetch_into(NAMESPACE, mm_hash, found, region, extents)
 
             def redis_get(key: str = redis_key(NAMESPACE, mm_hash)) -> None:
                 redis_raw.get(key)
@@ -277,7 +281,7 @@ def promotion(quick: bool = False) -> list[dict[str, Any]]:
             repeat = max(5, (48 if quick else 640) * MiB // size)
             t_get, t_promote, t_resolved, t_head, t_redis, t_redis_get = _best_of(
                 [get_into, promote, promote_resolved, head, redis_promote, redis_get], repeat)
-            assert region.view(extents)[0] == memoryview(array).cast("B")
+            assert region.read(extents)[0] == memoryview(array).cast("B").tobytes()
             raw.unregister_buffer(ctypes.addressof(buffer))
             rows.append({"MiB": size // MiB, "get_into_gbps": size / t_get / 1e9,
                          "promote_gbps": size / t_promote / 1e9,
@@ -325,7 +329,7 @@ def saves(quick: bool = False) -> list[dict[str, Any]]:
 def publish_cpu(quick: bool = False) -> list[dict[str, Any]]:
     """The daemon's CPU per published 1 MiB (tier.cpu_rounds); a publication
     counts once the store holds its checksum (asked of the store)."""
-    from ec_daemon.remote.mooncake import SIDECAR, value_key
+    from ec_daemon.remote.mooncake.codec import SIDECAR, value_key
 
     with fleet(1) as (_server, (on,), client):
         hosts = {"off": tier._Host("", LAYOUT), "on": on}

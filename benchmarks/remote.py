@@ -2,10 +2,10 @@
 checks + xxh3 over the payload) against a raw redis-py GET of the same key's
 same bytes, in the same run, against a local redis-server; with redis-py's
 hiredis parser and with its pure-Python one (a child process that cannot
-import hiredis). `promote` adds the copy into a preallocated buffer (what a
-promotion does into the region) to the fetch; `get_crc32` is a GET followed
-by zlib.crc32 over the value (the checksum this format did not take), as a
-ratio to the plain GET.
+import hiredis). `promote` adds the write into a region's pages (fetch_into:
+pwritev into a file in /dev/shm, as a promotion writes the daemon's region)
+to the fetch; `get_crc32` is a GET followed by zlib.crc32 over the value
+(the checksum this format did not take), as a ratio to the plain GET.
 
     python -m benchmarks.remote [--quick]
 """
@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Callable
@@ -46,31 +47,35 @@ def measure(sizes: tuple[int, ...] = (MiB, 8 * MiB, 32 * MiB), quick: bool = Fal
     import redis
     from redis.utils import HIREDIS_AVAILABLE
 
-    from ec_daemon.remote.store import open_store, value_key
-    from ec_daemon.remote.tier import RemoteTier
+    from ec_daemon.durable.region import Region
+    from ec_daemon.remote.redis.store import value_key
+    from ec_daemon.remote.tier import open_tier
     from ec_daemon.remote.values import encode
     from tests.redis_servers import single_node
 
     rows = []
-    with single_node() as server:
-        tier = RemoteTier(open_store(server.url), ttl_s=600, publish_queue_bytes=1 << 30)
+    with single_node() as server, tempfile.TemporaryDirectory(
+            prefix="ecd-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
+        tier = open_tier(server.url, ttl_s=600, publish_queue_bytes=1 << 30,
+                         index_bytes=1 << 20, promotion_bytes=1 << 30, claim_s=0)
+        store = tier.backend.store
         raw = redis.Redis(host="127.0.0.1", port=server.port, protocol=2, socket_timeout=10)
+        region = Region.create(shm, max(sizes))
         try:
             for size in sizes:
                 mm_hash = f"bench-{size}"
                 payload = os.urandom(size)
-                tier.store.put(NAMESPACE, mm_hash, encode(NAMESPACE, mm_hash, (size,), "uint8",
-                                                          payload), 600)
+                store.put(NAMESPACE, mm_hash, encode(NAMESPACE, mm_hash, (size,), "uint8",
+                                                     payload), 600)
                 key = value_key(NAMESPACE, mm_hash)
-                target = bytearray(size)
 
-                def fetch(mm_hash: str = mm_hash) -> None:
-                    assert tier.fetch(NAMESPACE, mm_hash) is not None
+                def fetch(mm_hash: str = mm_hash, size: int = size) -> None:
+                    assert tier.fetch(NAMESPACE, mm_hash, size) is not None
 
-                def promote(mm_hash: str = mm_hash, target: bytearray = target) -> None:
-                    value = tier.fetch(NAMESPACE, mm_hash)
-                    assert value is not None
-                    value.copy_into([target])
+                def promote(mm_hash: str = mm_hash, size: int = size) -> None:
+                    found = tier.fetch(NAMESPACE, mm_hash, size)
+                    assert found is not None
+                    assert tier.fetch_into(NAMESPACE, mm_hash, found, region, [(0, size)])
 
                 def get(key: str = key) -> None:
                     raw.get(key)
@@ -90,7 +95,9 @@ def measure(sizes: tuple[int, ...] = (MiB, 8 * MiB, 32 * MiB), quick: bool = Fal
                              "fetch_ratio": t_get / t_fetch, "promote_ratio": t_get / t_promote,
                              "get_crc32_ratio": t_get / t_crc,
                              "get_ms": t_get * 1e3, "fetch_ms": t_fetch * 1e3})
+            assert region.read([(0, sizes[-1])])[0] == payload  # (the last one promoted)
         finally:
+            region.close()
             raw.close()
             tier.stop()
     return rows

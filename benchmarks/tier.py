@@ -157,7 +157,7 @@ def publish_cpu(quick: bool = False) -> list[dict[str, Any]]:
     batch waited for until stored (and, with the tier, published: polled on
     the redis-server, not the daemon); the least CPU of each over the rounds,
     per announcement with the tier, per save without."""
-    from ec_daemon.remote.store import INDEX_SHARDS, index_key
+    from ec_daemon.remote.redis.store import INDEX_SHARDS, index_key
     from tests.redis_servers import single_node
 
     data = np.random.default_rng(1).integers(0, 256, (MiB // 2048, 2048), dtype=np.uint8)

@@ -47,11 +47,11 @@ def _crashed_region(folder: Path, socket: str, entries: int, pages: int,
     from ec_daemon.core.sessions import SessionTable
     from ec_daemon.durable.index import Index, index_path
     from ec_daemon.durable.region import PREFIX, SUFFIX, new_generation
-    from ec_daemon.serving.adoption import Layout
+    from ec_daemon.serving.adoption import RegionSpec
     from ec_protocol.stamps import StampTable, table_bytes
 
     offset = table_bytes(pages, PAGE)
-    layout = Layout(socket, offset + pages * PAGE, PAGE, offset)
+    layout = RegionSpec(socket, offset + pages * PAGE, PAGE, offset)
     generation = new_generation()
     path = folder / f"{PREFIX}{generation:016x}{SUFFIX}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -79,7 +79,7 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     from ec_daemon.core.cache import Cache
     from ec_daemon.core.sessions import SessionTable
     from ec_daemon.durable.index import index_path, read_index
-    from ec_daemon.serving.adoption import Layout, find
+    from ec_daemon.serving.adoption import RegionSpec, find
     from ec_protocol.stamps import table_bytes
 
     rows = []
@@ -94,7 +94,7 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
             read_index(index_path(path))
             read_s = time.perf_counter() - started
             offset = table_bytes(pages, PAGE)
-            layout = Layout(socket, offset + pages * PAGE, PAGE, offset)
+            layout = RegionSpec(socket, offset + pages * PAGE, PAGE, offset)
             started = time.perf_counter()
             adopted, why = find(str(folder), layout)
             assert adopted is not None, why
@@ -105,7 +105,7 @@ def adoption(counts: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
             cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
                           cache.sessions.previous_daemon)
             total_s = time.perf_counter() - started
-            assert cache.ready_entries == entries
+            assert cache.table.ready_entries == entries
             adopted.region.close(remove=True)
             rows.append({"entries": entries, "region_GiB": pages * PAGE / (1 << 30),
                          "index_MiB": index_bytes / (1 << 20), "read_index_ms": read_s * 1e3,
@@ -155,7 +155,7 @@ def index_cost(rounds: int, saves: int) -> dict[str, Any]:
                         refs = [(e.mm_hash, e.entry_id) for e in view.outbox
                                 if isinstance(e, EvictedEvent)]
                         view.outbox.clear()
-                        cache.acknowledge(view, refs)
+                        cache.views.acknowledge(view, refs)
                         if index is not None:
                             index.flush()
                     cache.commit(writer, [key])
@@ -218,10 +218,10 @@ def engines_back(entries: int) -> dict[str, Any]:
     from ec_client.scheduler_side.scheduler import SchedulerDelegate
     from ec_client.worker_side.worker import WorkerDelegate
     from ec_daemon.serving.wire import namespace_of
-    from ec_protocol.protocol import Layout
+    from ec_protocol.protocol import RegionSpec
     from tests.integration.daemon import Daemon, short_tmpdir
 
-    layout = Layout("bench-model", "float32", {"image": 4096})
+    layout = RegionSpec("bench-model", "float32", {"image": 4096})
     shm = Path(tempfile.mkdtemp(prefix="ecd-bench-", dir="/dev/shm"))
     folder = short_tmpdir()
     pages = max(entries, 1024)

@@ -18,7 +18,7 @@ RCU). A view that ends without detaching stays awaited as a ghost for one
 lease (`sessions`). Each allocation's entry_id is written into the region's
 stamp table before its writer gets the extents, so a reader can verify.
 
-An acknowledgement is waited for --ack-wait-seconds at most (`overdue_views`):
+An acknowledgement is waited for --ack-wait-seconds at most (`reclamation`):
 a live view that withholds one longer is ended by the data plane, and its
 ghost is awaited one lease more, so one client that never acknowledges
 cannot pin the cache. Why an honest engine in a step longer than that still
@@ -42,48 +42,57 @@ raise a `CacheError` have changed nothing.
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Iterable
+from typing import Protocol, cast
 
 from ec_daemon.core.allocator import ExtentAllocator
+from ec_daemon.core.entries import EntryTable
 from ec_daemon.core.events import (
     AllocOutcome,
     AllocResult,
-    EvictedEvent,
     Extent,
-    RanksEvent,
-    ReadyEvent,
     ReportStatus,
-    Snapshot,
-    SnapshotDoneEvent,
 )
 from ec_daemon.core.eviction import EvictionPolicy, LRUPolicy
-from ec_daemon.core.limits import validate_mm_hash, validate_save
+from ec_daemon.core.limits import (
+    ACK_WAIT_LEASES,
+    DEFAULT_QUARANTINE_SECONDS,
+    EVICTION_BATCH_DIVISOR,
+    ID_BLOCK,
+    validate_mm_hash,
+    validate_save,
+)
 from ec_daemon.core.quotas import PendingCaps, PendingQuota
-from ec_daemon.core.records import OUTBOX_MIN_EVENTS, Entry, Key, Run, Session, State
+from ec_daemon.core.reclamation import Acknowledgements, MakeGhost, Quarantine
+from ec_daemon.core.records import Entry, Key, Run, Session, State
 from ec_daemon.core.sessions import SessionTable
-from ec_daemon.durable.index import ID_BLOCK, NoIndex
+from ec_daemon.core.views import Views
+from ec_daemon.durable.index import Index, NoIndex
 from ec_daemon.durable.journal import Record
 from ec_daemon.durable.stamp_file import LOST
-from ec_daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ec_daemon.errors import FailedPrecondition, ResourceExhausted
+from ec_protocol.protocol import Role
 
-# Evict at least 1/64 of the cache at a time: each eviction round costs one
-# event message to every view and one acknowledgement back from each, so
-# batching the victims divides that traffic (measured: benchmarks/concurrency).
-EVICTION_BATCH_DIVISOR = 64
-# A writer that vanished may still be copying (a frozen process resumed, a
-# DMA in flight): its pages are reused only after this, by default.
-DEFAULT_QUARANTINE_SECONDS = 300.0
 COUNTERS = ("hits", "misses", "evictions", "saves", "loads", "refused_saves", "bytes_saved",
             "bytes_loaded", "capped_saves", "refused_attaches", "preempted_sessions",
             "ack_timeouts", "stalled_streams", "mismatch_reports", "checksum_mismatches",
             "region_truncations")
 
 
-class Stamps:
-    """Where the cache writes allocation stamps (the region's stamp table);
-    this default keeps none, for a cache without a region (unit tests)."""
+class Stamps(Protocol):
+    """Where the cache writes allocation stamps: the region's stamp table
+    (`durable.stamp_file.StampFile`; `ec_protocol.stamps.StampTable` over
+    memory in tests)."""
+
+    def write(self, runs: Iterable[Run], stamp: int) -> None: ...
+
+    def clear(self, runs: Iterable[Run]) -> None: ...
+
+    def holds(self, extents: Iterable[Extent], stamp: int) -> bool: ...
+
+
+class NoStamps:
+    """The stamps of a cache without a region (unit tests): none kept."""
 
     def write(self, runs: Iterable[Run], stamp: int) -> None:
         return None
@@ -95,19 +104,43 @@ class Stamps:
         return True  # no table, no region: nothing was read from pages
 
 
+class CacheListener(Protocol):
+    """Who hears what the cache announces beyond its views: the data plane
+    (`plane.dataplane`), passed to the cache when it is made."""
+
+    def entry_changed(self, entry: Entry) -> None:
+        """`entry` just became READY (its views were told first) or HIDDEN:
+        the one announcement watchers, convergence and the second tier hear."""
+
+    def pages_reclaimed(self) -> None:
+        """Pages came back to the allocator: a save may be waiting for them."""
+
+
+class Unheard:
+    """The listener of a cache nobody listens to (unit tests, tools)."""
+
+    def entry_changed(self, entry: Entry) -> None:
+        return None
+
+    def pages_reclaimed(self) -> None:
+        return None
+
+
 class Cache:
     def __init__(self, *, capacity_bytes: int, page_bytes: int, sessions: SessionTable,
                  policy: EvictionPolicy | None = None, data_offset: int = 0,
-                 stamps: Any = None, index: Any = None,
+                 stamps: Stamps | None = None, index: Index | NoIndex | None = None,
                  quarantine_seconds: float = DEFAULT_QUARANTINE_SECONDS,
                  pending_caps: PendingCaps | None = None,
-                 ack_wait_seconds: float | None = None) -> None:
+                 ack_wait_seconds: float | None = None,
+                 listener: CacheListener | None = None) -> None:
         """`capacity_bytes` of payload pages starting at byte `data_offset` of
-        the region; `stamps` is the region's StampTable (or a `Stamps`),
-        `index` its journal (`index.Index`, or a `NoIndex`); `pending_caps`
-        bound each session's pending saves (`quotas`; None: unbounded);
+        the region; `stamps` is the region's stamp table (None: none kept),
+        `index` its journal (None: a `NoIndex`); `pending_caps` bound each
+        session's pending saves (`quotas`; None: unbounded);
         `ack_wait_seconds` bounds how long an eviction waits on a live view
-        (`overdue_views`; None: three leases, the daemon's default)."""
+        (`reclamation`; None: three leases, the daemon's default);
+        `listener` hears entries change and pages come back (None: nobody)."""
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise ValueError("the cache needs at least one page")
         self.page_bytes = page_bytes
@@ -116,74 +149,43 @@ class Cache:
         self.capacity_bytes = self.allocator.total_pages * page_bytes
         self.sessions = sessions
         self.policy: EvictionPolicy = policy or LRUPolicy()
-        self.stamps = stamps if stamps is not None else Stamps()
-        self.index = index if index is not None else NoIndex()
+        self.stamps: Stamps = stamps if stamps is not None else NoStamps()
+        self.index: Index | NoIndex = index if index is not None else NoIndex()
+        self.listener: CacheListener = listener if listener is not None else Unheard()
         self.quarantine_seconds = quarantine_seconds
-        self.ack_wait_seconds = 3 * sessions.lease_seconds if ack_wait_seconds is None \
-            else ack_wait_seconds
-        # (ack_by, entry) of hidden entries live views await, in order of ack_by
-        self._ack_due: deque[tuple[float, Entry]] = deque()
+        self.acks = Acknowledgements(sessions, ACK_WAIT_LEASES * sessions.lease_seconds
+                                     if ack_wait_seconds is None else ack_wait_seconds,
+                                     self._reclaim)
         # Ids of hidden entries whose pages were cut off the region file
         # (`cut_off`): stamped LOST until they are reclaimed.
         self.lost: set[int] = set()
         self.quota = PendingQuota(pending_caps, self.page_bytes)
-        self._namespaces: dict[str, dict[str, Entry]] = {}
+        self.table = EntryTable()
         self._next_entry_id = 1
-        self.pending_pages = 0
-        self.hidden_pages = 0
-        self.ready_entries = 0
-        self.hidden_entries = 0
-        # Pages of saves discarded with their session: (reusable at, runs, pages).
-        self.quarantine: deque[tuple[float, list[Run], int]] = deque()
-        self.quarantined_pages = 0
-        # namespace -> [visible (ready or hidden) entries, their bytes]
-        self.namespace_usage: dict[str, list[int]] = {}
+        self.quarantine = Quarantine()  # saves discarded with their session
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.namespace_counters: dict[str, dict[str, int]] = {}
-        # Hook for the data plane: pages came back (a save may be waiting).
-        self.on_reclaim: Callable[[], None] = lambda: None
-        # Ghosts of the views of the daemon whose region was adopted, by
-        # (engine, namespace): each until its engine re-attaches.
-        self._previous: dict[tuple[str, str], Session] = {}
-        # Hook for the data plane, the one announcement of an entry that just
-        # became READY (its views were told first) or HIDDEN: watchers,
-        # convergence and the second tier listen there (`dataplane`).
-        self.on_entry_change: Callable[[Entry], None] = lambda entry: None
+        self.views = Views(sessions=sessions, table=self.table, acks=self.acks,
+                           policy=self.policy, index=self.index, counters=self.counters,
+                           extents=self.extents)
 
     # ----------------------------------------------------------- sessions
 
-    def attach(self, **fields: Any) -> Session:
-        """Create a session; it takes part once its stream opens (`open`).
-        Raises ResourceExhausted past the session caps (counted)."""
+    def attach(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
+               namespace: str, client_name: str, engine_token: str = "",
+               in_place_of: Session | None = None) -> Session:
+        """Create a session (`SessionTable.create`); it takes part once its
+        stream opens (`Views.open`). Raises ResourceExhausted past the session
+        caps (counted)."""
         try:
-            session = self.sessions.create(**fields)
+            session = self.sessions.create(
+                engine_id=engine_id, role=role, rank=rank, world_size=world_size,
+                namespace=namespace, client_name=client_name, engine_token=engine_token,
+                in_place_of=in_place_of)
         except ResourceExhausted:
             self.counters["refused_attaches"] += 1
             raise
-        self.namespace_counters.setdefault(session.namespace,
-                                           {"hits": 0, "misses": 0, "loads": 0})
+        self.table.counted(session.namespace)
         return session
-
-    def open(self, session: Session) -> None:
-        """`session`'s stream opened. A scheduler session is sent a snapshot of
-        the namespace's ready entries, a SnapshotDoneEvent and its engine's
-        mapped ranks, then live events; evictions await it from now on. A
-        worker session (its client mapped the region before opening) counts
-        as one of its engine's mapped ranks."""
-        self.sessions.open(session)
-        if not session.is_scheduler:
-            self._tell_ranks(session.engine_key)
-            return
-        self.index.view_on(session.engine_key, session.namespace)  # before it sees anything
-        ready = [e for e in self._namespaces.get(session.namespace, {}).values()
-                 if e.state is State.READY]
-        if ready:
-            session.outbox.append(Snapshot(ready, self._ready_event))  # events made as sent
-            session.seen_upto = max(session.seen_upto, max(e.entry_id for e in ready))
-        session.outbox.append(SnapshotDoneEvent())
-        session.outbox.append(RanksEvent(*self.sessions.mapped_ranks(session.engine_key)))
-        session.outbox_limit = len(session.outbox) + OUTBOX_MIN_EVENTS
-        session.wake()
 
     def end_session(self, session: Session, *, detached: bool = False) -> None:
         """Release everything `session` holds. Idempotent.
@@ -198,14 +200,13 @@ class Cache:
         ghost = session.is_scheduler and session.streaming and not detached
         self.sessions.remove(session, ghost=ghost)
         for key in list(session.pending):
-            self._discard_pending(self._namespaces[key[0]][key[1]], quarantine=True)
+            self._discard_pending(self.table.of(key[0])[key[1]], quarantine=True)
         if not ghost:
-            for entry in list(session.awaiting):
-                self._acknowledge(entry, session)
+            self.acks.acknowledge_all(session)
             if session.is_scheduler and session.streaming:
                 self.index.view_off(session.engine_key, session.namespace)
         if not session.is_scheduler and session.streaming:
-            self._tell_ranks(session.engine_key)
+            self.views.tell_ranks(session.engine_key)
         session.outbox.clear()
         session.wake()
         self._prune_namespace(session.namespace)
@@ -226,39 +227,17 @@ class Cache:
         return ghosts
 
     def reattached(self, session: Session) -> None:
-        """`session`'s engine declared its loads in flight (`hold`) on the
+        """`session`'s engine declared its loads in flight (`Views.hold`) on the
         session's first message: the ghost standing for that engine's view of
         the previous daemon (`restore`) awaits nothing any more."""
-        ghost = self._previous.pop((session.engine_key, session.namespace), None)
+        ghost = self.acks.reattached(session)
         if ghost is not None:
-            self.sessions.drop_ghost(ghost)
             self._ghost_gone(ghost)
 
-    def serving(self) -> None:
-        """The daemon serves now: the previous daemon's views get their whole
-        lease from here (adopting a large region takes seconds)."""
-        until = self.sessions.clock() + self.sessions.lease_seconds
-        for ghost in self._previous.values():
-            ghost.ghost_until = until
-
     def _ghost_gone(self, ghost: Session) -> None:
-        key = (ghost.engine_key, ghost.namespace)
-        if self._previous.get(key) is ghost:  # its lease ran out before its engine came back
-            del self._previous[key]
-        for entry in list(ghost.awaiting):
-            self._acknowledge(entry, ghost)
+        self.acks.ghost_gone(ghost)
         self.index.view_off(ghost.engine_key, ghost.namespace)
         self._prune_namespace(ghost.namespace)
-
-    def record_lookups(self, session: Session, lookups: int, hits: int) -> None:
-        """Counters a scheduler's local view reports on its heartbeats."""
-        if lookups < 0 or hits < 0 or hits > lookups:
-            raise InvalidArgument("heartbeat counters must satisfy 0 <= hits <= lookups")
-        ns = self.namespace_counters[session.namespace]
-        ns["hits"] += hits
-        ns["misses"] += lookups - hits
-        self.counters["hits"] += hits
-        self.counters["misses"] += lookups - hits
 
     # -------------------------------------------------------------- saves
 
@@ -268,7 +247,8 @@ class Cache:
 
         On ALLOCATED the caller copies into the extents, then must `commit`
         (or `abort`); if the session ends first the pages are quarantined.
-        WAIT: victims were hidden, ask again after `on_reclaim`. Raises
+        WAIT: victims were hidden, ask again once pages came back
+        (`CacheListener.pages_reclaimed`). Raises
         ResourceExhausted when no room can be made, or past the session's cap
         of pending saves (`quotas`, nothing evicted): the caller drops the save.
         `count_hidden`: hidden pages count as coming back (acknowledgements
@@ -280,7 +260,7 @@ class Cache:
                 f"a {session.role} {session.component} session cannot save: only worker "
                 "sessions of producer or both engines allocate")
         validate_save(mm_hash, nbytes, shape, dtype)
-        existing = self._namespaces.get(session.namespace, {}).get(mm_hash)
+        existing = self.table.get(session.namespace, mm_hash)
         if existing is not None:
             return AllocResult({State.PENDING: AllocOutcome.ALREADY_PENDING,
                                 State.READY: AllocOutcome.ALREADY_READY,
@@ -299,7 +279,7 @@ class Cache:
             raise
         runs = self.allocator.allocate(pages) or self._make_room(pages, count_hidden)
         if runs is None:
-            if self.allocator.free_pages + self.hidden_pages >= pages:
+            if self.allocator.free_pages + self.table.hidden_pages >= pages:
                 return AllocResult(AllocOutcome.WAIT)
             self.counters["refused_saves"] += 1
             raise ResourceExhausted(self._full_message(nbytes))
@@ -309,10 +289,9 @@ class Cache:
                       runs, session)
         self._next_entry_id += 1
         self.stamps.write(runs, entry.entry_id)  # before anyone learns the extents
-        self._namespaces.setdefault(session.namespace, {})[mm_hash] = entry
+        self.table.pending(entry)
         session.pending.add(entry.key)
         session.pending_pages += entry.pages
-        self.pending_pages += entry.pages
         if session.session_id:  # (the daemon's own writer is bounded by its budget)
             self.quota.take(session.engine_key, entry.pages)
         return AllocResult(AllocOutcome.ALLOCATED, entry.entry_id, self.extents(entry))
@@ -336,7 +315,7 @@ class Cache:
     def abort(self, session: Session, mm_hashes: Iterable[str]) -> list[ReportStatus]:
         """Discard `session`'s pending entries (their copies will not land)."""
         statuses = []
-        namespace = self._namespaces.get(session.namespace, {})
+        namespace = self.table.of(session.namespace)
         for mm_hash in _valid(mm_hashes):
             entry = namespace.get(mm_hash)
             if entry is not None and entry.state is State.PENDING and entry.owner is session:
@@ -351,23 +330,12 @@ class Cache:
         now = self.sessions.clock()
         self.quota.release(now)
         released = 0
-        while self.quarantine and self.quarantine[0][0] <= now:
-            _, runs, pages = self.quarantine.popleft()
+        for runs, pages in self.quarantine.over(now):
             self._free_runs(runs)
-            self.quarantined_pages -= pages
             released += pages
         return released
 
-    # -------------------------------------------------------------- views
-
-    def acknowledge(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
-        """`session`'s view dropped these evicted entries and loads none of
-        them any more; stale refs are ignored."""
-        namespace = self._namespaces.get(session.namespace, {})
-        for mm_hash, entry_id in refs:
-            entry = namespace.get(mm_hash)
-            if entry is not None and entry.entry_id == entry_id and session in entry.awaiting:
-                self._acknowledge(entry, session)
+    # ------------------------------------------------------------ entries
 
     def withdraw(self, entry: Entry) -> None:
         """Ready `entry`'s pages no longer hold what its writer saved (another
@@ -379,43 +347,9 @@ class Cache:
         self.lost.add(entry.entry_id)
         self._hide(entry)
 
-    def hold(self, session: Session, refs: Iterable[tuple[str, int]]) -> None:
-        """`session`'s engine is still loading these entries (it re-attached
-        to an adopted region): a hidden one awaits this session too and is
-        announced to it as evicted; unknown or stale refs are ignored."""
-        namespace = self._namespaces.get(session.namespace, {})
-        now = self.sessions.clock()
-        for mm_hash, entry_id in refs:
-            entry = namespace.get(mm_hash)
-            if entry is None or entry.entry_id != entry_id or entry.state is not State.HIDDEN \
-                    or session in entry.awaiting:
-                continue
-            if entry.ack_by and entry.ack_by <= now:
-                continue  # past its bound: the ghost of the view ended for it covers the rest
-            entry.awaiting.add(session)
-            session.awaiting.add(entry)
-            session.send(EvictedEvent(mm_hash, entry_id))
-            if not entry.ack_by:  # (an adopted hidden entry: awaited by ghosts until now)
-                self._due_by(entry, now)
-
-    def touch(self, session: Session, touches: Iterable[tuple[str, int, int]]) -> None:
-        """Loads `session`'s view dispatched: recency for eviction, and the
-        load counters (bytes only for entries still known)."""
-        namespace = self._namespaces.get(session.namespace, {})
-        counters = self.namespace_counters[session.namespace]
-        for mm_hash, entry_id, loads in touches:
-            counters["loads"] += loads  # dispatched, whatever became of the entry since
-            self.counters["loads"] += loads
-            entry = namespace.get(mm_hash)
-            if entry is None or entry.entry_id != entry_id:
-                continue
-            if entry.state is State.READY:
-                self.policy.touch(entry.key)
-            self.counters["bytes_loaded"] += loads * entry.nbytes
-
     def lookup(self, namespace: str, mm_hashes: list[str]) -> list[Entry | None]:
         """Entries as tools see them: pending ones are absent."""
-        entries = self._namespaces.get(namespace, {})
+        entries = self.table.of(namespace)
         found = [entries.get(h) for h in _valid(mm_hashes)]
         return [e if e is not None and e.state is not State.PENDING else None for e in found]
 
@@ -426,7 +360,7 @@ class Cache:
 
     def get(self, namespace: str, mm_hash: str) -> Entry | None:
         """A key's entry in any state (the service's second tier)."""
-        return self._namespaces.get(namespace, {}).get(mm_hash)
+        return self.table.get(namespace, mm_hash)
 
     def extents(self, entry: Entry) -> tuple[Extent, ...]:
         """Byte extents of `entry` in the region file, in payload order; the
@@ -441,13 +375,12 @@ class Cache:
 
     def entries(self) -> Iterable[Entry]:
         """Every entry, any state (the invariant checker and tools)."""
-        return (e for es in self._namespaces.values() for e in es.values())
+        return iter(self.table)
 
     # ---------------------------------------------------- warm restart
 
     def restore(self, records: Iterable[Record], free: list[Run], quarantined: list[Run],
-                next_entry_id: int, views: Iterable[tuple[str, str]],
-                ghost: Callable[[str, str, int], Session]) -> None:
+                next_entry_id: int, views: Iterable[tuple[str, str]], ghost: MakeGhost) -> None:
         """Rebuild an empty cache from an adopted region (`adoption`): the
         verified `records` (least recently used first) become ready or hidden
         entries, `quarantined` runs (stamped, owned by no adopted entry: a
@@ -458,41 +391,29 @@ class Cache:
         awaited by the hidden entries of its namespace and by every eviction
         there of an adopted entry, until the engine re-attaches (`reattached`)
         or a lease passes."""
-        assert self._next_entry_id == 1 and not self._namespaces, "restore into an empty cache"
+        assert self._next_entry_id == 1 and not self.table, "restore into an empty cache"
         self.allocator = ExtentAllocator(self.allocator.total_pages, free)
         self._next_entry_id = next_entry_id
-        for instance, namespace in views:  # (`sessions.engine_key`, namespace)
-            self._previous[(instance, namespace)] = ghost(namespace, instance, next_entry_id - 1)
-        awaited: dict[str, set[Session]] = {}
-        for g in self._previous.values():
-            awaited.setdefault(g.namespace, set()).add(g)
+        awaited = self.acks.previous_views(views, ghost, next_entry_id - 1)
         hidden = []
         for record in records:
             key = (record.namespace, record.mm_hash)
             entry = Entry(key, record.entry_id, record.nbytes, record.shape, record.dtype,
                           record.runs, None)
             entry.checksum = record.checksum
-            self._namespaces.setdefault(key[0], {})[key[1]] = entry
-            usage = self.namespace_usage.setdefault(key[0], [0, 0])
-            usage[0] += 1
-            usage[1] += entry.nbytes
             if record.hidden:
                 entry.state = State.HIDDEN
                 entry.awaiting = set(awaited.get(key[0], ()))
                 for view in entry.awaiting:
                     view.awaiting.add(entry)
-                self.hidden_pages += entry.pages
-                self.hidden_entries += 1
                 hidden.append(entry)
             else:
                 entry.state = State.READY
                 self.policy.add(key, entry.pages)
-                self.ready_entries += 1
+            self.table.adopted(entry)
         if quarantined:
-            pages = sum(n for _, n in quarantined)
-            self.quarantine.append((self.sessions.clock() + self.quarantine_seconds,
-                                    quarantined, pages))
-            self.quarantined_pages += pages
+            self.quarantine.hold(self.sessions.clock() + self.quarantine_seconds, quarantined,
+                                 sum(n for _, n in quarantined))
         for entry in hidden:
             if not entry.awaiting:  # no view was attached: nobody can be loading it
                 self._reclaim(entry)
@@ -526,7 +447,7 @@ class Cache:
         in eviction order (a later adoption keeps it). True if it did."""
         if not self.index.needs_compaction():
             return False
-        ready = (self._namespaces[ns][h].entry_id for ns, h in
+        ready = (self.table.of(ns)[h].entry_id for ns, h in
                  cast(Iterable[Key], self.policy.order()))
         hidden = (e.entry_id for e in self.entries() if e.state is State.HIDDEN)
         self.index.compact(itertools.chain(ready, hidden))
@@ -537,7 +458,7 @@ class Cache:
     def _make_room(self, pages: int, count_hidden: bool) -> list[Run] | None:
         """Hide LRU victims so `pages` can come free; allocate if it already can."""
         # Hidden entries are on their way out (after the acknowledgements).
-        coming = self.hidden_pages if count_hidden else 0
+        coming = self.table.hidden_pages if count_hidden else 0
         shortfall = pages - self.allocator.free_pages - coming
         if shortfall > 0:
             # A whole batch where there is one; never less than the shortfall.
@@ -545,11 +466,11 @@ class Cache:
                         self.policy.evictable_pages)
             for key in self.policy.choose(max(shortfall, batch)):
                 namespace, mm_hash = cast(Key, key)
-                self._hide(self._namespaces[namespace][mm_hash])
+                self._hide(self.table.of(namespace)[mm_hash])
         return self.allocator.allocate(pages)
 
     def _commit_one(self, session: Session, mm_hash: str, checksum: int = 0) -> ReportStatus:
-        entry = self._namespaces.get(session.namespace, {}).get(mm_hash)
+        entry = self.table.get(session.namespace, mm_hash)
         if entry is None or (entry.state is State.PENDING and entry.owner is not session):
             return ReportStatus.UNKNOWN
         if entry.state is not State.PENDING:
@@ -561,23 +482,14 @@ class Cache:
         entry.owner = None
         session.pending.discard(entry.key)
         session.pending_pages -= entry.pages
-        self.pending_pages -= entry.pages
+        self.table.ready(entry)
         if session.session_id:
             self.quota.settle(session.engine_key, entry.pages)
         self.policy.add(entry.key, entry.pages)
-        self.ready_entries += 1
-        usage = self.namespace_usage.setdefault(entry.key[0], [0, 0])
-        usage[0] += 1
-        usage[1] += entry.nbytes
         self.counters["saves"] += 1
         self.counters["bytes_saved"] += entry.nbytes
-        views = self.sessions.subscribers(entry.key[0])
-        if views:  # the event is built only for someone to hear it
-            event = self._ready_event(entry)
-            for view in views:
-                view.send(event)
-                view.seen_upto = max(view.seen_upto, entry.entry_id)
-        self.on_entry_change(entry)  # after the views: a waiter's answer follows its event
+        self.views.ready(entry)
+        self.listener.entry_changed(entry)  # after the views: a waiter's answer follows its event
         return ReportStatus.ACCEPTED
 
     def _discard_pending(self, entry: Entry, *, quarantine: bool = False) -> None:
@@ -588,101 +500,51 @@ class Cache:
         owner.pending.discard(entry.key)
         owner.pending_pages -= entry.pages
         entry.owner = None
-        self.pending_pages -= entry.pages
         if owner.session_id:
             self.quota.settle(owner.engine_key, entry.pages)
-        self._forget(entry)
+        if self.table.discarded(entry):
+            self._prune_namespace(entry.key[0])
         if not quarantine:
             self._free_runs(entry.runs)
             return
         until = self.sessions.clock() + self.quarantine_seconds
         if owner.session_id:
             self.quota.charge(owner.engine_key, entry.pages, until)  # its instance holds them
-        self.quarantine.append((until, entry.runs, entry.pages))
-        self.quarantined_pages += entry.pages
+        self.quarantine.hold(until, entry.runs, entry.pages)
 
     def _hide(self, entry: Entry) -> None:
         assert entry.state is State.READY
         self.policy.remove(entry.key)
-        awaiting = self.sessions.awaited(entry.key[0], entry.entry_id)
+        awaiting = self.acks.awaited(entry)
         if awaiting:  # else reclaimed at once: its GONE record says it all
             self.index.hidden(entry.entry_id)
         entry.state = State.HIDDEN
-        self.hidden_pages += entry.pages
-        self.ready_entries -= 1
-        self.hidden_entries += 1
+        self.table.hidden(entry)
         self.counters["evictions"] += 1
-        self.on_entry_change(entry)
-        if not awaiting:
-            self._reclaim(entry)
-            return
-        entry.awaiting = awaiting
-        event = EvictedEvent(entry.mm_hash, entry.entry_id)
-        for view in awaiting:
-            view.awaiting.add(entry)
-            view.send(event)  # ghosts send nothing
-        if any(view.alive for view in awaiting):
-            self._due_by(entry, self.sessions.clock())
-
-    def _due_by(self, entry: Entry, now: float) -> None:
-        """Live views must acknowledge `entry`'s eviction by `now` + the bound."""
-        entry.ack_by = now + self.ack_wait_seconds
-        self._ack_due.append((entry.ack_by, entry))
-
-    def overdue_views(self) -> list[Session]:
-        """Live scheduler sessions that have not acknowledged an eviction
-        within --ack-wait-seconds: the caller ends them (each then a ghost for
-        one lease, whose clock acknowledges for it). Why that is safe for an
-        honest engine in a long step: docs/architecture.md, "Why the bytes
-        cannot change under a load"."""
-        now = self.sessions.clock()
-        due = self._ack_due
-        overdue: dict[Session, None] = {}
-        while due and due[0][0] <= now:
-            _, entry = due.popleft()
-            if entry.state is State.HIDDEN:
-                overdue.update((view, None) for view in entry.awaiting if view.alive)
-        return list(overdue)
-
-    def _acknowledge(self, entry: Entry, session: Session) -> None:
-        entry.awaiting.discard(session)
-        session.awaiting.discard(entry)
-        if not entry.awaiting:
+        self.listener.entry_changed(entry)
+        if awaiting:
+            self.acks.hidden(entry, awaiting)
+        else:
             self._reclaim(entry)
 
     def _reclaim(self, entry: Entry) -> None:
         assert entry.state is State.HIDDEN and not entry.awaiting
         entry.ack_by = 0.0
         self.lost.discard(entry.entry_id)
-        self.hidden_pages -= entry.pages
-        self.hidden_entries -= 1
-        usage = self.namespace_usage[entry.key[0]]
-        usage[0] -= 1
-        usage[1] -= entry.nbytes
         self.index.gone(entry.entry_id)  # before any page can be reused
-        self._forget(entry)
+        if self.table.reclaimed(entry):
+            self._prune_namespace(entry.key[0])
         self._free_runs(entry.runs)
 
     def _free_runs(self, runs: list[Run]) -> None:
         self.stamps.clear(runs)
         self.allocator.free(runs)
-        self.on_reclaim()  # an allocation may be waiting for these pages
-
-    def _forget(self, entry: Entry) -> None:
-        namespace = self._namespaces[entry.key[0]]
-        del namespace[entry.key[1]]
-        if not namespace:
-            del self._namespaces[entry.key[0]]
-            self._prune_namespace(entry.key[0])
+        self.listener.pages_reclaimed()  # an allocation may be waiting for these pages
 
     def _prune_namespace(self, namespace: str) -> None:
         """Forget the counters of a namespace nobody uses and nothing is in."""
-        if namespace in self._namespaces or self.sessions.in_use(namespace):
-            return
-        self.namespace_counters.pop(namespace, None)
-        usage = self.namespace_usage.get(namespace)
-        if usage is not None and usage == [0, 0]:
-            del self.namespace_usage[namespace]
+        if not self.sessions.in_use(namespace):
+            self.table.prune(namespace)
 
     def join(self, worker: Session, key: str) -> None:
         """Worker `worker` presented the token of engine instance `key`: it
@@ -691,24 +553,14 @@ class Cache:
         before = self.sessions.join(worker, key)
         self.quota.move(before, key, worker.pending_pages)  # its saves are the instance's
         if before != key and worker.streaming:
-            self._tell_ranks(before)
-            self._tell_ranks(key)
-
-    def _tell_ranks(self, key: str) -> None:
-        """The views of engine instance `key`: how many of its ranks mapped the region."""
-        event = RanksEvent(*self.sessions.mapped_ranks(key))
-        for view in self.sessions.views_of(key):
-            view.send(event)
-
-    def _ready_event(self, entry: Entry) -> ReadyEvent:
-        return ReadyEvent(entry.mm_hash, entry.entry_id, entry.nbytes, entry.shape,
-                          entry.dtype, self.extents(entry), entry.checksum)
+            self.views.tell_ranks(before)
+            self.views.tell_ranks(key)
 
     def _full_message(self, nbytes: int) -> str:
         pb = self.page_bytes
         return (f"cache full: cannot place {nbytes} bytes ({self.allocator.free_pages * pb} free, "
-                f"{self.pending_pages * pb} pending, {self.hidden_pages * pb} hidden awaiting "
-                f"acknowledgement, {self.quarantined_pages * pb} quarantined)")
+                f"{self.table.pending_pages * pb} pending, {self.table.hidden_pages * pb} hidden "
+                f"awaiting acknowledgement, {self.quarantine.pages * pb} quarantined)")
 
 
 def _valid(mm_hashes: Iterable[str]) -> list[str]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from ec_daemon.core.records import Entry
 
 Extent = tuple[int, int]  # (byte offset, byte length)
 
@@ -32,7 +34,7 @@ class EvictedEvent(NamedTuple):
     entry_id: int
 
 
-class Snapshot:
+class ReadySnapshot:
     """A view's snapshot of ready entries in its outbox, made into ready
     events only as its stream sends them (`make`): a stream that is never
     read holds one reference per entry, not the events (16,384 entries x 100
@@ -42,7 +44,7 @@ class Snapshot:
 
     __slots__ = ("_at", "_entries", "_make")
 
-    def __init__(self, entries: list[Any], make: Callable[[Any], ReadyEvent]) -> None:
+    def __init__(self, entries: list[Entry], make: Callable[[Entry], ReadyEvent]) -> None:
         self._entries = entries
         self._make = make
         self._at = 0
@@ -110,7 +112,7 @@ class AllocOutcome(enum.Enum):
     ALREADY_READY = "already_ready"
     ALREADY_HIDDEN = "already_hidden"
     # Victims are hidden and their pages come back once the views acknowledge:
-    # ask again after `Cache.on_reclaim` fires.
+    # ask again once pages came back (`CacheListener.pages_reclaimed`).
     WAIT = "wait"
 
 
@@ -195,3 +197,31 @@ class ReportAnswer(NamedTuple):
 
     request_id: int
     status: ReportStatus
+
+
+class Resolution(enum.Enum):
+    """How the second tier's resolution of a wanted key ended
+    (`plane.second_tier.SecondTier.resolve`). The data plane and the tier
+    (`remote`) both name it and neither imports the other: it sits below both."""
+
+    FOUND = "found"  # the store holds it: promote (its size is `available`'s now)
+    CLAIMED = "claimed"  # nobody holds it and this host claimed it: encode here
+    ELSEWHERE = "elsewhere"  # another host claimed it: waiting for its value
+    ABSENT = "absent"  # not held, not claimable (claims off, or waited past the claim)
+    FAILED = "failed"  # the store could not say (down, slow): encode here
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A value the second tier found (`plane.second_tier.SecondTier.fetch`):
+    the tensor it holds, which pages are allocated for, and what its store's
+    backend needs to write them (`fetch_into`): the payload, read and
+    verified whole (Redis), or the header it is verified against on its way
+    into the pages (Mooncake: ec-daemon's, beside the value; None for a
+    value vLLM wrote, checked for its format only)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    payload: tuple[memoryview, ...] = ()
+    header: bytes | None = None

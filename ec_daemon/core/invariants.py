@@ -30,13 +30,14 @@ def check(cache: Cache) -> None:
                 assert entry in view.awaiting, "awaiting sets disagree"
         else:
             assert not entry.awaiting, "ready entry awaits acknowledgements"
-    used += cache.quarantined_pages
+    used += cache.quarantine.pages
     assert used + cache.allocator.free_pages == cache.allocator.total_pages, "pages leaked"
-    assert cache.quarantined_pages == sum(q[2] for q in cache.quarantine)
-    assert cache.ready_entries + cache.hidden_entries == len(visible)
-    assert cache.hidden_entries == sum(e.state is State.HIDDEN for e in visible)
-    assert sum(u[1] for u in cache.namespace_usage.values()) == sum(e.nbytes for e in visible)
-    assert (pending, hidden) == (cache.pending_pages, cache.hidden_pages), "counters drifted"
+    assert cache.quarantine.pages == sum(q[2] for q in cache.quarantine)
+    assert cache.table.ready_entries + cache.table.hidden_entries == len(visible)
+    assert cache.table.hidden_entries == sum(e.state is State.HIDDEN for e in visible)
+    assert sum(u[1] for u in cache.table.usage.values()) == sum(e.nbytes for e in visible)
+    assert (pending, hidden) == (cache.table.pending_pages, cache.table.hidden_pages), \
+        "counters drifted"
     for session in cache.sessions:
         owned = [cache.get(*key) for key in session.pending]
         assert session.pending_pages == sum(e.pages for e in owned if e is not None), \

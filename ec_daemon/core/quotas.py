@@ -40,12 +40,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ec_daemon.core.limits import TOKENLESS_SHARE
 from ec_daemon.core.records import Session
 from ec_daemon.core.sessions import tokenless
 from ec_daemon.errors import ResourceExhausted
-
-# All tokenless clients together hold at most this part of the total.
-TOKENLESS_SHARE = 4  # (a quarter)
 
 
 @dataclass(frozen=True)

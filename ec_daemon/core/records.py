@@ -1,7 +1,8 @@
 """The daemon's records: an entry, a session, and the state of an entry.
 
-A leaf module: it imports nothing of the daemon, so the cache, the session
-table, the invariant checker and the converters all import it without cycles.
+Nearly a leaf module: it imports nothing of the daemon but its limits, so the
+cache, the session table, the invariant checker and the converters all
+import it without cycles.
 The fields are changed only by `Cache` (entries) and `SessionTable`/`Cache`
 (sessions); everyone else reads them.
 """
@@ -14,14 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_daemon.core.limits import OUTBOX_MIN_EVENTS
 from ec_protocol.protocol import LOADING_ROLES, SAVING_ROLES, SCHEDULER, WORKER, Component, Role
 
 Key = tuple[str, str]  # (namespace, mm_hash)
 Run = tuple[int, int]  # (first payload page, pages)
 
-# Events a session's outbox may hold beyond its snapshot before the session
-# is detached as a reader that cannot keep up (it re-attaches afresh).
-OUTBOX_MIN_EVENTS = 1 << 16
 
 
 class State(enum.Enum):
@@ -57,7 +56,7 @@ class Entry:
         # acknowledgement. Most entries never hide: share one empty set.
         self.awaiting: set[Session] = _EMPTY
         # Hidden entries a live view awaits: by when (monotonic) it must have
-        # acknowledged (`Cache.overdue_views`); 0 otherwise.
+        # acknowledged (`reclamation.Acknowledgements.overdue_views`); 0 otherwise.
         self.ack_by = 0.0
         # The xxh3-64 of its bytes its writer reported (0: none).
         self.checksum = 0
@@ -93,7 +92,7 @@ class Session:
     # the worker ranks of their own instance only, and it counts under it for
     # --max-sessions-per-engine and the pending-save quota.
     engine_key: str = ""
-    # Its stream opened (`Cache.open`): a view is subscribed from then on, a
+    # Its stream opened (`views.Views.open`): a view is subscribed from then on, a
     # worker has mapped the region (it opens its stream only after that).
     streaming: bool = False
     # Scheduler sessions: the highest entry id announced ready to it. As a
@@ -108,7 +107,7 @@ class Session:
     pending: set[Key] = field(default_factory=set)
     pending_pages: int = 0  # their pages (`quotas`)
     # Events for the stream; `wake` tells the stream writer to look.
-    outbox: deque[Any] = field(default_factory=deque)
+    outbox: deque[object] = field(default_factory=deque)  # what `serving.wire` converts
     outbox_limit: int = OUTBOX_MIN_EVENTS
     overflowed: bool = False
     wake: Callable[[], None] = _noop
@@ -138,7 +137,7 @@ class Session:
         """For logs and stats: `scheduler`, or `worker <rank>/<world size>`."""
         return SCHEDULER if self.rank is None else f"{WORKER} {self.rank}/{self.world_size}"
 
-    def send(self, event: Any) -> None:
+    def send(self, event: object) -> None:
         """Queue an event for the stream. Past `outbox_limit` the session is
         marked overflowed (the service detaches it) and events are dropped."""
         if self.overflowed or not self.alive:

@@ -75,19 +75,11 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
 
+from ec_daemon.core.limits import OPEN_GRACE_SECONDS, PREEMPTIBLE_SECONDS, RUNNING_SHARE
 from ec_daemon.core.records import Session
 from ec_daemon.errors import NotFound, ResourceExhausted
 from ec_protocol.protocol import CONSUMER, Role
-
-# How long after Attach a session's stream may open, at least.
-OPEN_GRACE_SECONDS = 60.0
-# A session whose stream has not opened this long after Attach may be ended
-# to make room for an engine presenting its token (`victim_for`).
-PREEMPTIBLE_SECONDS = 10.0
-# The last 1/RUNNING_SHARE of --max-sessions is for running engine instances.
-RUNNING_SHARE = 4
 
 
 def engine_key(engine_id: str, token: str) -> str:
@@ -377,10 +369,10 @@ def _add(table: dict[str, int], key: str, n: int) -> None:
         table.pop(key, None)
 
 
-def _discard(table: dict[Any, set[Session]], namespace: Any, session: Session) -> None:
-    members = table.get(namespace)
+def _discard(table: dict[str, set[Session]], key: str, session: Session) -> None:
+    members = table.get(key)
     if members is None:
         return
     members.discard(session)
     if not members:
-        del table[namespace]
+        del table[key]

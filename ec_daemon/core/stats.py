@@ -18,14 +18,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ec_daemon.core.cache import Cache
+from ec_daemon.core.limits import LISTED_NAMESPACES, LISTED_SESSIONS
 from ec_protocol.protocol import Component, Role
 
-# Sessions a snapshot lists one by one (each up to ~1.5 KiB on the wire:
-# 128 stay far below gRPC's 4 MiB); the rest are counted.
-LISTED_SESSIONS = 128
-# Namespaces listed one by one (each up to ~4.1 KiB on the wire), the ones
-# holding the most bytes; the rest are counted.
-LISTED_NAMESPACES = 64
 NO_LOOKUPS = {"hits": 0, "misses": 0, "loads": 0}
 
 
@@ -98,14 +93,14 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
     """Read everything at once (on the daemon's event loop)."""
     page = cache.page_bytes
     free = cache.allocator.free_pages * page
-    pending = cache.pending_pages * page
-    hidden = cache.hidden_pages * page
-    quarantined = cache.quarantined_pages * page
+    pending = cache.table.pending_pages * page
+    hidden = cache.table.hidden_pages * page
+    quarantined = cache.quarantine.pages * page
     now = time.monotonic()
     sessions = [SessionSnapshot(s.index, s.engine_id, s.role, s.component, s.namespace,
                                 len(s.awaiting), len(s.pending), s.client_name, now - s.created)
                 for s in itertools.islice(cache.sessions, LISTED_SESSIONS)]
-    usage, counters = cache.namespace_usage, cache.namespace_counters
+    usage, counters = cache.table.usage, cache.table.counters
     # in use (counters from Attach) or holding entries (adopted ones too)
     names = counters.keys() | usage.keys()
     listed = heapq.nsmallest(  # the most bytes first, then by name: a stable order
@@ -121,7 +116,7 @@ def take(cache: Cache, *, generation: int, region_path: str, started: float,
         bytes_by_state={"free": free, "pending": pending, "hidden": hidden,
                         "quarantined": quarantined,
                         "ready": cache.capacity_bytes - free - pending - hidden - quarantined},
-        ready_entries=cache.ready_entries, hidden_entries=cache.hidden_entries,
+        ready_entries=cache.table.ready_entries, hidden_entries=cache.table.hidden_entries,
         largest_free_bytes=cache.allocator.largest_free_run * page, page_bytes=page,
         counters=dict(cache.counters), namespaces=namespaces, sessions=sessions,
         ghost_sessions=sum(1 for _ in cache.sessions.ghosts()), generation=generation,

@@ -41,6 +41,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ec_daemon.core.limits import COMPACT_MIN_BYTES, COMPACT_RATIO
 from ec_daemon.durable.journal import (
     FORMAT_VERSION,
     GONE,
@@ -68,15 +69,6 @@ log = logging.getLogger(__name__)
 
 INDEX_SUFFIX = ".index"
 COMPACTING_SUFFIX = ".compacting"  # an index being rewritten; left by a daemon that died then
-# Ids are reserved this many at a time (one 8-byte write per block).
-ID_BLOCK = 1 << 16
-# No daemon reserves ids beyond this (a million saves a second for 146,000
-# years): a larger reservation in an index is corruption, and ids continued
-# from any reservation up to it never reach 2^64 (`adoption`).
-MAX_IDS_RESERVED = 1 << 62
-# Compact when the journal is this many times the live records, and past MIN.
-COMPACT_RATIO = 2
-COMPACT_MIN_BYTES = 1 << 20
 
 
 def index_path(region_path: Path) -> Path:
@@ -170,7 +162,7 @@ class Index:
         id reservation raised to `header`'s, the format made this daemon's,
         and GONE appended for every record not `adopted`. `views`: the
         engines still awaited (each counts once). `fd`: the index already
-        open and locked (`region.dead_regions`), taken over. Raises OSError."""
+        open and locked (`dead.dead_regions`), taken over. Raises OSError."""
         if fd is None:
             fd = open_own_file(path, os.O_RDWR)
         try:

@@ -37,6 +37,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ec_daemon.core.limits import MAX_RECORD_BYTES
+
 MAGIC = b"ECDINDEX"
 # Bump on any change of the header or record layout: a daemon never adopts
 # a region whose index it does not understand (it starts fresh, saying why).
@@ -59,8 +61,6 @@ _REF = struct.Struct("<BQ")  # kind, entry_id
 _VIEW = struct.Struct("<BHH")  # kind, len(engine), len(namespace)
 REF_RECORD_BYTES = _FRAME.size + _REF.size  # a framed HIDDEN or GONE record
 READY, HIDDEN, GONE, VIEW_ON, VIEW_OFF, READY2 = 1, 2, 3, 4, 5, 6
-# A record longer than this is corrupt (the longest real one is far shorter).
-MAX_RECORD_BYTES = 1 << 24
 
 
 class IndexUnreadable(Exception):

@@ -38,11 +38,10 @@ a waiting engine is told to encode within seconds.
 What a client can hold, and what it costs the loop: the items a view claims
 or waits for are indexed by session, so a session's end touches its own
 items only, and bounds come due from a heap, so upkeep touches only the
-items past their bound (it walked every item each second, and every
-session's end did too: 65,536 claims and 299 sessions ending held the
-loop for 8.5 s). One engine instance's views take part in at most
-MAX_ITEMS_PER_INSTANCE items, all tokenless views together in at most
-MAX_ITEMS_TOKENLESS, and the table holds MAX_ITEMS_MAKING; beyond, a want
+items past their bound (plane.making keeps them so). One engine
+instance's views take part in at most MAX_ITEMS_PER_INSTANCE items, all
+tokenless views together in at most MAX_ITEMS_TOKENLESS, and the table
+holds MAX_ITEMS_MAKING; beyond, a want
 is answered ENCODE unrecorded (that engine encodes; nobody waits for it).
 A claim is passed on only by its own engine instance's give-up (id and
 token), never by another client naming the same engine id.
@@ -52,95 +51,80 @@ Not thread-safe: the daemon's event loop is the only caller.
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Verdict
+from ec_daemon.core.events import AnswerEvent, NamespaceInfoEvent, Resolution, Verdict
 from ec_daemon.core.limits import (
+    ANSWER_SECONDS,
+    CLAIM_SECONDS,
+    CLAIM_START_SECONDS,
     MAX_ITEMS_MAKING,
-    MAX_ITEMS_PER_INSTANCE,
-    MAX_ITEMS_TOKENLESS,
+    PROMOTE_SECONDS,
 )
 from ec_daemon.core.records import Key, Session, State
-from ec_daemon.core.sessions import tokenless
+from ec_daemon.plane.making import Making, Makings
 
 log = logging.getLogger(__name__)
 
-# A claimant's save normally lands within an encoder step and a copy; past
-# this its claim goes to a waiting engine (views give up sooner on their own).
-CLAIM_SECONDS = 30.0
-# A claimant says it encodes the item in the step it was told to (vLLM's
-# steps take milliseconds to a second): a claim it said nothing of in this
-# long goes to a waiting engine.
-CLAIM_START_SECONDS = 2.0
-# A promotion is a store read and a copy; past this its waiters encode.
-PROMOTE_SECONDS = 10.0
-# A want whose resolution runs longer is answered PROMOTING (wait) meanwhile:
-# well within the view's bound on an answer (ec_client.scheduler_side.wants ANSWER_SECONDS).
-ANSWER_SECONDS = 0.25
 COUNTERS = ("wants", "claims", "waits", "handovers", "releases", "promotions",
             "promotion_failures", "promoted_bytes", "slow_resolutions")
 
 
-@dataclass(eq=False, slots=True)
-class Making:
-    """An item someone is making: an engine encoding it (`holder`), a save
-    landing or a promotion (`holder` None); `waiters` deferred for it."""
+class Promoted(enum.Enum):
+    """How a promotion ended (`Promoter.start`'s `done`)."""
 
-    kind: Verdict  # ENCODING or PROMOTING
-    holder: Session | None
-    deadline: float
-    waiters: list[Session] = field(default_factory=list)
-    # Its holder said it encodes it (`Convergence.started`).
-    started: bool = False
-    # Being resolved by the second tier (`Convergence.resolve`): it takes the
-    # resolution's outcome, and no other (see `resolved`).
-    resolving: bool = False
-    # The waiter whose answer waits for the resolution, if it still wants one.
-    unanswered: Session | None = None
+    WRITTEN = "written"  # fetched, written and committed: the entry is ready
+    SAVING = "saving"  # a worker here is saving the key: its waiters wait for that save
+    READY = "ready"  # the key became ready meanwhile (saved here)
+    FAILED = "failed"  # not promoted: a waiting engine encodes it
+
+
+# Told once how a promotion of a key ended, and the bytes it promoted.
+PromotionDone = Callable[[Key, Promoted, int], None]
+
+
+class Promoter(Protocol):
+    """Who fetches a key another host published into this host's region
+    (`promotions.Promotions`)."""
+
+    def start(self, key: Key, nbytes: int, done: PromotionDone) -> None:
+        """Promote `key` (`nbytes` announced); `done` is called once, on the loop."""
 
 
 class Convergence:
     def __init__(self, cache: Cache, *,
                  remote_available: Callable[[str, str], int | None] | None = None,
+                 promoter: Promoter | None = None,
+                 resolve: Callable[[Key, bool], bool] | None = None,
+                 call_later: Callable[[float, Callable[[], None]], object] | None = None,
                  claim_seconds: float = CLAIM_SECONDS,
                  claim_start_seconds: float = CLAIM_START_SECONDS,
                  promote_seconds: float = PROMOTE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`remote_available(namespace, mm_hash)`: the entry's size when the
-        second tier holds it (a local index, no network), else None."""
+        """With a second tier (all None without one): `remote_available(namespace,
+        mm_hash)`, the entry's size when the tier holds it (a local index, no
+        network), else None; `promoter` fetches what it holds; `resolve(key,
+        claim)` asks the tier about a key off the loop, claiming it across
+        hosts if `claim` (an engine here would save it), True when started
+        (the outcome comes back to `resolved`, on the loop); `call_later(
+        seconds, fn)` calls `fn()` on the loop after `seconds`."""
         self.cache = cache
         self.remote_available = remote_available
+        self.promoter = promoter
+        self.resolve = resolve
+        self.call_later = call_later
         self.claim_seconds = claim_seconds
         self.claim_start_seconds = claim_start_seconds
         self.promote_seconds = promote_seconds
         self.clock = clock
-        self.making: dict[Key, Making] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        # The items each session holds or waits for, and how many each
-        # engine instance (`Session.engine_key`) and all tokenless ones take.
-        self._involved: dict[Session, set[Key]] = {}
-        self._per_instance: dict[str, int] = {}
-        self._tokenless = 0
-        # (deadline, n, key, making): bounds come due in order; stale ones skipped
-        self._due: list[tuple[float, int, Key, Making]] = []
-        self._seq = itertools.count()
-        # Items that wait for a save landing with no engine holding them
-        # (a pending entry's): looked at by upkeep, in case it was dropped.
-        self._landing: set[Key] = set()
-        # Set by the service: fetch `key` (of `nbytes`) from the second tier.
-        self.start_promotion: Callable[[Key, int], None] = lambda key, nbytes: None
-        # Set by the service: resolve `key` with the second tier, claiming it
-        # across hosts if the flag says an engine here would save it; True
-        # when started (`resolved` is called with the outcome, on the loop).
-        self.resolve: Callable[[Key, bool], bool] | None = None
-        # Set by the service: call `fn()` on the loop after `seconds`.
-        self.call_later: Callable[[float, Callable[[], None]], object] | None = None
+        # The items in the making, indexed by session and due by their bounds.
+        self._items = Makings()
 
     def info(self, namespace: str) -> NamespaceInfoEvent:
         return NamespaceInfoEvent(len(self.cache.sessions.subscribers(namespace)),
@@ -157,11 +141,10 @@ class Convergence:
             log.debug("session %d wants %s: %s", session.index, mm_hash, verdict.value)
             session.send(AnswerEvent(mm_hash, verdict))
 
-    def resolved(self, key: Key, outcome: str, nbytes: int | None = None) -> None:
-        """The second tier resolved `key` (`remote.tier.Outcome`'s value):
-        "found" (promote `nbytes`), "elsewhere" (another host encodes: wait
-        for its value, "found" or a final outcome follows), anything else:
-        an engine here encodes.
+    def resolved(self, key: Key, outcome: Resolution, nbytes: int | None = None) -> None:
+        """The second tier resolved `key`: FOUND (promote `nbytes`),
+        ELSEWHERE (another host encodes: wait for its value, FOUND or a final
+        outcome follows), anything else: an engine here encodes.
 
         Only a Making being resolved takes an outcome: one that outlived its
         Making (made meanwhile, handed over past its bound, released) must
@@ -171,16 +154,18 @@ class Convergence:
         making = self.making.get(key)
         if making is None or not making.resolving:
             return
-        making.resolving = outcome == "elsewhere"  # (its value, or the end of its claim, follows)
+        # (its value, or the end of its claim, follows)
+        making.resolving = outcome is Resolution.ELSEWHERE
         first, making.unanswered = making.unanswered, None
-        if outcome == "found" and nbytes is not None and nbytes <= self.cache.capacity_bytes:
+        if outcome is Resolution.FOUND and nbytes is not None \
+                and nbytes <= self.cache.capacity_bytes:
             self._postpone(key, making, self.promote_seconds)
-            self.start_promotion(key, nbytes)
-        elif outcome == "elsewhere":
+            self._promote(key, nbytes)
+        elif outcome is Resolution.ELSEWHERE:
             self._postpone(key, making, self.claim_seconds)
         else:
-            self._hand_over(key, making, f"the second tier does not hold it ({outcome})",
-                            quiet=True)
+            self._hand_over(key, making,
+                            f"the second tier does not hold it ({outcome.value})", quiet=True)
             after = self.making.get(key)
             if first is None or not first.alive or after is None or after.holder is first:
                 return  # (told ENCODE just now)
@@ -208,7 +193,7 @@ class Convergence:
         """`key` became ready (saved or promoted): its waiters saw the ready
         event, and are answered READY too (should the entry be evicted before
         they ask again, they encode it rather than wait for nothing)."""
-        making = self._remove(key)
+        making = self._items.remove(key)
         if making is None:
             return
         for waiter in making.waiters:
@@ -230,7 +215,7 @@ class Convergence:
                 self.counters["releases"] += 1
                 self._hand_over(key, making, "its engine no longer needs it")
             elif session in making.waiters:
-                self._drop_waiter(key, making, session)
+                self._items.drop_waiter(key, making, session)
 
     def step_aside(self, session: Session, mm_hashes: Iterable[str]) -> None:
         """`session`'s engine did not run the requests it claimed these items
@@ -248,8 +233,24 @@ class Convergence:
                             quiet=True)  # (an engine under KV pressure: every step)
             after = self.making.get(key)
             if after is not None:
-                self._add_waiter(key, after, session)
+                self._items.add_waiter(key, after, session)
                 session.send(AnswerEvent(mm_hash, Verdict.ENCODING))
+
+    def promotion_ended(self, key: Key, ended: Promoted, nbytes: int) -> None:
+        """A promotion of `key` ended (`Promoter.start`'s `done`): its waiters
+        hit (WRITTEN: its ready event went out), wait for the worker saving
+        it (SAVING), or one of them encodes it (FAILED)."""
+        if ended is Promoted.WRITTEN:
+            self.counters["promotions"] += 1
+            self.counters["promoted_bytes"] += nbytes
+            self.ready(key)
+        elif ended is Promoted.SAVING:
+            self._await_save(key)
+        elif ended is Promoted.FAILED:
+            self.counters["promotion_failures"] += 1
+            making = self.making.get(key)
+            if making is not None and making.kind is Verdict.PROMOTING:
+                self._hand_over(key, making, "its promotion failed")
 
     def started(self, session: Session, mm_hashes: Iterable[str]) -> None:
         """`session`'s engine encodes these items now: the claims it holds on
@@ -263,11 +264,6 @@ class Convergence:
             making.started = True
             self._postpone(key, making, self.claim_seconds)
 
-    def promoted(self, key: Key, nbytes: int) -> None:
-        self.counters["promotions"] += 1
-        self.counters["promoted_bytes"] += nbytes
-        self.ready(key)
-
     def save_given_up(self, key: Key, instance: str) -> None:
         """A save of `key` by engine instance `instance` (`Session.engine_key`)
         was aborted, refused or skipped: if that instance was making it (or it
@@ -278,27 +274,21 @@ class Convergence:
                 making.holder is None or making.holder.engine_key == instance):
             self._hand_over(key, making, "its save was given up")
 
-    def await_save(self, key: Key) -> None:
+    def _await_save(self, key: Key) -> None:
         """A promotion found a worker saving `key`: its waiters wait for that."""
         making = self.making.get(key)
         if making is not None and making.kind is Verdict.PROMOTING:
             making.kind = Verdict.ENCODING
             if making.holder is None:
-                self._landing.add(key)
+                self._items.landing_on(key)
             self._postpone(key, making, self.claim_seconds)
-
-    def promotion_failed(self, key: Key) -> None:
-        self.counters["promotion_failures"] += 1
-        making = self.making.get(key)
-        if making is not None and making.kind is Verdict.PROMOTING:
-            self._hand_over(key, making, "its promotion failed")
 
     def session_ended(self, session: Session) -> None:
         """A view ended: its claims pass on, it waits for nothing (its own
         items only are looked at)."""
         if not session.is_scheduler:
             return
-        for key in list(self._involved.get(session, ())):
+        for key in self._items.keys_of(session):
             making = self.making.get(key)
             if making is None:
                 continue
@@ -307,27 +297,25 @@ class Convergence:
             if making.holder is session:
                 self._hand_over(key, making, "its engine's session ended")
             elif session in making.waiters:
-                self._drop_waiter(key, making, session)
+                self._items.drop_waiter(key, making, session)
 
     def expire(self) -> None:
         """Upkeep: claims and promotions past their bound, and saves that
         were given up, pass on (only those are looked at)."""
-        now = self.clock()
-        while self._due and self._due[0][0] <= now:  # (a hand-over may rebuild the heap)
-            _, _, key, making = heapq.heappop(self._due)
-            if self.making.get(key) is making and making.deadline <= now:
-                self._hand_over(key, making, "it was not made in time")
-        for key in list(self._landing):
-            landing = self.making.get(key)
-            if landing is None or landing.holder is not None \
-                    or landing.kind is not Verdict.ENCODING:
-                self._landing.discard(key)
-            elif self.cache.state_of(*key) is None:
+        for key, making in self._items.due(self.clock()):
+            self._hand_over(key, making, "it was not made in time")
+        for key, landing in self._items.landing():
+            if self.cache.state_of(*key) is None:
                 self._hand_over(key, landing, "the save it waited for was aborted")
+
+    @property
+    def making(self) -> dict[Key, Making]:
+        """The items in the making, by key (read it; `Makings` changes it)."""
+        return self._items.making
 
     def items_of(self, session: Session) -> int:
         """How many items `session` holds or waits for."""
-        return len(self._involved.get(session, ()))
+        return self._items.items_of(session)
 
     # ------------------------------------------------------------ helpers
 
@@ -340,40 +328,53 @@ class Convergence:
             if making.holder is session:
                 return Verdict.ENCODE
             if session not in making.waiters:
-                if self._full(session):
+                if self._items.full(session):
                     return Verdict.ENCODE  # (unrecorded: it encodes, nobody waits for it)
-                self._add_waiter(key, making, session)
+                self._items.add_waiter(key, making, session)
             self.counters["waits"] += 1
             return making.kind
-        if state is State.HIDDEN or len(self.making) >= MAX_ITEMS_MAKING or self._full(session):
+        if (state is State.HIDDEN or len(self.making) >= MAX_ITEMS_MAKING
+                or self._items.full(session)):
             return Verdict.ENCODE  # (a hidden key's save is refused until it is reclaimed)
         now = self.clock()
         if state is State.PENDING:  # encoded already; its copy is landing
-            self._put(key, Making(Verdict.ENCODING, None, now + self.claim_seconds, [session]))
+            until = now + self.claim_seconds
+            self._items.put(key, Making(Verdict.ENCODING, None, until, [session]))
             self.counters["waits"] += 1
             return Verdict.ENCODING
         nbytes = self.remote_available(*key) if self.remote_available is not None else None
         if nbytes is not None and nbytes <= self.cache.capacity_bytes:
-            self._put(key, Making(Verdict.PROMOTING, None, now + self.promote_seconds,
-                                  [session]))
-            self.start_promotion(key, nbytes)
+            self._items.put(key, Making(Verdict.PROMOTING, None, now + self.promote_seconds,
+                                        [session]))
+            self._promote(key, nbytes)
             return Verdict.PROMOTING
         if self.resolve is not None and self.resolve(key, session.can_save):
             making = Making(Verdict.PROMOTING, None, now + self.promote_seconds, [session],
                             resolving=True, unanswered=session)
-            self._put(key, making)
+            self._items.put(key, making)
             if self.call_later is not None:
                 self.call_later(ANSWER_SECONDS, lambda: self.answer_meanwhile(key, making))
             return None
         if session.can_save:
-            self._put(key, Making(Verdict.ENCODING, session, now + self.claim_start_seconds))
+            self._items.put(key, Making(Verdict.ENCODING, session, now + self.claim_start_seconds))
             self.counters["claims"] += 1
         return Verdict.ENCODE
+
+    def _promote(self, key: Key, nbytes: int) -> None:
+        """Fetch `key` from the second tier (`promoter`); its end comes back
+        to `promotion_ended`."""
+        if self.promoter is not None:
+            self.promoter.start(key, nbytes, self.promotion_ended)
+
+    def _postpone(self, key: Key, making: Making, seconds: float) -> None:
+        """`making` is due `seconds` from now."""
+        making.deadline = self.clock() + seconds
+        self._items.push(key, making)
 
     def _hand_over(self, key: Key, making: Making, why: str, *, quiet: bool = False) -> None:
         """The claim goes to the first live waiter that can save; with none,
         every waiter encodes."""
-        self._remove(key)
+        self._items.remove(key)
         waiters = [w for w in making.waiters if w.alive]
         heir = next((w for w in waiters if w.can_save), None)
         if heir is None:
@@ -381,88 +382,9 @@ class Convergence:
                 waiter.send(AnswerEvent(key[1], Verdict.ENCODE))
             return
         waiters.remove(heir)
-        self._put(key, Making(Verdict.ENCODING, heir, self.clock() + self.claim_start_seconds,
-                              waiters))
+        self._items.put(key, Making(Verdict.ENCODING, heir,
+                                    self.clock() + self.claim_start_seconds, waiters))
         self.counters["handovers"] += 1
         (log.debug if quiet else log.info)("session %d encodes %s now (%s)", heir.index,
                                             key[1], why)
         heir.send(AnswerEvent(key[1], Verdict.ENCODE))
-
-    # ------------------------------------------------- the items' index
-
-    def _full(self, session: Session) -> bool:
-        """May `session` take part in no more items (its instance's, or the
-        tokenless clients', share is taken)?"""
-        key = session.engine_key
-        if tokenless(key):
-            return self._tokenless >= MAX_ITEMS_TOKENLESS
-        return self._per_instance.get(key, 0) >= MAX_ITEMS_PER_INSTANCE
-
-    def _put(self, key: Key, making: Making) -> None:
-        """`making` is `key`'s from now on (none was), indexed and due."""
-        self.making[key] = making
-        for session in (making.holder, *making.waiters):
-            if session is not None:
-                self._index(session, key)
-        if making.holder is None and making.kind is Verdict.ENCODING:
-            self._landing.add(key)
-        self._push(key, making)
-
-    def _remove(self, key: Key) -> Making | None:
-        """`key`'s Making, no longer made nor indexed."""
-        making = self.making.pop(key, None)
-        if making is not None:
-            for session in (making.holder, *making.waiters):
-                if session is not None:
-                    self._unindex(session, key)
-            self._landing.discard(key)
-        return making
-
-    def _add_waiter(self, key: Key, making: Making, session: Session) -> None:
-        making.waiters.append(session)
-        self._index(session, key)
-
-    def _drop_waiter(self, key: Key, making: Making, session: Session) -> None:
-        making.waiters.remove(session)
-        self._unindex(session, key)
-
-    def _postpone(self, key: Key, making: Making, seconds: float) -> None:
-        making.deadline = self.clock() + seconds
-        self._push(key, making)
-
-    def _push(self, key: Key, making: Making) -> None:
-        """`making` is due at its deadline. Items made or passed on before
-        theirs leave stale entries: past four per live item the heap is
-        rebuilt from the live ones (a client wanting and releasing items in a
-        loop must not grow it)."""
-        due = self._due
-        heapq.heappush(due, (making.deadline, next(self._seq), key, making))
-        if len(due) > 4 * len(self.making) + 1024:
-            self._due = [(m.deadline, next(self._seq), k, m) for k, m in self.making.items()]
-            heapq.heapify(self._due)
-
-    def _index(self, session: Session, key: Key) -> None:
-        keys = self._involved.setdefault(session, set())
-        if key in keys:
-            return
-        keys.add(key)
-        instance = session.engine_key
-        if tokenless(instance):
-            self._tokenless += 1
-        self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
-
-    def _unindex(self, session: Session, key: Key) -> None:
-        keys = self._involved.get(session)
-        if keys is None or key not in keys:
-            return
-        keys.discard(key)
-        if not keys:
-            del self._involved[session]
-        instance = session.engine_key
-        if tokenless(instance):
-            self._tokenless -= 1
-        left = self._per_instance[instance] - 1
-        if left:
-            self._per_instance[instance] = left
-        else:
-            del self._per_instance[instance]

@@ -4,14 +4,15 @@ It owns the cache and everything that listens to it: convergence (who makes
 a wanted item), the watchers (`watch`), the second tier (`remote`: publishing
 saves, and `promotions` from it), the workers' saves (`saves`: allocations,
 waiting for pages, reports, on the unary calls and on the session stream),
-and the upkeep that expires sessions. The servicer (`service`) only converts
+and the upkeep that expires sessions (`upkeep`). The servicer (`service`) only converts
 protobuf and calls in here, as MLServer's servicers hand their work to its
 data plane, so the waiting, retrying and announcing are read (and tested)
 without gRPC.
 
-"An entry became ready" is said in one place, `_entry_changed`: the cache
-tells the views itself (their events carry its bookkeeping), then calls it
-once per entry that became READY, and every other listener hears it there:
+"An entry became ready" is said in one place, `entry_changed`: the cache
+tells the views itself (their events carry its bookkeeping), then tells the
+plane, its listener from its making (`CacheListener`), once per entry that
+became READY, and every other listener hears it there:
 the watchers, convergence (the entry's waiters hit now) and the second tier
 (a save of this host is published). A new way of making an entry ready
 cannot forget one of them. Eviction (HIDDEN) reaches the watchers the same way.
@@ -27,14 +28,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ec_daemon.core import invariants, stats
-from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import ClientMessage, HeartbeatEcho
-from ec_daemon.core.limits import MAX_WATCHERS, MAX_WATCHERS_PER_PEER, validate_mm_hash
+from ec_daemon.core.cache import Cache, CacheListener
+from ec_daemon.core.events import ClientMessage, HeartbeatEcho, Resolution
+from ec_daemon.core.limits import (
+    DEFAULT_MAX_WATCHERS,
+    DEFAULT_MAX_WATCHERS_PER_PEER,
+    validate_mm_hash,
+)
 from ec_daemon.core.records import Entry, Key, Session, State
 from ec_daemon.core.sessions import engine_key
+from ec_daemon.durable.region import Region
 from ec_daemon.errors import (
     CacheError,
     FailedPrecondition,
@@ -44,26 +49,33 @@ from ec_daemon.errors import (
 from ec_daemon.plane import watch
 from ec_daemon.plane.convergence import Convergence
 from ec_daemon.plane.promotions import Promotions
-from ec_daemon.plane.saves import SPACE, Saves
+from ec_daemon.plane.room import Room
+from ec_daemon.plane.saves import Saves
+from ec_daemon.plane.second_tier import SecondTier
+from ec_daemon.plane.upkeep import Upkeep
 from ec_daemon.plane.verify import Verifier
-from ec_daemon.plane.wakeups import Wakeups
+from ec_protocol.protocol import Role
 
 log = logging.getLogger(__name__)
 
 
 class DataPlane:
-    def __init__(self, cache: Cache, *, lease_seconds: float, alloc_wait_seconds: float,
-                 check_invariants: bool = False, generation: int = 0, region_path: str = "",
-                 region_file: Any = None, tier: Any = None,
-                 max_watchers: int = MAX_WATCHERS,
-                 max_watchers_per_peer: int = MAX_WATCHERS_PER_PEER,
+    def __init__(self, make_cache: Callable[[CacheListener], Cache], *, lease_seconds: float,
+                 alloc_wait_seconds: float, check_invariants: bool = False,
+                 generation: int = 0, region_path: str = "", region_file: Region | None = None,
+                 tier: SecondTier | None = None, max_watchers: int = DEFAULT_MAX_WATCHERS,
+                 max_watchers_per_peer: int = DEFAULT_MAX_WATCHERS_PER_PEER,
                  adoption: dict[str, int] | None = None) -> None:
-        """`generation` and `region_path` name the region in stats, `adoption`
+        """`make_cache(listener)` makes the cache the plane runs, with the
+        plane as its listener (`entry_changed`, `pages_reclaimed`).
+        `generation` and `region_path` name the region in stats, `adoption`
         says what this start found of the previous daemon's (`adoption.Found`);
-        `region_file` is the `region.Region` (its size watched, pages read to
-        check reported mismatches), `tier` a `remote.tier.RemoteTier` (only
-        with a second tier)."""
-        self.cache = cache
+        `region_file` is the region (its size watched, pages read to check
+        reported mismatches, promotions written into), `tier` the second tier
+        (None: none; it needs the region file)."""
+        if tier is not None and region_file is None:
+            raise ValueError("a second tier promotes into the region file: give it")
+        self.cache = make_cache(self)
         self.lease_seconds = lease_seconds
         self.alloc_wait_seconds = alloc_wait_seconds
         self.check_invariants = check_invariants
@@ -72,40 +84,41 @@ class DataPlane:
         self.adoption = dict(adoption or {})
         self.started = time.monotonic()
         self.closing = False
-        self.wakeups = Wakeups()
-        cache.on_reclaim = lambda: self.wakeups.wake(SPACE)
+        cache = self.cache
+        self.room = Room(cache, alloc_wait_seconds)
         self.watchers = watch.Watchers(max_watchers=max_watchers,
                                        max_per_peer=max_watchers_per_peer)
-        cache.on_entry_change = self._entry_changed
         self.region_file = region_file
         self.tier = tier
-        self.convergence = Convergence(
-            cache, remote_available=tier.available if tier is not None else None)
-        self.saves = Saves(cache, self.convergence, self.wakeups, alloc_wait_seconds)
-        self.verifier = Verifier(cache, region_file)
         self.promotions: Promotions | None = None
-        if tier is not None:
-            self.promotions = Promotions(cache, self.convergence, tier, region_file,
-                                         allocate=self.saves.allocate_waiting,
-                                         verify=self.verify)
-            self.convergence.start_promotion = self.promotions.start
-            self.convergence.resolve = self._resolve
-            self.convergence.call_later = \
-                lambda seconds, fn: asyncio.get_running_loop().call_later(seconds, fn)
+        if tier is not None and region_file is not None:
+            self.promotions = Promotions(cache, tier, region_file, self.room, verify=self.verify)
+        self.convergence = Convergence(
+            cache, remote_available=tier.available if tier is not None else None,
+            promoter=self.promotions, resolve=self._resolve if tier is not None else None,
+            call_later=_call_later)
+        self.saves = Saves(cache, self.convergence, self.room)
+        self.verifier = Verifier(cache, region_file)
+        self.upkeep = Upkeep(cache, self.convergence, lease_seconds=lease_seconds,
+                             region_file=region_file, region_path=region_path,
+                             end_session=self.end_session, ended=self._ended,
+                             drop_slow_reader=self.drop_slow_reader, verify=self.verify)
 
     def _resolve(self, key: Key, claim: bool) -> bool:
         """Ask the second tier about a wanted key (`Convergence.resolve`);
         its answer comes back on the loop."""
+        assert self.tier is not None
         loop = asyncio.get_running_loop()
 
-        def done(outcome: Any) -> None:
+        def done(outcome: Resolution) -> None:
             loop.call_soon_threadsafe(self._resolved, key, outcome)
 
-        return bool(self.tier.resolve(key[0], key[1], done, claim))
+        return self.tier.resolve(key[0], key[1], done, claim)
 
-    def _resolved(self, key: Key, outcome: Any) -> None:
-        nbytes = self.tier.available(*key) if outcome.value == "found" else None
-        self.convergence.resolved(key, outcome.value, nbytes)
+    def _resolved(self, key: Key, outcome: Resolution) -> None:
+        assert self.tier is not None
+        nbytes = self.tier.available(*key) if outcome is Resolution.FOUND else None
+        self.convergence.resolved(key, outcome, nbytes)
         self.verify()
 
     # ----------------------------------------------------------- sessions
@@ -114,11 +127,13 @@ class DataPlane:
         """The live session; raises NotFound (the client must re-attach)."""
         return self.cache.sessions.get(session_id)
 
-    def attach(self, **fields: Any) -> Session:
-        """A new session (`Cache.attach`); it takes part once its stream opens."""
-        store_namespace = fields.pop("store_namespace", "")
-        victim = self.cache.sessions.victim_for(fields["engine_id"],
-                                                fields.get("engine_token", ""))
+    def attach(self, *, engine_id: str, role: Role, rank: int | None, world_size: int,
+               namespace: str, client_name: str, engine_token: str = "",
+               store_namespace: str = "") -> Session:
+        """A new session (`Cache.attach`); it takes part once its stream
+        opens. `store_namespace`: the second tier's name of `namespace`
+        (`SecondTier.follow`)."""
+        victim = self.cache.sessions.victim_for(engine_id, engine_token)
         if victim is not None:  # an attach that never became anything makes room
             log.warning("session %d (engine %r %s) ended: its stream never opened in %.0fs, and "
                         "an engine presenting its token needs the place", victim.index,
@@ -126,7 +141,10 @@ class DataPlane:
                         self.cache.sessions.clock() - victim.created)
             self.cache.counters["preempted_sessions"] += 1
             self.end_session(victim, detached=True)
-        session = self.cache.attach(**fields, in_place_of=victim)
+        session = self.cache.attach(engine_id=engine_id, role=role, rank=rank,
+                                    world_size=world_size, namespace=namespace,
+                                    client_name=client_name, engine_token=engine_token,
+                                    in_place_of=victim)
         if self.tier is not None:
             self.tier.follow(session.namespace, store_namespace)
         log.info("attached session %d: engine %r %s (%s) in %r", session.index,
@@ -202,7 +220,7 @@ class DataPlane:
         session = self.cache.sessions.get(session_id)
         if session.streaming:
             raise FailedPrecondition("this session already has a stream")
-        self.cache.open(session)
+        self.cache.views.open(session)
         try:
             self.apply(session, first())  # checks everything before it applies anything
         except CacheError:
@@ -244,11 +262,11 @@ class DataPlane:
         if m.reports or m.allocations:
             self.saves.on_stream(session, m.reports, m.allocations)
         if m.acks:
-            self.cache.acknowledge(session, m.acks)
+            self.cache.views.acknowledge(session, m.acks)
         if m.holds:
-            self.cache.hold(session, m.holds)
+            self.cache.views.hold(session, m.holds)
         if m.touches:
-            self.cache.touch(session, m.touches)
+            self.cache.views.touch(session, m.touches)
         if m.mismatches:
             self.verifier.report(session, m.mismatches)
         if m.releases:
@@ -261,7 +279,7 @@ class DataPlane:
             self.convergence.want(session, m.wants)
         if beat is not None:
             if session.is_scheduler:
-                self.cache.record_lookups(session, beat.lookups, beat.hits)
+                self.cache.views.record_lookups(session, beat.lookups, beat.hits)
             if beat.seq:
                 session.send(HeartbeatEcho(beat.seq))
         self.verify()
@@ -322,11 +340,11 @@ class DataPlane:
 
     # ----------------------------------------------------- announcements
 
-    def _entry_changed(self, entry: Entry) -> None:
+    def entry_changed(self, entry: Entry) -> None:
         """The cache's one announcement that `entry` became READY (its views
-        were told just before) or HIDDEN: watchers hear both; a ready entry's
-        waiters hit now, and a save of this host is published (write-behind;
-        a promoted entry came from the second tier)."""
+        were told just before) or HIDDEN (`CacheListener`): watchers hear
+        both; a ready entry's waiters hit now, and a save of this host is
+        published (write-behind; a promoted entry came from the second tier)."""
         self.watchers.publish(entry)
         if entry.state is not State.READY:
             return
@@ -334,10 +352,14 @@ class DataPlane:
         if self.promotions is not None and not self.promotions.writing(entry.key):
             self._publish(entry)
 
+    def pages_reclaimed(self) -> None:
+        """Pages came back (`CacheListener`): saves waiting for room ask again."""
+        self.room.pages_came_back()
+
     def _publish(self, entry: Entry) -> None:
         """Queue a ready entry for the second tier, sent from its pages off the loop."""
-        extents, stamp = self.cache.extents(entry), entry.entry_id
-        stamps, region_file, nbytes = self.cache.stamps, self.region_file, entry.nbytes
+        assert self.tier is not None and self.region_file is not None
+        extents, stamp, stamps = self.cache.extents(entry), entry.entry_id, self.cache.stamps
 
         def current() -> bool:
             """Whether the pages still hold the entry (reused, their stamp
@@ -345,81 +367,8 @@ class DataPlane:
             return stamps.holds(extents, stamp)
 
         namespace, mm_hash = entry.key
-        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, nbytes,
-                          lambda: region_file.read(extents), current=current,
-                          extents=list(extents))
-
-    # ------------------------------------------------------------ upkeep
-
-    async def upkeep(self) -> None:
-        """Expire silent sessions, slow readers, ghosts and quarantines; runs
-        until cancelled."""
-        interval = min(1.0, self.lease_seconds / 4)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self._upkeep_once()
-            except Exception:  # never stop expiring: the cache would fill for good
-                log.exception("upkeep failed; trying again in %.1fs", interval)
-
-    def _upkeep_once(self) -> None:
-        for session in self.cache.sessions:
-            if session.overflowed:
-                self.drop_slow_reader(session)
-        for view in self.cache.overdue_views():
-            self.cache.counters["ack_timeouts"] += 1
-            view.ended_why = (f"it did not acknowledge an eviction within "
-                              f"{self.cache.ack_wait_seconds:.0f}s (--ack-wait-seconds)")
-            log.warning("session %d (engine %r %s) ended: %s; awaited as a ghost for one lease "
-                        "more", view.index, view.engine_id, view.component, view.ended_why)
-            self.end_session(view)  # a ghost: its engine may still be loading
-        for session in self.cache.expire_sessions():
-            self._ended(session)
-            log.warning("session %d expired (engine %r %s): no message for %.1fs",
-                        session.index, session.engine_id, session.component,
-                        self.lease_seconds)
-        for ghost in self.cache.release_ghosts():
-            log.info("session %d (engine %r) no longer awaited: its lease ran out",
-                     ghost.index, ghost.engine_id)
-        self._check_region()
-        self.cache.release_quarantine()
-        self.cache.compact_index()
-        self.convergence.expire()
-        self.verify()
-
-    def _check_region(self) -> None:
-        """A region file a client cut (every engine worker opens it
-        read-write): give it its size back, drop what was cut, so nothing
-        is served from a short or zeroed file (`Cache.cut_off`), then write
-        a new canary, which tells every worker that mapped the file before
-        that what it copied since may not be the file's. A short file was cut
-        where its size says; one whose canary changed at full size was cut
-        and regrown before this look (or its trailer written), where is
-        unknown: every entry is dropped."""
-        region = self.region_file
-        if region is None:
-            return
-        size = region.shortfall()
-        if size is None:
-            if region.canary_intact():
-                return
-            first, how = 0, "truncated and regrown (its canary changed)"
-        else:
-            first = max(0, (size - self.cache.data_offset) // self.cache.page_bytes)
-            how = f"truncated to {size} bytes"
-        cache = self.cache
-        cache.counters["region_truncations"] += 1
-        try:
-            region.restore()
-        except OSError as exc:
-            log.error("the region %s was %s by a client, and cannot be given its size back "
-                      "(%s): trying again", self.region_path, how, exc)
-            return
-        lost = cache.cut_off(first)
-        region.renew_canary()  # last: what was cut is dropped by now
-        log.error("the region %s was %s by a client of the socket: its size is restored, the "
-                  "%d entries it cut are dropped (never served), and its canary renewed",
-                  self.region_path, how, len(lost))
+        self.tier.publish(namespace, mm_hash, entry.shape, entry.dtype, self.region_file,
+                          extents, current)
 
     def close_streams(self) -> None:
         """Shutdown: end every session stream (clients see the stream end)."""
@@ -431,3 +380,8 @@ class DataPlane:
             self.promotions.cancel()
         self.saves.cancel()
         self.verifier.cancel()
+
+
+def _call_later(seconds: float, fn: Callable[[], None]) -> object:
+    """`fn()` on the running loop after `seconds` (`Convergence.call_later`)."""
+    return asyncio.get_running_loop().call_later(seconds, fn)

@@ -19,73 +19,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
 
 from ec_daemon.core.cache import Cache
-from ec_daemon.core.events import AllocOutcome, AllocResult
+from ec_daemon.core.events import AllocOutcome, AllocResult, Fetched
+from ec_daemon.core.limits import PROMOTION_THREADS
 from ec_daemon.core.records import Key, Session
+from ec_daemon.durable.region import Region
 from ec_daemon.errors import CacheError
-from ec_daemon.plane.convergence import Convergence
+from ec_daemon.plane.convergence import Promoted, PromotionDone
+from ec_daemon.plane.room import Room
+from ec_daemon.plane.second_tier import SecondTier
 from ec_protocol.protocol import BOTH
-
-if TYPE_CHECKING:
-    from ec_daemon.durable.region import Region
 
 log = logging.getLogger(__name__)
 
-# Promotions running at once (each a store read and a copy into the region).
-PROMOTION_THREADS = 4
-
-# Allocate for the session the first argument returns: mm_hash, nbytes, shape,
-# dtype (`DataPlane.allocate_waiting`: it waits for room as a save does).
-Allocate = Callable[[Callable[[], Session], str, int, tuple[int, ...], str],
-                    Awaitable[AllocResult]]
-
-
-class Fetched(Protocol):
-    """A verified value fetched from the second tier (`remote.tier.Fetched`)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-    def write_into(self, region_file: Region, extents: Sequence[tuple[int, int]]) -> bool: ...
-
-
-class Reservation(Protocol):
-    """Promotion budget held for one value (`remote.budget.Reservation`)."""
-
-    nbytes: int
-
-    def release(self) -> None: ...
-
-
-class Tier(Protocol):
-    """What promotions need of the second tier (`remote.tier.RemoteTier`):
-    declared here, so the plane never imports the tier (the server hands it
-    in, and the plane runs and is tested without one)."""
-
-    def reserve(self, namespace: str, mm_hash: str) -> Reservation | None: ...
-
-    def fetch(self, namespace: str, mm_hash: str, nbytes: int | None = None) -> Fetched | None: ...
-
-    def forget(self, namespace: str, mm_hash: str) -> None: ...
 
 
 class Promotions:
-    def __init__(self, cache: Cache, convergence: Convergence, tier: Tier,
-                 region_file: Region, *,
-                 allocate: Allocate, verify: Callable[[], None]) -> None:
-        """`tier` is the `remote.tier.RemoteTier` fetched from, `region_file`
-        the `region.Region` written to; `verify` checks the bookkeeping after
-        each promotion (--check-invariants)."""
+    def __init__(self, cache: Cache, tier: SecondTier, region_file: Region, room: Room, *,
+                 verify: Callable[[], None]) -> None:
+        """`tier` is fetched from, `region_file` written to, in pages `room`
+        allocates (waiting for room as a save does); `verify` checks the
+        bookkeeping after each promotion (--check-invariants)."""
         self.cache = cache
-        self.convergence = convergence
         self.tier = tier
         self.region_file = region_file
-        self.allocate = allocate
+        self.room = room
         self.verify = verify
         self._promoters: dict[str, Session] = {}
         self._tasks: set[asyncio.Future[None]] = set()
@@ -94,9 +55,9 @@ class Promotions:
         self._writing: set[Key] = set()
         self._pool = ThreadPoolExecutor(PROMOTION_THREADS, thread_name_prefix="ec-promote")
 
-    def start(self, key: Key, nbytes: int) -> None:
-        """Promote `key` (`Convergence.start_promotion`); convergence hears how it ended."""
-        task = asyncio.ensure_future(self._promote(key))
+    def start(self, key: Key, nbytes: int, done: PromotionDone) -> None:
+        """Promote `key` (`convergence.Promoter`); `done` hears how it ended."""
+        task = asyncio.ensure_future(self._promote(key, done))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -130,40 +91,40 @@ class Promotions:
                 lease_deadline=float("inf"))
         return promoter
 
-    async def _promote(self, key: Key) -> None:
+    async def _promote(self, key: Key, done: PromotionDone) -> None:
         """Fetch `key` from the second tier (verified), allocate, write, commit.
         Any failure hands the item to a waiting engine to encode, and so does
         a spent promotion budget: the value's bytes are reserved before the
         fetch and released after the write, whatever happens (`remote.budget`)."""
         namespace, mm_hash = key
         loop = asyncio.get_running_loop()
-        promoted = False
+        ended, nbytes = Promoted.FAILED, 0
         started = time.perf_counter()
         reservation = self.tier.reserve(namespace, mm_hash)
         try:
             if reservation is None:
                 return  # the budget is spent, or the key's announcement is gone
-            value = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
+            found = await loop.run_in_executor(self._pool, self.tier.fetch, namespace, mm_hash,
                                                reservation.nbytes)
             fetched = time.perf_counter()
-            if value is None:
-                return  # (the tier counted and logged why, and forgot the key)
+            if found is None:
+                return  # (the tier counted and logged why)
             promoter = self._promoter(namespace)
-            result = await self.allocate(lambda: promoter, mm_hash, value.nbytes,
-                                         tuple(value.shape), value.dtype)
+            result = await self.room.allocate(lambda: promoter, mm_hash, found.nbytes,
+                                              tuple(found.shape), found.dtype)
             if result.outcome is AllocOutcome.ALREADY_PENDING:  # a worker is saving it
-                promoted = True
-                self.convergence.await_save(key)
+                ended = Promoted.SAVING
+                return
+            if result.outcome is AllocOutcome.ALREADY_READY:
+                ended = Promoted.READY
                 return
             if result.outcome is not AllocOutcome.ALLOCATED:
-                promoted = result.outcome is AllocOutcome.ALREADY_READY
                 return
-            if not await self._write(key, promoter, result, value):
+            if not await self._write(key, promoter, result, found):
                 return  # (the tier counted and logged why, and forgot the key)
-            self.convergence.promoted(key, value.nbytes)
-            promoted = True
+            ended, nbytes = Promoted.WRITTEN, found.nbytes
             log.debug("promoted %s (%d bytes) in %.1f ms (fetch %.1f ms)", mm_hash,
-                      value.nbytes, (time.perf_counter() - started) * 1e3,
+                      found.nbytes, (time.perf_counter() - started) * 1e3,
                       (fetched - started) * 1e3)
         except CacheError as exc:
             # A value that verified but cannot be cached here (too large, a
@@ -178,22 +139,21 @@ class Promotions:
                 # (Cancelled, at shutdown only, a write may still run: its
                 # bytes go with the daemon.)
                 reservation.release()
-            if not promoted:
-                self.convergence.promotion_failed(key)
+            done(key, ended, nbytes)
             self.verify()
 
     async def _write(self, key: Key, promoter: Session, result: AllocResult,
-                     value: Fetched) -> bool:
-        """Write the fetched value into its pages (`write_into`: a value in
-        memory written there, or one the store reads in, verified there) and
-        commit (the entry is announced ready); aborted if the write fails
-        (raises) or the value fails to read or verify (False)."""
+                     found: Fetched) -> bool:
+        """Write the value the tier found into its pages (`fetch_into`:
+        verified on the way) and commit (the entry is announced ready);
+        aborted if it fails to read, verify or write (False)."""
         loop = asyncio.get_running_loop()
         self._writing.add(key)
         try:
             try:
                 written = await loop.run_in_executor(
-                    self._pool, value.write_into, self.region_file, result.extents)
+                    self._pool, self.tier.fetch_into, key[0], key[1], found, self.region_file,
+                    result.extents)
             except Exception:  # (cancelled only at shutdown: the write may still run)
                 self.cache.abort(promoter, [key[1]])
                 raise

@@ -1,22 +1,16 @@
-"""A worker's saves, on plain values: allocations (waiting for pages that
-come back), reports, and both as messages of the session stream.
+"""A worker's saves, on plain values: allocations, reports, and both as
+messages of the session stream.
 
 The unary calls (`Allocate`, `Report`) and the stream take the same paths.
 On the stream each allocation and report is answered with its request id
 (`AllocationAnswer`, `ReportAnswer` in the session's outbox): an allocation
 at once when the cache has room or refuses, or from a task when it must
-wait for hidden pages, so the stream (heartbeats, the other saves) goes on
-meanwhile. A refusal is an answer, not the stream's end. Every allocation
-belongs to its session as with the unary calls: when the session ends its
-pending saves are quarantined, and a session that ended while its
-allocation waited allocates nothing.
-
-Allocations waiting for pages are bounded on both paths alike: per session
-(WAITING_PER_SESSION), for all tokenless clients together and in all
-(`limits`); one more is refused at once (RESOURCE_EXHAUSTED). Unbounded,
-8,000 unary Allocate calls parked by one client were each woken by every
-page that came back (763 ms of latency for everyone). The daemon's own
-writer (promotions) is bounded by its budget instead.
+wait for hidden pages (`room`), so the stream (heartbeats, the other saves)
+goes on meanwhile. A refusal is an answer, not the stream's end. Every
+allocation belongs to its session as with the unary calls: when the session
+ends its pending saves are quarantined, and a session that ended while its
+allocation waited allocates nothing. A save given up (aborted, refused for
+room) passes its item's claim on (`convergence`).
 
 Not thread-safe: the daemon's event loop is the only caller.
 """
@@ -25,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import (
@@ -38,110 +30,35 @@ from ec_daemon.core.events import (
     SaveAllocate,
     SaveReport,
 )
-from ec_daemon.core.limits import MAX_WAITING_SAVES, MAX_WAITING_SAVES_TOKENLESS, validate_mm_hash
+from ec_daemon.core.limits import validate_mm_hash
 from ec_daemon.core.records import Session
-from ec_daemon.core.sessions import tokenless
 from ec_daemon.errors import CacheError, FailedPrecondition, ResourceExhausted
 from ec_daemon.plane.convergence import Convergence
-from ec_daemon.plane.wakeups import Wakeups
+from ec_daemon.plane.room import Room
 
 log = logging.getLogger(__name__)
 
-# A save waits this part of --alloc-wait-seconds for hidden pages to come
-# back before it evicts more ready entries instead.
-HIDDEN_PATIENCE_FRACTION = 0.1
-SPACE = "space"  # the Wakeups key of pages coming back
-# The most stream allocations of one session waiting for pages at once (a
-# client saves SAVE_BATCH at a time); past it one is refused at once, so a
-# misbehaving client cannot make every page coming back wake thousands.
-WAITING_PER_SESSION = 64
-
 
 class Saves:
-    def __init__(self, cache: Cache, convergence: Convergence, wakeups: Wakeups,
-                 alloc_wait_seconds: float) -> None:
+    def __init__(self, cache: Cache, convergence: Convergence, room: Room) -> None:
         self.cache = cache
         self.convergence = convergence
-        self.wakeups = wakeups
-        self.alloc_wait_seconds = alloc_wait_seconds
+        self.room = room
         self._waiting: set[asyncio.Future[None]] = set()  # stream saves waiting for pages
-        # Allocations waiting for pages (both paths): by session id, the
-        # tokenless ones, all
-        self._waiting_of: dict[str, int] = {}
-        self._waiting_tokenless = 0
-        self._waiting_total = 0
 
     async def allocate(self, session_id: str, mm_hash: str, nbytes: int,
                        shape: tuple[int, ...], dtype: str) -> AllocResult:
-        """A worker's save asks for pages (`allocate_waiting`). Raises
+        """A worker's save asks for pages (`Room.allocate`). Raises
         ResourceExhausted when none came free in time: an engine waiting for
         this save encodes it instead."""
         try:
-            return await self.allocate_waiting(lambda: self.cache.sessions.get(session_id),
-                                               mm_hash, nbytes, shape, dtype)
+            return await self.room.allocate(lambda: self.cache.sessions.get(session_id),
+                                            mm_hash, nbytes, shape, dtype)
         except ResourceExhausted:
             session = self.cache.sessions.find(session_id)
             if session is not None:
                 self.convergence.save_given_up((session.namespace, mm_hash), session.engine_key)
             raise
-
-    async def allocate_waiting(self, session_of: Callable[[], Session], mm_hash: str,
-                               nbytes: int, shape: tuple[int, ...], dtype: str, *,
-                               counted: bool = False) -> AllocResult:
-        """Allocate for the session `session_of()` returns (it may end while
-        this waits), waiting for hidden pages within --alloc-wait-seconds.
-        Raises ResourceExhausted when it would wait past the bounds on waiting
-        allocations (`counted`: the caller took its place already)."""
-        started = time.monotonic()
-        deadline = started + self.alloc_wait_seconds
-        # Past this, hidden pages held back (a load in flight, a ghost) no
-        # longer count as coming back: more ready entries are evicted instead.
-        patience = started + self.alloc_wait_seconds * HIDDEN_PATIENCE_FRACTION
-        impatient = False  # once only: the victims it hides are then counted as coming
-        waiting: Session | None = None  # the session whose place this wait holds
-        try:
-            while True:
-                session = session_of()
-                count_hidden = impatient or time.monotonic() < patience
-                impatient = impatient or not count_hidden
-                result = self.cache.allocate(session, mm_hash, nbytes, shape, dtype,
-                                             count_hidden=count_hidden)
-                if result.outcome is not AllocOutcome.WAIT:
-                    return result
-                if waiting is None and not counted and session.session_id:
-                    self._enter_wait(session)
-                    waiting = session
-                wake_by = deadline if impatient else patience
-                if not await self.wakeups.wait((SPACE,), wake_by) \
-                        and time.monotonic() >= deadline:
-                    raise self.cache.refuse_waited_save(nbytes)
-        finally:
-            if waiting is not None:
-                self._leave_wait(waiting.session_id, waiting.engine_key)
-
-    def _enter_wait(self, session: Session) -> None:
-        """One more of `session`'s allocations waits for pages; raises
-        ResourceExhausted (nothing counted) past a bound."""
-        held = self._waiting_of.get(session.session_id, 0)
-        if held >= WAITING_PER_SESSION:
-            raise ResourceExhausted(f"{held} saves of this session already wait for pages")
-        shared = tokenless(session.engine_key)
-        if shared and self._waiting_tokenless >= MAX_WAITING_SAVES_TOKENLESS:
-            raise ResourceExhausted(
-                f"{self._waiting_tokenless} saves of clients without an engine token already "
-                "wait for pages")
-        if self._waiting_total >= MAX_WAITING_SAVES:
-            raise ResourceExhausted(f"{self._waiting_total} saves already wait for pages")
-        self._waiting_of[session.session_id] = held + 1
-        self._waiting_tokenless += shared
-        self._waiting_total += 1
-
-    def _leave_wait(self, session_id: str, instance: str) -> None:
-        left = self._waiting_of.pop(session_id, 1) - 1
-        if left:
-            self._waiting_of[session_id] = left
-        self._waiting_tokenless -= tokenless(instance)
-        self._waiting_total -= 1
 
     def report(self, session: Session, saved: list[str], aborted: list[str],
                checksums: list[int] | None = None) -> tuple[list[ReportStatus],
@@ -192,7 +109,7 @@ class Saves:
     def _allocate_on_stream(self, session: Session, asked: SaveAllocate) -> None:
         """A stream's allocation, answered on the stream by its request id:
         at once, or, when it must wait for pages (`allocate_waiting`), from a
-        task, so the stream goes on meanwhile. A refusal is an answer too."""
+        task, so the stream goes on meanwhile (`Room`). A refusal is an answer too."""
         try:
             result = self.cache.allocate(session, asked.mm_hash, asked.nbytes, asked.shape,
                                          asked.dtype)
@@ -201,7 +118,7 @@ class Saves:
             return
         if result.outcome is AllocOutcome.WAIT:
             try:
-                self._enter_wait(session)
+                self.room.enter(session)
             except ResourceExhausted as exc:
                 self._refuse_on_stream(session, asked, exc)
                 return
@@ -214,13 +131,13 @@ class Saves:
 
     def _done_waiting(self, task: asyncio.Future[None], session_id: str, instance: str) -> None:
         self._waiting.discard(task)
-        self._leave_wait(session_id, instance)
+        self.room.leave(session_id, instance)
 
     async def _allocate_later(self, session: Session, asked: SaveAllocate) -> None:
         """A stream's allocation that waits for pages; a session that ends
         meanwhile allocates nothing (NotFound: its answer goes nowhere)."""
         try:
-            result = await self.allocate_waiting(
+            result = await self.room.allocate(
                 lambda: self.cache.sessions.get(session.session_id), asked.mm_hash,
                 asked.nbytes, asked.shape, asked.dtype, counted=True)
         except Exception as exc:

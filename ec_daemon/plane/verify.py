@@ -14,7 +14,7 @@ land), counted (`checksum_mismatches`) and logged; a match changes nothing,
 so a client that lies evicts nothing.
 
 What one client can make the daemon read is bounded: an entry is checked once
-at a time, at most MAX_CHECKS at once, and an entry found whole is not
+at a time, at most MAX_MISMATCH_CHECKS at once, and an entry found whole is not
 checked again for WHOLE_SECONDS (reports meanwhile are only counted).
 
 Not thread-safe: the event loop calls it; the reading runs in a thread.
@@ -27,23 +27,21 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
 
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import Extent
+from ec_daemon.core.limits import MAX_MISMATCH_CHECKS, WHOLE_REMEMBERED, WHOLE_SECONDS
 from ec_daemon.core.records import Entry, Session, State
+from ec_daemon.durable.region import Region
 from ec_protocol.checksums import NONE, checksum
 
 log = logging.getLogger(__name__)
 
-MAX_CHECKS = 4
-WHOLE_SECONDS = 60.0
-REMEMBERED = 4096  # entries found whole, remembered for WHOLE_SECONDS at most
 
 
 class Verifier:
-    def __init__(self, cache: Cache, region_file: Any) -> None:
-        """`region_file`: the `durable.region.Region` the pages are read from
+    def __init__(self, cache: Cache, region_file: Region | None) -> None:
+        """`region_file`: the region the pages are read from
         (None: reports are counted, nothing is read: a cache without a region)."""
         self.cache = cache
         self.region_file = region_file
@@ -73,7 +71,7 @@ class Verifier:
 
     def _skip(self, entry_id: int) -> bool:
         if self.region_file is None or entry_id in self._checking \
-                or len(self._checking) >= MAX_CHECKS:
+                or len(self._checking) >= MAX_MISMATCH_CHECKS:
             return True
         now = time.monotonic()
         while self._whole and next(iter(self._whole.values())) <= now - WHOLE_SECONDS:
@@ -81,13 +79,15 @@ class Verifier:
         return entry_id in self._whole
 
     async def _check(self, entry: Entry) -> None:
+        region = self.region_file
+        assert region is not None  # (`_skip` checks nothing without one)
         try:
             extents, stamp, expected = self.cache.extents(entry), entry.entry_id, entry.checksum
             whole = await asyncio.get_running_loop().run_in_executor(
-                None, self._pages_hold, extents, stamp, expected)
+                None, self._pages_hold, region, extents, stamp, expected)
             if whole:
                 self._whole[stamp] = time.monotonic()
-                while len(self._whole) > REMEMBERED:
+                while len(self._whole) > WHOLE_REMEMBERED:
                     self._whole.popitem(last=False)
                 log.info("entry %d (%s) is whole: its pages match its stamp and checksum; "
                          "nothing changed", stamp, entry.mm_hash)
@@ -102,9 +102,10 @@ class Verifier:
         finally:
             self._checking.pop(entry.entry_id, None)
 
-    def _pages_hold(self, extents: tuple[Extent, ...], stamp: int, expected: int) -> bool:
+    def _pages_hold(self, region: Region, extents: tuple[Extent, ...], stamp: int,
+                    expected: int) -> bool:
         """(In a thread.) Do the pages carry `stamp`, and their bytes `expected`?"""
-        parts = self.region_file.read(extents)
+        parts = region.read(extents)
         if not self.cache.stamps.holds(extents, stamp):
             return False
         return expected == NONE or checksum(parts) == expected

@@ -3,7 +3,7 @@
 A watcher gets the ready entries of its namespace (or of all namespaces) as
 a snapshot, a marker, then every entry that becomes READY (stored) or is
 hidden by eviction (evicted), in the order the cache made those changes
-(`Cache.on_entry_change`, via the data plane). See docs/events.md for the
+(`CacheListener.entry_changed`, the data plane). See docs/events.md for the
 message format.
 
 Why a bounded buffer that drops its watcher, and no back pressure: a
@@ -40,11 +40,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import NamedTuple
 
 from ec_daemon.core.limits import (
+    DEFAULT_MAX_WATCHERS,
+    DEFAULT_MAX_WATCHERS_PER_PEER,
     MAX_MESSAGE_BYTES,
     MAX_NAMESPACE_BYTES,
     MAX_WATCH_EVENTS_PER_MESSAGE,
-    MAX_WATCHERS,
-    MAX_WATCHERS_PER_PEER,
+    RUNNING_SHARE,
     WATCH_BUFFER_EVENTS,
 )
 from ec_daemon.core.records import Entry, State
@@ -53,8 +54,6 @@ from ec_daemon.errors import CacheError, InvalidArgument, ResourceExhausted, Una
 log = logging.getLogger(__name__)
 
 ALL = ""  # the namespace filter of a watcher of every namespace
-# The last 1/RUNNING_SHARE of --max-watchers is for running engines' watches.
-RUNNING_SHARE = 4
 
 
 class Kind(enum.Enum):
@@ -193,8 +192,8 @@ class Watcher:
 class Watchers:
     """Every open watch, by namespace filter; `publish` is the cache's hook."""
 
-    def __init__(self, *, limit: int | None = None, max_watchers: int = MAX_WATCHERS,
-                 max_per_peer: int = MAX_WATCHERS_PER_PEER,
+    def __init__(self, *, limit: int | None = None, max_watchers: int = DEFAULT_MAX_WATCHERS,
+                 max_per_peer: int = DEFAULT_MAX_WATCHERS_PER_PEER,
                  clock: Callable[[], int] = time.time_ns) -> None:
         """`limit`: live events a watcher may have waiting (WATCH_BUFFER_EVENTS);
         `max_watchers`, `max_per_peer`: watch calls at once."""

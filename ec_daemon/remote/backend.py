@@ -1,92 +1,94 @@
-"""What the second tier needs of a store, declared once: `Store`, the calls
-every backend answers, and its two kinds, `IndexedStore` (Redis, `store`:
-values in ec-daemon's format, announced on an index the tier follows) and
-`ProbedStore` (Mooncake, `mooncake`: vLLM's format, asked for each wanted
-key, bytes moved between the region and the store by the store itself).
+"""What the second tier asks of a store, declared once: `Backend`, each call
+a part of the tier's work that a kind of store does its own way. Redis
+(`redis.backend`) keeps values in ec-daemon's format and an index of
+announcements every daemon follows, so what it holds is known here ahead of
+any lookup; Mooncake (`mooncake.backend`) keeps vLLM's format and no index,
+so a wanted key is looked up in the store and a value's header read before
+its payload. The tier's other parts (`tier`, `publisher`, `resolver`) call
+only this interface and never ask which store they have: a strategy per
+backend, not a branch per kind.
 
-ABCs, not Protocols: a backend says which kind it is by subclassing one (a
-backend missing a call cannot be built, instead of failing in the middle of
-a promotion), and each kind declares `indexed` as a literal, so the tier's
-`if store.indexed:` tells the type checker which calls it may make; nothing
-probes a store for its methods. Every call may raise `RemoteError` and is
-safe to call from several threads at once.
+An ABC, not a Protocol: a backend says what it is by subclassing it, and one
+missing a call cannot be built, instead of failing in the middle of a
+promotion. Every call is safe from several threads at once. Keys are the
+daemon's (namespace, mm_hash): a backend names them in its store its own way.
+The errors a store call raises are `common`'s.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal, NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from ec_daemon.remote.breaker import Breakers
-    from ec_daemon.remote.budget import PromotionBudget
+from ec_daemon.core.events import Fetched
+from ec_daemon.remote.common import Common
 
-# What a publication from the region came to: written, already there
-# (values are write-once), or not sent (the pages were reused meanwhile).
-Published = Literal["stored", "exists", "rewritten"]
+Extent = tuple[int, int]  # (byte offset in the region, byte length)
+Bytes = bytes | bytearray | memoryview  # what a region is written from
 
-
-class RemoteError(Exception):
-    """A store call failed (unreachable, timed out, refused); str() says which
-    call and why."""
+# How a publication ended: written, already there (values are write-once),
+# not sent or not announced (the pages were reused meanwhile), or not sent
+# (an entry the store's format cannot carry).
+Published = Literal["stored", "exists", "rewritten", "unfit"]
 
 
-class RemotePeerError(RemoteError):
-    """A transfer from or to another host of the store failed (a host that
-    died, whose segment the store still lists): the store itself answered,
-    so this does not count against its circuit breaker."""
+class RegionPages(Protocol):
+    """The daemon's region as the tier reads and writes it
+    (`durable.region.Region`): through the daemon's own descriptor with
+    pread and pwrite, never a mapping, so a client that truncates the file
+    costs a short read, never a SIGBUS."""
+
+    size: int
+
+    def read(self, extents: Iterable[Extent]) -> list[bytes]:
+        """The bytes under `extents` (a cut file reads as zeros there)."""
+
+    def write(self, extents: Iterable[Extent], parts: Iterable[Bytes]) -> None:
+        """Write the concatenation of `parts` across `extents`, in order."""
 
 
-class LocalWriteError(Exception):
-    """Writing what the store returned into this host's region failed (the
-    region's file refused the write, or the store was closed meanwhile): the
-    store answered, so this does not count against its circuit breaker."""
-
-
-class RemoteAuthError(RemoteError):
-    """The store refused our credentials (a wrong or missing token): an
-    operator's mistake, worth failing start-up for."""
-
-
-class UnexpectedSize(Exception):
-    """The stored value's size is outside what the caller allows (not the
-    announced value: rewritten or forged); nothing past the allowed size was
-    read. The store answered: this is not a store failure."""
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """Another daemon (or this one) published (namespace, mm_hash) of nbytes
-    payload bytes at stamp_ms (the server's clock: its index entry's ID), for
-    ttl_ms (None: a daemon that predates `t`; the reader assumes its own)."""
+class Publication(NamedTuple):
+    """A ready entry of this host to publish from its pages: `current()`
+    says whether the pages still hold it (asked once its bytes are read,
+    and once they are sent)."""
 
     namespace: str
     mm_hash: str
-    nbytes: int
-    stamp_ms: int
-    ttl_ms: int | None
-
-
-@dataclass(frozen=True)
-class Head:
-    """What a stored value says of itself before its payload is read
-    (`ProbedStore.head`)."""
-
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int
-    sidecar: bytes | None  # ec-daemon's header (its checksum), absent for vLLM's values
+    region: RegionPages
+    extents: tuple[Extent, ...]
+    current: Callable[[], bool]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.extents)
 
 
-class Store(ABC):
-    """What the tier asks of every store. Keys are (namespace, mm_hash): the
-    daemon's namespace for an indexed store, the engine's store namespace
-    for a probed one (`RemoteTier.store_name`)."""
+class Backend(ABC):
+    """How the tier uses one store. Calls that talk to the store go through
+    their key's circuit breaker (`Common.through`) and are counted; those
+    that say they never raise count and log what went wrong themselves."""
 
-    indexed: ClassVar[bool]  # True: IndexedStore; False: ProbedStore
-    timeout_s: float  # the longest one call to the store waits
+    common: Common  # the tier's breakers, budget and counters, which it shares
+
+    # ------------------------------------------------------------ keys
+
+    @property
+    @abstractmethod
+    def timeout_s(self) -> float:
+        """The longest one store call waits."""
+
+    @property
+    def wait_s(self) -> float:
+        """The longest a thread of the backend (`threads`) waits on the store
+        before it sees the tier stopping (0: it runs none)."""
+        return 0.0
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the tier does with this store, in a line of the start-up log."""
 
     @abstractmethod
     def domain(self, namespace: str, mm_hash: str) -> str:
@@ -94,145 +96,116 @@ class Store(ABC):
         breaker each. Never touches the network."""
 
     def accepts(self, mm_hash: str) -> bool:
-        """Whether an item can be keyed here at all (default: every one)."""
+        """Whether an item can be keyed in this store at all (default: every one)."""
         return True
 
     def claimable(self, namespace: str) -> bool:
-        """Whether entries of a daemon namespace can be published here, so
-        that a claim on one is fulfilled (default: all of them)."""
+        """Whether entries of a namespace can be published here, so that a
+        claim on one is fulfilled (default: all of them)."""
         return True
 
-    @abstractmethod
-    def present(self, keys: Sequence[tuple[str, str]]) -> list[bool]:
-        """Whether each value is in the store now, in the order of `keys`;
-        RemoteError when a node holding any of them does not answer."""
+    # ------------------------------------------------------------ follow
 
     @abstractmethod
-    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float,
-              deadline: float | None = None) -> bool:
-        """Take the claim on the key (one encode of a value across hosts) for
-        ttl_s, unless another token holds it. True when `token` holds it after
-        the call (taken now, or held already: claiming again extends it);
-        False when another token holds it. `deadline` (monotonic): the latest
-        a store read may start (a store whose calls are bounded otherwise
-        ignores it). `token`: 1 to MAX_TOKEN_CHARS ASCII characters, unique to
-        the claimant."""
-
-    def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
-                   ttl_s: float) -> list[bool | None]:
-        """`claim` for many keys at once: True, False, or None (not settled
-        in the batch: the caller claims that key alone, with a deadline).
-        Default: one `claim` each; a store that claims in batches overrides it."""
-        return [self.claim(namespace, mm_hash, token, ttl_s) for namespace, mm_hash in keys]
+    def follow(self, namespace: str, store_namespace: str) -> None:
+        """A local session uses `namespace` (`store_namespace`: its engine's
+        name for it in a store shared with vLLM's own connector, or "")."""
 
     @abstractmethod
-    def release(self, namespace: str, mm_hash: str, token: str) -> None:
-        """Drop the claim on the key if `token` holds it; another token's
-        claim stays. No claim, or an expired one, is not an error."""
+    def unfollow(self, namespace: str) -> None:
+        """No local session uses `namespace` any more: forget what is known of it."""
+
+    def threads(self) -> list[tuple[str, Callable[[], None]]]:
+        """The threads the backend runs while the tier does (name, target),
+        each returning once `Common.stopping` is set (default: none)."""
+        return []
 
     @abstractmethod
-    def ping(self) -> None:
-        """Raise RemoteError (RemoteAuthError for credentials) unless the store answers."""
+    def gauges(self) -> dict[str, int]:
+        """`index_entries`, `index_bytes` and `followed_namespaces` now."""
+
+    # ------------------------------------------------------------ lookup
 
     @abstractmethod
-    def close(self) -> None:
-        """Release connections; calls after close raise RemoteError."""
-
-
-class IndexedStore(Store):
-    """A store that keeps values in ec-daemon's own format (`values`) and an
-    index of announcements every daemon follows: what is there is known
-    ahead of any lookup."""
-
-    indexed: ClassVar[Literal[True]] = True
-
-    @abstractmethod
-    def put(self, namespace: str, mm_hash: str, parts: Sequence[bytes | memoryview],
-            ttl_s: float) -> None:
-        """Store the concatenation of `parts` under the key, atomically, for ttl_s."""
-
-    @abstractmethod
-    def get(self, namespace: str, mm_hash: str,
-            size: tuple[int, int] | None = None) -> list[bytes | memoryview] | None:
-        """The value's bytes, in one or more consecutive parts; None when
-        absent or expired. With `size` (least, most): raises UnexpectedSize
-        when the stored value is not within it, having read no more than
-        one byte past `most`. (Parts of one read may come from two writers
-        when a key is rewritten meanwhile: values.decode refuses such a mix.)"""
-
-    @abstractmethod
-    def announce(self, namespace: str, mm_hash: str, nbytes: int, ttl_s: float) -> None:
-        """Tell every follower of the index that the key is in the store."""
-
-    @abstractmethod
-    def read_index(self, cursor: str | None, block_s: float, count: int,
-                   breakers: Breakers | None = None) -> tuple[list[Announcement], str]:
-        """Announcements after `cursor` (None: the oldest kept), waiting up
-        to block_s for one, at most `count` per shard; and the next cursor.
-        With `breakers`, shards whose domain's breaker refuses are skipped and
-        failures are reported to the breakers instead of raised."""
-
-    @abstractmethod
-    def clock_ms(self, breakers: Breakers | None = None) -> int | None:
-        """The store's time in ms; None when no node answers or none is known
-        yet (with `breakers`: failures reported to them, not raised)."""
-
-
-class ProbedStore(Store):
-    """A store without an index (it is asked for each wanted key) that moves
-    bytes between the daemon's region and itself: published from the pages
-    in place, promoted straight into the pages a promotion allocated."""
-
-    indexed: ClassVar[Literal[False]] = False
-
-    @property
-    @abstractmethod
-    def mapped(self) -> bool:
-        """Whether `use_region` gave it the region (nothing is published before)."""
-
-    @abstractmethod
-    def use_region(self, fd: int, size: int) -> None:
-        """Publish from and promote into the region (`fd`, `size` bytes).
-        Called once, at start-up, before the first publication."""
-
-    @abstractmethod
-    def use_budget(self, budget: PromotionBudget) -> None:
-        """Count the store's transfer buffers against the promotion budget."""
-
-    @abstractmethod
-    def promotion_bytes(self, nbytes: int) -> int:
-        """What a promotion of a payload of `nbytes` reserves of the budget."""
-
-    @abstractmethod
-    def trim(self) -> int:
-        """Free idle transfer buffers (their budget returned); the bytes freed."""
-
-    @abstractmethod
-    def head(self, namespace: str, mm_hash: str) -> Head | None:
-        """The value's shape, dtype and size; None when absent. Raises
-        values.BadValue for a value that must not be served."""
-
-    @abstractmethod
-    def get_into(self, namespace: str, mm_hash: str, head: Head,
-                 extents: Sequence[tuple[int, int]]) -> bool:
-        """Read the value's payload into `extents` of the region, verified on
-        its way in; False when the value is gone. Raises values.BadValue (the
-        pages may hold unverified bytes: the caller aborts them),
-        LocalWriteError or RemoteError."""
-
-    @abstractmethod
-    def put_entry(self, namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
-                  extents: Sequence[tuple[int, int]],
-                  current: Callable[[], bool] | None = None) -> Published:
-        """Publish an entry from its pages (`current()`: they still hold it).
-        Raises RemoteError, or ValueError for an entry the store's format
-        cannot carry."""
+    def available(self, namespace: str, mm_hash: str) -> int | None:
+        """The value's payload size when the store is known to hold it;
+        never touches the network."""
 
     @abstractmethod
     def forget(self, namespace: str, mm_hash: str) -> None:
-        """Remove a value (and what the store keeps beside it) that failed
-        its verification: the next host that encodes it publishes it anew."""
+        """The key could not be promoted: no longer known held."""
 
+    @abstractmethod
+    def knows_absent(self, namespace: str, mm_hash: str) -> bool:
+        """Whether a key `available` does not hold is known absent without
+        asking the store (an index of everything published is followed)."""
 
-# A store of either kind: `store.indexed` tells them apart (for the type checker too).
-AnyStore = IndexedStore | ProbedStore
+    @abstractmethod
+    def lookup(self, keys: Sequence[tuple[str, str]]) -> list[bool | None]:
+        """Whether the store lists each key now (None: it could not say:
+        counted); may block on the store. A listed key is `confirm`ed."""
+
+    @abstractmethod
+    def confirm(self, namespace: str, mm_hash: str) -> bool:
+        """A key `lookup` listed: True once `available` holds it (what is
+        known of the value is remembered a while); False when it is gone or
+        unreadable. May block about a second (a host that died)."""
+
+    # ------------------------------------------------------------ claims
+
+    @abstractmethod
+    def claim_many(self, keys: Sequence[tuple[str, str]], token: str,
+                   ttl_s: float) -> list[bool | None]:
+        """Claim each key across hosts for ttl_s unless another token holds
+        it: True (`token` holds it now), False (another does), or None (not
+        settled in the batch: `claim` it alone). Raises RemoteError."""
+
+    @abstractmethod
+    def claim(self, namespace: str, mm_hash: str, token: str, ttl_s: float,
+              deadline: float) -> bool:
+        """`claim_many` for one key, settled: no store read starts after
+        `deadline` (monotonic; a claim not confirmed by then counts as
+        taken). Raises RemoteError."""
+
+    @abstractmethod
+    def release(self, namespace: str, mm_hash: str, token: str) -> None:
+        """Drop the claim on the key if `token` holds it. Raises RemoteError."""
+
+    # ------------------------------------------------------------ publish
+
+    @abstractmethod
+    def publish(self, entry: Publication) -> Published:
+        """Write a ready entry from its pages to the store, and announce it
+        where others learn of it. Raises Refused (its domain's breaker),
+        RemoteError (counted against the breaker), or anything else for an
+        entry that could not be read."""
+
+    # ------------------------------------------------------------ fetch
+
+    @abstractmethod
+    def promotion_bytes(self, namespace: str, mm_hash: str, nbytes: int) -> int:
+        """What a promotion of a payload of `nbytes` holds at most between
+        its fetch and its write (reserved before `fetch`)."""
+
+    def trim(self) -> int:
+        """Free what the backend keeps of the promotion budget while idle;
+        the bytes freed (default: nothing)."""
+        return 0
+
+    @abstractmethod
+    def fetch(self, namespace: str, mm_hash: str, nbytes: int) -> Fetched | None:
+        """What the stored value of `nbytes` payload bytes is (blocks on the
+        store): enough to allocate its pages, and what `fetch_into` needs.
+        None (counted, logged, the key forgotten where it must be) when it
+        is absent, refused or the store cannot say. Never raises."""
+
+    @abstractmethod
+    def fetch_into(self, namespace: str, mm_hash: str, found: Fetched, region: RegionPages,
+                   extents: Sequence[Extent]) -> bool:
+        """Write the value `fetch` found into `extents` of `region`, verified
+        before it may be served; False (counted, logged, the key forgotten)
+        when it failed: the pages then hold nothing to serve. Never raises."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the store's connections (the tier's threads have ended)."""

@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ec_daemon.core.limits import BREAKER_BASE_S, BREAKER_MAX_S, BREAKER_PROBE_S, BREAKER_THRESHOLD
+
 log = logging.getLogger("ec_daemon.remote")
 
 CLOSED = "closed"
@@ -30,8 +32,9 @@ class Breaker:
     let through must report `success()` or `failure(exc)` (a probe that
     reports neither keeps the breaker half-open, refusing, until `probe_s`)."""
 
-    def __init__(self, name: str, *, threshold: int = 3, base_s: float = 0.5,
-                 max_s: float = 30.0, probe_s: float = 60.0,
+    def __init__(self, name: str, *, threshold: int = BREAKER_THRESHOLD,
+                 base_s: float = BREAKER_BASE_S, max_s: float = BREAKER_MAX_S,
+                 probe_s: float = BREAKER_PROBE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if threshold < 1 or base_s <= 0 or max_s < base_s:
             raise ValueError("threshold >= 1 and 0 < base_s <= max_s")
@@ -124,7 +127,8 @@ class Breaker:
 class Breakers:
     """The breakers by failure domain, created on first use; thread-safe."""
 
-    def __init__(self, *, threshold: int = 3, base_s: float = 0.5, max_s: float = 30.0,
+    def __init__(self, *, threshold: int = BREAKER_THRESHOLD, base_s: float = BREAKER_BASE_S,
+                 max_s: float = BREAKER_MAX_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.threshold = threshold
         self.base_s = base_s

@@ -15,10 +15,10 @@ Layout (little-endian)::
     0   magic       4s   b"ECDV"
     4   version     u8   FORMAT_VERSION
     5   algorithm   u8   1 = xxh3-64 of header[:-8] + payload
-    6   ndim        u8   0..MAX_DIMS
+    6   ndim        u8   0..MAX_DIMS (a save's shape: `core.limits`)
     7   dtype_len   u8   1..MAX_DTYPE_BYTES
     8   ns_len      u16  namespace, UTF-8 bytes, 1..MAX_NAMESPACE_BYTES
-    10  hash_len    u16  mm_hash, UTF-8 bytes, 1..MAX_HASH_BYTES
+    10  hash_len    u16  mm_hash, UTF-8 bytes, 1..MAX_KEY_BYTES
     12  header_len  u32  bytes before the payload (this header, checksum included)
     16  nbytes      u64  payload bytes
     24  shape       ndim x u64
@@ -30,37 +30,26 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import xxhash
 
-from ec_daemon.core import limits
+from ec_daemon.core.limits import MAX_DIMS, MAX_DTYPE_BYTES, MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 FORMAT_VERSION = 1
 MAGIC = b"ECDV"
 ALGORITHM_XXH3_64 = 1
-MAX_DIMS = 16
-MAX_DTYPE_BYTES = 64
-MAX_NAMESPACE_BYTES = limits.MAX_NAMESPACE_BYTES  # what the daemon accepts: any host reads it
-MAX_HASH_BYTES = limits.MAX_KEY_BYTES
 
 _FIXED = struct.Struct("<4sBBBBHHIQ")
 _CHECKSUM = struct.Struct("<Q")
 FIXED_BYTES = _FIXED.size  # 24
-MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_HASH_BYTES
+MAX_HEADER_BYTES = (FIXED_BYTES + 8 * MAX_DIMS + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES
                     + MAX_DTYPE_BYTES + _CHECKSUM.size)
 
 Buffer = bytes | bytearray | memoryview
-
-
-class RegionFile(Protocol):
-    """Where a promotion writes a value: the daemon's region (`region.Region`)."""
-
-    def write(self, extents: Iterable[tuple[int, int]], parts: Iterable[Any]) -> None:
-        """Write the concatenation of `parts` across `extents`, in order."""
 
 
 class BadValue(Exception):
@@ -70,9 +59,9 @@ class BadValue(Exception):
 @dataclass(frozen=True)
 class Value:
     """A verified value. Its payload may arrive in several parts (a chunked
-    read): `parts` are views of them in order, without a copy; `payload`
-    joins them (a copy) when there is more than one; `copy_into` scatters them
-    over destination buffers (the region's extents) with one copy in all."""
+    read): `parts` are views of them in order, without a copy (written into
+    the region as they are: pwritev); `payload` joins them (a copy) when
+    there is more than one."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -85,33 +74,6 @@ class Value:
         if len(self.parts) == 1:
             return self.parts[0]
         return memoryview(b"".join(self.parts))
-
-    def copy_into(self, targets: Sequence[Any]) -> None:
-        """Copy the payload into `targets` (writable buffers, in order, whose
-        sizes add up to nbytes). Raises ValueError on a size mismatch."""
-        views = [memoryview(t).cast("B") for t in targets]
-        if sum(len(v) for v in views) != self.nbytes:
-            raise ValueError(f"targets hold {sum(len(v) for v in views)} bytes, "
-                             f"the value has {self.nbytes}")
-        source = iter(self.parts)
-        part = memoryview(b"")
-        for view in views:
-            done = 0
-            while done < len(view):
-                if not part:
-                    part = next(source)
-                step = min(len(part), len(view) - done)
-                view[done:done + step] = part[:step]
-                part = part[step:]
-                done += step
-
-    def write_into(self, region_file: RegionFile, extents: Sequence[tuple[int, int]]) -> bool:
-        """Write the payload across `extents` of the region (pwritev, no
-        joining copy); True. Raises what the write raises (the pages then
-        hold nothing to serve). (`tier.StoredValue.write_into`: the same
-        call for a value the store reads into the pages itself.)"""
-        region_file.write(extents, self.parts)
-        return True
 
 
 def _bytes_of(payload: Any) -> memoryview:
@@ -135,7 +97,7 @@ def encode(namespace: str, mm_hash: str, shape: tuple[int, ...], dtype: str,
     not copied, only checksummed. Raises ValueError for arguments the format
     cannot carry."""
     ns = _text(namespace, "namespace", MAX_NAMESPACE_BYTES)
-    key = _text(mm_hash, "mm_hash", MAX_HASH_BYTES)
+    key = _text(mm_hash, "mm_hash", MAX_KEY_BYTES)
     try:
         kind = dtype.encode("ascii")
     except UnicodeEncodeError:
@@ -184,7 +146,7 @@ def _head(parts: Sequence[memoryview], size: int) -> bytes:
     return bytes(out)
 
 
-class Header(NamedTuple):
+class ValueHeader(NamedTuple):
     """A value's header, checked to name the key it was read for."""
 
     shape: tuple[int, ...]
@@ -213,7 +175,7 @@ def _fields(fixed: bytes) -> tuple[int, int, int, int, int, int]:
 
 
 def _named(head: bytes, fields: tuple[int, int, int, int, int, int], namespace: str,
-           mm_hash: str) -> Header:
+           mm_hash: str) -> ValueHeader:
     """The header in `head` (its first header_len bytes), checked to name the key."""
     ndim, dtype_len, ns_len, hash_len, header_len, nbytes = fields
     at = FIXED_BYTES
@@ -235,10 +197,10 @@ def _named(head: bytes, fields: tuple[int, int, int, int, int, int], namespace: 
     except UnicodeDecodeError:
         raise BadValue(f"malformed header: dtype {stored_dtype!r} is not ASCII") from None
     (stored_sum,) = _CHECKSUM.unpack_from(head, header_len - _CHECKSUM.size)
-    return Header(tuple(shape), dtype, nbytes, header_len, stored_sum)
+    return ValueHeader(tuple(shape), dtype, nbytes, header_len, stored_sum)
 
 
-def parse_header(header: Buffer, *, namespace: str, mm_hash: str) -> Header:
+def parse_header(header: Buffer, *, namespace: str, mm_hash: str) -> ValueHeader:
     """A header read alone (no payload after it: its length is the whole
     buffer), checked as `decode` checks it; raises BadValue with the reason."""
     head = bytes(header)
@@ -262,13 +224,13 @@ class Check:
         self._start(parse_header(header, namespace=namespace, mm_hash=mm_hash), bytes(header))
 
     @classmethod
-    def _parsed(cls, header: Header, head: bytes) -> Check:
+    def _parsed(cls, header: ValueHeader, head: bytes) -> Check:
         """A check of a header already parsed (`head`: its bytes, and maybe more)."""
         check = cls.__new__(cls)
         check._start(header, head)
         return check
 
-    def _start(self, header: Header, head: bytes) -> None:
+    def _start(self, header: ValueHeader, head: bytes) -> None:
         self.header = header
         self._digest = xxhash.xxh3_64(head[:header.length - _CHECKSUM.size])
         self._seen = 0

@@ -46,11 +46,17 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
-from ec_daemon.core.limits import validate_layout_namespace, validate_save
+from ec_daemon.core.limits import (
+    DEFAULT_SOCKET_MODE,
+    MAX_IDS_RESERVED,
+    validate_layout_namespace,
+    validate_save,
+)
 from ec_daemon.core.records import Run
-from ec_daemon.durable.index import MAX_IDS_RESERVED, Index, index_path, read_index
+from ec_daemon.durable.dead import DeadRegion, dead_regions
+from ec_daemon.durable.index import Index, index_path, read_index
 from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
-from ec_daemon.durable.region import DeadRegion, Region, dead_regions, region_path
+from ec_daemon.durable.region import Region, region_path
 from ec_daemon.errors import InvalidArgument
 from ec_daemon.sizes import format_size
 from ec_protocol.stamps import file_bytes, whole
@@ -69,14 +75,14 @@ class NotAdoptable(Exception):
 
 
 @dataclass(frozen=True)
-class Layout:
+class RegionSpec:
     """What the flags ask the region to be."""
 
     socket: str
     region_size: int
     page_bytes: int
     data_offset: int
-    mode: int = 0o600  # --socket-mode: the region's permissions
+    mode: int = DEFAULT_SOCKET_MODE  # --socket-mode: the region's permissions
     gid: int | None = None  # --group; None: the group a new file of this daemon gets
 
     def header(self, generation: int) -> Header:
@@ -206,16 +212,16 @@ def _valid(record: Record, page_bytes: int, pages: int, ids_reserved: int) -> bo
         and all(a + n <= b for (a, n), (b, _) in pairwise(runs))
 
 
-def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
-    """Adopt `dead` (its lock held) as a region of `layout`. Raises
+def adopt(dead: DeadRegion, spec: RegionSpec) -> Adoption:
+    """Adopt `dead` (its lock held) as a region of `spec`. Raises
     NotAdoptable; the caller then removes it."""
     started = time.perf_counter()
     header = dead.header
     if header is None:
         raise NotAdoptable(dead.problem)
-    _check_layout(dead, header, layout)
-    _check_access(dead, layout)
-    canary = _canary(dead, layout)
+    _check_size(dead, header, spec)
+    _check_access(dead, spec)
+    canary = _canary(dead, spec)
     path = index_path(dead.path)
     try:
         header, journal = read_index(path)
@@ -225,11 +231,11 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
         raise NotAdoptable(f"its index reserves ids up to {header.ids_reserved}, beyond any "
                            f"a daemon reserves ({MAX_IDS_RESERVED}): the index is corrupt",
                            "corrupt")
-    pages = (layout.region_size - layout.data_offset) // layout.page_bytes
+    pages = (spec.region_size - spec.data_offset) // spec.page_bytes
     table = os.pread(dead.fd, 8 * pages, 0)
     if len(table) != 8 * pages:
         raise NotAdoptable("its stamp table is short")
-    verified = verify(journal.records.values(), table, page_bytes=layout.page_bytes,
+    verified = verify(journal.records.values(), table, page_bytes=spec.page_bytes,
                       ids_reserved=header.ids_reserved)
     verified.views = sorted(journal.views)
     try:  # ids continuing above every old one; a torn tail cut
@@ -238,7 +244,7 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
             verified.views, fd=dead.take_index_fd())
     except OSError as exc:
         raise NotAdoptable(f"its index cannot be rewritten: {exc.strerror or exc}") from None
-    region = dead.take(index, layout.region_size, canary)
+    region = dead.take(index, spec.region_size, canary)
     if not canary:
         try:
             region.add_canary()
@@ -248,48 +254,48 @@ def adopt(dead: DeadRegion, layout: Layout) -> Adoption:
     return Adoption(region, verified, time.perf_counter() - started)
 
 
-def _check_layout(dead: DeadRegion, header: Header, layout: Layout) -> None:
-    if header.page_bytes != layout.page_bytes:
+def _check_size(dead: DeadRegion, header: Header, spec: RegionSpec) -> None:
+    if header.page_bytes != spec.page_bytes:
         raise NotAdoptable(f"its pages are {format_size(header.page_bytes)} and --page-bytes "
-                           f"asks for {format_size(layout.page_bytes)}")
-    if header.region_size != layout.region_size or header.data_offset != layout.data_offset:
+                           f"asks for {format_size(spec.page_bytes)}")
+    if header.region_size != spec.region_size or header.data_offset != spec.data_offset:
         raise NotAdoptable(
             f"it caches {format_size(header.region_size - header.data_offset)} and "
-            f"--cpu-bytes asks for {format_size(layout.region_size - layout.data_offset)}")
-    if dead.size not in (layout.region_size, file_bytes(layout.region_size)):
+            f"--cpu-bytes asks for {format_size(spec.region_size - spec.data_offset)}")
+    if dead.size not in (spec.region_size, file_bytes(spec.region_size)):
         raise NotAdoptable(f"its file is {format_size(dead.size)}, not the "
-                           f"{format_size(file_bytes(layout.region_size))} its index says")
+                           f"{format_size(file_bytes(spec.region_size))} its index says")
     if dead.path != region_path(dead.path.parent, header.generation):
         raise NotAdoptable("its index names another generation")
 
 
-def _canary(dead: DeadRegion, layout: Layout) -> int:
+def _canary(dead: DeadRegion, spec: RegionSpec) -> int:
     """The canary of `dead`'s file, kept: workers still mapping it (a warm
     restart leaves their mappings alone) go on checking the value they have.
     0 for a region of an older daemon (no trailer: `adopt` adds one). A file
     with a trailer whose canary has a zero byte was cut while no daemon
     watched it, and what was cut is unknown: it is not adopted."""
-    if dead.size == layout.region_size:
+    if dead.size == spec.region_size:
         return 0
-    canary = dead.canary(layout.region_size)
+    canary = dead.canary(spec.region_size)
     if not whole(canary):
         raise NotAdoptable("its canary was cut: a client truncated the file while no daemon "
                            "watched it (what the cut reached is unknown)", "corrupt")
     return canary
 
 
-def _check_access(dead: DeadRegion, layout: Layout) -> None:
+def _check_access(dead: DeadRegion, spec: RegionSpec) -> None:
     """The region's mode and group are what the flags ask (its owner is this
     user: `dead_regions` locks no other). Else access taken away by the new
     flags would live on in what clients opened and mapped under the old."""
     info = os.fstat(dead.fd)
     mode = stat.S_IMODE(info.st_mode)
-    if mode != layout.mode:
+    if mode != spec.mode:
         raise NotAdoptable(f"its mode is {mode:04o} and --socket-mode asks for "
-                           f"{layout.mode:04o}", "access")
-    group = layout.gid if layout.gid is not None else _new_file_group(dead.path.parent)
+                           f"{spec.mode:04o}", "access")
+    group = spec.gid if spec.gid is not None else _new_file_group(dead.path.parent)
     if mode & 0o070 and info.st_gid != group:
-        asked = "--group asks for" if layout.gid is not None else "without --group it would be"
+        asked = "--group asks for" if spec.gid is not None else "without --group it would be"
         raise NotAdoptable(f"its group is {_group_name(info.st_gid)} and {asked} "
                            f"{_group_name(group)}", "access")
 
@@ -325,7 +331,7 @@ class Found(NamedTuple):
                 "refused_errors": self.refused.count("error")}
 
 
-def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
+def find(shm_dir: str, spec: RegionSpec, *, fresh_start: bool = False) -> Found:
     """Adopt the newest dead region of this socket, if one fits; remove the
     other dead regions of this socket and those without a readable index
     (older versions, or a daemon that died creating one). Regions of other
@@ -334,7 +340,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
     and that region removed (a start fresh, never a daemon that cannot start)."""
     mine: list[DeadRegion] = []
     unreadable = []
-    for dead in dead_regions(shm_dir, layout.socket):
+    for dead in dead_regions(shm_dir, spec.socket):
         if dead.header is None:
             log.info("removed stale region %s of a dead daemon (%s)", dead.path, dead.problem)
             unreadable.append(f"{dead.path.name}: {dead.problem}")
@@ -343,7 +349,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
             mine.append(dead)
     if not mine:
         removed = f" (removed {'; '.join(unreadable)})" if unreadable else ""
-        return Found(None, f"no region of a previous daemon on {layout.socket} in {shm_dir}"
+        return Found(None, f"no region of a previous daemon on {spec.socket} in {shm_dir}"
                      f"{removed}")
     if fresh_start:
         for dead in mine:
@@ -357,7 +363,7 @@ def find(shm_dir: str, layout: Layout, *, fresh_start: bool = False) -> Found:
             dead.remove()
             continue
         try:
-            adoption = adopt(dead, layout)
+            adoption = adopt(dead, spec)
         except NotAdoptable as exc:
             reasons.append(f"{dead.path.name}: {exc}")
             kinds.append(exc.kind)

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ec_daemon import __version__
-from ec_daemon.durable.region import clean_stale
+from ec_daemon.durable.dead import clean_stale
 from ec_daemon.serving import config
 from ec_daemon.serving.server import SERVICE_NAME, StartupError, serve, socket_identity
 from ec_daemon.sizes import format_size

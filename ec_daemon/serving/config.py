@@ -1,6 +1,7 @@
 """Every daemon setting, declared once.
 
-Each `Setting` names its flag, type, default, environment variable and help;
+Each `Setting` names its flag, type, default, environment variable and help
+(every number among the defaults is `core.limits`'s, where each is declared);
 the CLI builds its flags and env-var fallbacks from this table, `stats`
 reports the values, and docs/running.md's flag table is `markdown_table()`
 (`python -m ec_daemon.serving.config` prints it; a test keeps the two equal), so a flag
@@ -16,8 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_daemon.core import limits
 from ec_daemon.sizes import format_size, parse_size
 from ec_protocol.protocol import default_socket_uri, grpc_target
+
+
+def _size(n: int) -> Callable[[], str]:
+    """A size default as flags take it: `1GiB`."""
+    return lambda: format_size(n).replace(" ", "")
+
+
+def _number(n: float) -> Callable[[], str]:
+    """A count or seconds default as flags take it: `10`, `0.25`."""
+    return lambda: f"{n:g}"
 
 
 def _positive_size(text: str) -> int:
@@ -81,13 +93,13 @@ def _mode(text: str) -> int:
 
 def _remote_url(text: str) -> str:
     if text.lower().startswith("mooncake://"):
-        from ec_daemon.remote.mooncake import check_backend
-        from ec_daemon.remote.mooncake import parse_url as parse_mooncake
+        from ec_daemon.remote.mooncake.url import check_backend
+        from ec_daemon.remote.mooncake.url import parse_url as parse_mooncake
 
         parse_mooncake(text)  # raises ValueError naming the accepted form
         check_backend()  # before anything is started: the binding loads here
     elif text:
-        from ec_daemon.remote.store import parse_url
+        from ec_daemon.remote.redis.url import parse_url
 
         parse_url(text)  # raises ValueError naming the accepted forms
     return text
@@ -132,13 +144,13 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("cpu_bytes", _positive_size, lambda: "1GiB",
+    Setting("cpu_bytes", _positive_size, _size(limits.DEFAULT_CPU_BYTES),
             "size of the shared region (the cache capacity)", "SIZE"),
     Setting("socket", _socket_uri, default_socket_uri,
             "where to serve: unix:///path (default) or host:port for TCP", "URI",
             shown="`unix://$XDG_RUNTIME_DIR/ec-daemon/ec.sock`, else "
                   "`unix:///tmp/ec-daemon-$UID/ec.sock`"),
-    Setting("socket_mode", _mode, lambda: "0600",
+    Setting("socket_mode", _mode, lambda: f"{limits.DEFAULT_SOCKET_MODE:04o}",
             "permissions of the socket and the region (0660 with --group to share)", "MODE"),
     Setting("group", str, lambda: "",
             "group owning the socket and the region (a name or gid)", "GROUP"),
@@ -151,19 +163,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tls_key", str, lambda: "", "TLS private key (PEM) for a TCP socket", "FILE"),
     Setting("shm_dir", str, lambda: "/dev/shm",
             "directory of the region file (a tmpfs)", "DIR"),
-    Setting("page_bytes", _positive_size, lambda: "64KiB",
+    Setting("page_bytes", _positive_size, _size(limits.DEFAULT_PAGE_BYTES),
             "allocation granularity; an entry spans whole pages", "SIZE"),
-    Setting("lease_seconds", _positive_float, lambda: "10",
+    Setting("lease_seconds", _positive_float, _number(limits.DEFAULT_LEASE_SECONDS),
             "a session whose stream is silent this long is ended", "S"),
     Setting("ack_wait_seconds", _derived_seconds, lambda: "",
             "how long an eviction waits for a live scheduler view's acknowledgement; a view "
             "that withholds it longer is ended (its engine re-attaches) and awaited one lease "
             "more as a ghost, so a view that never acknowledges cannot pin the cache; a load "
             "in flight keeps its pages this long and a lease more (at least --lease-seconds)",
-            "S", shown="3 x `--lease-seconds`"),
-    Setting("alloc_wait_seconds", _positive_float, lambda: "2",
+            "S", shown=f"{limits.ACK_WAIT_LEASES} x `--lease-seconds`"),
+    Setting("alloc_wait_seconds", _positive_float, _number(limits.DEFAULT_ALLOC_WAIT_SECONDS),
             "how long a save may wait for evicted pages to be reclaimed", "S"),
-    Setting("quarantine_seconds", _positive_float, lambda: "300",
+    Setting("quarantine_seconds", _positive_float, _number(limits.DEFAULT_QUARANTINE_SECONDS),
             "pages of a save whose writer vanished stay unused this long (a frozen writer "
             "that wakes up must not overwrite a newer entry)", "S"),
     Setting("session_pending_bytes", _derived_size, lambda: "",
@@ -171,35 +183,39 @@ SETTINGS: tuple[Setting, ...] = (
             "yet reported, in all its sessions, counting those its ended sessions left in "
             "quarantine; one more is refused (RESOURCE_EXHAUSTED): a worker's saver has at most "
             "two batches in flight, each within its save queue (256 MiB by default)", "SIZE",
-            shown="a quarter of `--cpu-bytes`, at most `512MiB`"),
+            shown=f"a quarter of `--cpu-bytes`, at most "
+                  f"`{_size(limits.DEFAULT_SESSION_PENDING_BYTES)()}`"),
     Setting("total_pending_bytes", _derived_size, lambda: "",
             "bytes all sessions together may hold as saves allocated and not yet reported or "
             "left in quarantine (clients without an engine token: a quarter of it together); "
             "one more is refused (RESOURCE_EXHAUSTED), so the rest of the cache stays the "
             "ready entries'", "SIZE", shown="half of `--cpu-bytes`"),
-    Setting("session_pending_entries", _positive_int, lambda: "128",
+    Setting("session_pending_entries", _positive_int,
+            _number(limits.DEFAULT_SESSION_PENDING_ENTRIES),
             "saves one session may hold allocated and not yet reported (a saver asks for 16 "
             "at a time); one more is refused (RESOURCE_EXHAUSTED)", "N"),
-    Setting("max_sessions", _positive_int, lambda: "1024",
+    Setting("max_sessions", _positive_int, _number(limits.DEFAULT_MAX_SESSIONS),
             "sessions attached at once (an attach that never opens its stream counts for "
             "60 s, or until an engine presenting its token needs the place after 10 s); the "
             "last quarter is kept for engine instances already running; one more Attach is "
             "refused (RESOURCE_EXHAUSTED)", "N"),
-    Setting("max_sessions_per_engine", _positive_int, lambda: "64",
+    Setting("max_sessions_per_engine", _positive_int,
+            _number(limits.DEFAULT_MAX_SESSIONS_PER_ENGINE),
             "sessions of one engine instance (its id and token) attached at once (its "
             "scheduler and one per worker rank, with room for re-attaches); one more Attach "
             "is refused (RESOURCE_EXHAUSTED)",
             "N"),
-    Setting("max_tokenless_sessions", _positive_int, lambda: "64",
+    Setting("max_tokenless_sessions", _positive_int,
+            _number(limits.DEFAULT_MAX_TOKENLESS_SESSIONS),
             "sessions of clients that present no engine token, together, whatever engine ids "
             "they name (tools, older clients); one more Attach is refused "
             "(RESOURCE_EXHAUSTED), and engines presenting their token never compete for "
             "these", "N"),
     Setting("check_invariants", _bool, lambda: "false",
             "verify the bookkeeping after every call (slow; for testing)", "BOOL"),
-    Setting("max_watchers", _positive_int, lambda: "64",
+    Setting("max_watchers", _positive_int, _number(limits.DEFAULT_MAX_WATCHERS),
             "Watch calls (routers) open at once; more are refused", "N"),
-    Setting("max_watchers_per_peer", _positive_int, lambda: "16",
+    Setting("max_watchers_per_peer", _positive_int, _number(limits.DEFAULT_MAX_WATCHERS_PER_PEER),
             "Watch calls open at once from one peer (a TCP address; every client of the "
             "Unix socket counts as one)", "N"),
     Setting("warm_restart", _bool, lambda: "true",
@@ -211,7 +227,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("on_exit", _choice("keep", "remove"), lambda: "keep",
             "keep: leave the region for the next daemon on this socket to adopt (a warm "
             "restart); remove: delete it at exit (frees its memory)", "WHAT"),
-    Setting("metrics_port", _port, lambda: "0",
+    Setting("metrics_port", _port, _number(limits.DEFAULT_METRICS_PORT),
             "serve Prometheus metrics on this port (0: off)", "PORT"),
     Setting("metrics_address", str, lambda: "127.0.0.1",
             "address of the metrics endpoint (0.0.0.0 to scrape from other hosts)", "ADDR"),
@@ -221,24 +237,26 @@ SETTINGS: tuple[Setting, ...] = (
             "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata (Mooncake Store; "
             "options: protocol=tcp|rdma, device=, segment=SIZE, buffer=SIZE) (empty: off)",
             "URL"),
-    Setting("remote_ttl", _positive_float, lambda: "3600",
+    Setting("remote_ttl", _positive_float, _number(limits.DEFAULT_REMOTE_TTL_SECONDS),
             "how long an entry published to the second tier stays there (Redis; Mooncake "
             "keeps entries until it evicts them)", "S"),
-    Setting("remote_claim_seconds", _nonnegative_float, lambda: "30",
+    Setting("remote_claim_seconds", _nonnegative_float,
+            _number(limits.DEFAULT_REMOTE_CLAIM_SECONDS),
             "a new item missed here and in the second tier is claimed across hosts for this "
             "long: one host encodes it, the others wait for its value at most this long "
             "(0: no claims, every host that misses encodes)", "S"),
     Setting("remote_token_file", str, lambda: "",
             "file with the second tier's AUTH password (one line; or a user name and a "
             "password on two lines)", "FILE"),
-    Setting("remote_queue_bytes", _positive_size, lambda: "256MiB",
+    Setting("remote_queue_bytes", _positive_size, _size(limits.DEFAULT_REMOTE_QUEUE_BYTES),
             "entries waiting to be published, at most this many bytes (more are dropped)",
             "SIZE"),
-    Setting("remote_index_bytes", _positive_size, lambda: "64MiB",
+    Setting("remote_index_bytes", _positive_size, _size(limits.DEFAULT_REMOTE_INDEX_BYTES),
             "memory of the index of what the other hosts published (about 250 bytes an "
             "entry; beyond, the oldest entries are forgotten: they are encoded here instead)",
             "SIZE"),
-    Setting("remote_promotion_bytes", _positive_size, lambda: "256MiB",
+    Setting("remote_promotion_bytes", _positive_size,
+            _size(limits.DEFAULT_REMOTE_PROMOTION_BYTES),
             "bytes of fetched entries held at once between their fetch and their write into "
             "the region, and Mooncake's transfer buffers (in use or pooled); a promotion "
             "beyond, or of a larger entry, does not start (the engine encodes)", "SIZE"),
@@ -323,14 +341,14 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
             values[setting.name] = setting.parse(raw) if isinstance(raw, str) else raw
         except ValueError as exc:
             raise ValueError(f"{setting.flag}: {exc}") from None
-    # Defaults that scale with the cache (`core.quotas`): an instance a
-    # quarter of it (at most 512 MiB, two save queues' worth), all sessions half.
+    # Defaults that scale with the cache (`core.quotas`) or the lease (`core.limits`).
     if not values["session_pending_bytes"]:
-        values["session_pending_bytes"] = min(values["cpu_bytes"] // 4, 512 << 20)
+        values["session_pending_bytes"] = min(values["cpu_bytes"] // limits.SESSION_PENDING_SHARE,
+                                              limits.DEFAULT_SESSION_PENDING_BYTES)
     if not values["total_pending_bytes"]:
-        values["total_pending_bytes"] = values["cpu_bytes"] // 2
-    if not values["ack_wait_seconds"]:  # an engine's step keeps its loads' pages 4 leases
-        values["ack_wait_seconds"] = 3 * values["lease_seconds"]
+        values["total_pending_bytes"] = values["cpu_bytes"] // limits.TOTAL_PENDING_SHARE
+    if not values["ack_wait_seconds"]:  # an engine's step keeps its loads' pages a lease more
+        values["ack_wait_seconds"] = limits.ACK_WAIT_LEASES * values["lease_seconds"]
     config = DaemonConfig(**values)
     if config.cpu_bytes < config.page_bytes:
         raise ValueError(

@@ -26,10 +26,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ec_daemon.core.limits import SNAPSHOT_TIMEOUT_SECONDS
+
 if TYPE_CHECKING:
     from ec_daemon.core.stats import Snapshot
 
-SNAPSHOT_TIMEOUT_SECONDS = 5.0
 COUNTERS = {
     "saves": "Entries saved (copies landed and reported)",
     "loads": "Loads dispatched from the views (reported with their touches)",

@@ -28,13 +28,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ec_daemon.core.cache import Cache
+from ec_daemon.core.cache import Cache, CacheListener
+from ec_daemon.core.limits import SHM_WAIT_SECONDS, SHUTDOWN_GRACE_SECONDS
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable.region import PREFIX, SUFFIX, Region, RegionError, RegionTooLarge
 from ec_daemon.errors import InvariantViolated
 from ec_daemon.plane.dataplane import DataPlane
-from ec_daemon.serving.adoption import Adoption, Layout, find
+from ec_daemon.serving.adoption import Adoption, RegionSpec, find
 from ec_daemon.serving.auth import (
     READ_ONLY_SUMMARY,
     AuthError,
@@ -52,16 +53,11 @@ from ec_protocol import stamps
 from ec_protocol.protocol import default_socket_uri, pb, rpc, unix_path
 
 if TYPE_CHECKING:  # (imported only when --remote is set: `_start_tier`)
-    from ec_daemon.remote.backend import AnyStore
     from ec_daemon.remote.tier import RemoteTier
 
 log = logging.getLogger("ec_daemon")
 
 SERVICE_NAME = "ec_daemon.v1.ECDaemon"
-SHUTDOWN_GRACE_SECONDS = 5.0
-# How long a start waits for tmpfs space that a previous daemon's clients
-# still hold (they unmap a retired region within a few seconds).
-SHM_WAIT_SECONDS = 20.0
 
 
 def sd_notify(state: str) -> bool:
@@ -110,9 +106,9 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
                 raise StartupError(str(exc)) from None
         capacity = config.cpu_bytes // config.page_bytes * config.page_bytes
         data_offset = stamps.table_bytes(capacity // config.page_bytes, config.page_bytes)
-        layout = Layout(socket_identity(config.socket), data_offset + capacity,
+        spec = RegionSpec(socket_identity(config.socket), data_offset + capacity,
                         config.page_bytes, data_offset, config.socket_mode, gid)
-        found = find(config.shm_dir, layout,
+        found = find(config.shm_dir, spec,
                      fresh_start=config.fresh_start or not config.warm_restart)
         adoption, why_not = found.adoption, found.why_not
         if not config.warm_restart:
@@ -124,7 +120,7 @@ async def serve(config: DaemonConfig, *, stop: asyncio.Event | None = None) -> N
         else:
             log.log(logging.WARNING if found.refused else logging.INFO,
                     "starting with an empty cache: %s", why_not)
-            region = await _create_region(config, layout, gid)
+            region = await _create_region(config, spec, gid)
         remove = config.on_exit == "remove" or not config.warm_restart
         try:
             await _serve_region(config, server, region, data_offset, stop or asyncio.Event(),
@@ -155,7 +151,7 @@ def socket_identity(uri: str) -> str:
     return f"unix://{os.path.join(os.path.realpath(folder), name)}"
 
 
-async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) -> Region:
+async def _create_region(config: DaemonConfig, spec: RegionSpec, gid: int | None) -> Region:
     """Create the region; while the tmpfs is short, wait up to
     SHM_WAIT_SECONDS (after a restart, clients still map the previous
     daemon's region for a few seconds), saying so. Raises StartupError."""
@@ -163,9 +159,9 @@ async def _create_region(config: DaemonConfig, layout: Layout, gid: int | None) 
     said = 0.0
     while True:
         try:
-            return Region.create(config.shm_dir, layout.region_size, mode=config.socket_mode,
+            return Region.create(config.shm_dir, spec.region_size, mode=config.socket_mode,
                                  gid=gid, progress=log.info,
-                                 index_header=layout.header if config.warm_restart else None)
+                                 index_header=spec.header if config.warm_restart else None)
         except RegionTooLarge as exc:
             now = time.monotonic()
             if now >= deadline:
@@ -192,40 +188,25 @@ def _other_regions(shm_dir: str) -> str:
             "start: `ec-daemon clean --all` removes those of stopped daemons)")
 
 
-def _start_tier(config: DaemonConfig, region: Region) -> RemoteTier | None:
+def _start_tier(config: DaemonConfig) -> RemoteTier | None:
     """The second tier's threads, or None when --remote is off. The URL's
-    scheme chooses the backend, once. A store that cannot be reached now is
-    not fatal: the tier keeps trying (misses meanwhile). A store that moves
-    bytes in place (`ProbedStore`: Mooncake) maps the region."""
+    scheme chooses the backend, once (`remote.tier.open_tier`). A store that
+    cannot be reached now is not fatal: the tier keeps trying (misses
+    meanwhile)."""
     if not config.remote:
         return None
-    from ec_daemon.remote import mooncake
-    from ec_daemon.remote.store import open_store
-    from ec_daemon.remote.tier import RemoteTier
+    from ec_daemon.remote.tier import open_tier
 
-    store: AnyStore
     try:
-        if config.remote.lower().startswith("mooncake://"):
-            store = mooncake.open_store(config.remote, token_file=config.remote_token_file)
-        else:
-            store = open_store(config.remote, token_file=config.remote_token_file)
+        tier = open_tier(config.remote, token_file=config.remote_token_file,
+                         ttl_s=config.remote_ttl, publish_queue_bytes=config.remote_queue_bytes,
+                         index_bytes=config.remote_index_bytes,
+                         promotion_bytes=config.remote_promotion_bytes,
+                         claim_s=config.remote_claim_seconds)
     except (ValueError, OSError) as exc:
         raise StartupError(f"--remote: {exc}") from None
-    tier = RemoteTier(store, ttl_s=config.remote_ttl,
-                      publish_queue_bytes=config.remote_queue_bytes,
-                      index_bytes=config.remote_index_bytes,
-                      promotion_bytes=config.remote_promotion_bytes,
-                      claim_s=config.remote_claim_seconds)
-    if not store.indexed:
-        store.use_region(region.fileno(), region.size)
     tier.start()
-    if tier.indexed:
-        log.info("second tier %s: publishing saves (ttl %.0fs), promoting what other hosts "
-                 "published", _redacted(config.remote), config.remote_ttl)
-    else:
-        log.info("second tier %s: publishing saves from the region in place, asking the "
-                 "store for wanted items and promoting them into it (connecting in the "
-                 "background)", _redacted(config.remote))
+    log.info("second tier %s: %s", _redacted(config.remote), tier.backend.describe())
     return tier
 
 
@@ -278,33 +259,37 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
                         data_offset: int, stop: asyncio.Event,
                         adoption: Adoption | None, adoption_counters: dict[str, int]) -> None:
     table = region.stamps(config.page_bytes, data_offset)  # never mapped: `stamp_file`
-    cache = Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
-                  sessions=SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
-                                        max_per_engine=config.max_sessions_per_engine,
-                                        max_tokenless=config.max_tokenless_sessions),
-                  data_offset=data_offset, stamps=table, index=region.index,
-                  quarantine_seconds=config.quarantine_seconds,
-                  ack_wait_seconds=config.ack_wait_seconds,
-                  pending_caps=PendingCaps(config.session_pending_bytes,
-                                           config.session_pending_entries,
-                                           config.total_pending_bytes))
-    if region.index is not None:
-        region.index.flush_with(asyncio.get_running_loop().call_soon)
-    if adoption is not None:
-        v = adoption.verified
-        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
-                      cache.sessions.previous_daemon)
+    sessions = SessionTable(config.lease_seconds, max_sessions=config.max_sessions,
+                            max_per_engine=config.max_sessions_per_engine,
+                            max_tokenless=config.max_tokenless_sessions)
+    caps = PendingCaps(config.session_pending_bytes, config.session_pending_entries,
+                       config.total_pending_bytes)
+
+    def make_cache(listener: CacheListener) -> Cache:
+        return Cache(capacity_bytes=region.size - data_offset, page_bytes=config.page_bytes,
+                     sessions=sessions, data_offset=data_offset, stamps=table,
+                     index=region.index, quarantine_seconds=config.quarantine_seconds,
+                     ack_wait_seconds=config.ack_wait_seconds, pending_caps=caps,
+                     listener=listener)
+
     region_info = pb.Region(path=str(region.path), size_bytes=region.size,
                             page_bytes=config.page_bytes, generation=region.generation,
                             data_offset=data_offset, canary=region.canary)
-    tier = _start_tier(config, region)
-    plane = DataPlane(cache, lease_seconds=config.lease_seconds,
+    tier = _start_tier(config)
+    plane = DataPlane(make_cache, lease_seconds=config.lease_seconds,
                       alloc_wait_seconds=config.alloc_wait_seconds,
                       check_invariants=config.check_invariants,
                       generation=region.generation, region_path=str(region.path),
                       max_watchers=config.max_watchers,
                       max_watchers_per_peer=config.max_watchers_per_peer,
                       region_file=region, tier=tier, adoption=adoption_counters)
+    cache = plane.cache
+    if region.index is not None:
+        region.index.flush_with(asyncio.get_running_loop().call_soon)
+    if adoption is not None:
+        v = adoption.verified
+        cache.restore(v.records, v.free, v.quarantined, v.next_entry_id, v.views,
+                      cache.sessions.previous_daemon)
     service = ECDaemonService(plane, region_info)
     try:
         plane.verify()  # with --check-invariants: an adopted region is checked whole
@@ -317,13 +302,13 @@ async def _serve_region(config: DaemonConfig, server: grpc.aio.Server, region: R
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     await server.start()
-    cache.serving()
+    cache.acks.serving()
     for name in ("", SERVICE_NAME):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    expiry = asyncio.ensure_future(plane.upkeep())
+    expiry = asyncio.ensure_future(plane.upkeep.run())
     cutting = asyncio.ensure_future(service.streams.upkeep())
     exporter = None
     if config.metrics_port:

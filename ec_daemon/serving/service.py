@@ -20,8 +20,12 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from ec_daemon.core.events import Snapshot
-from ec_daemon.core.limits import MAX_MESSAGE_BYTES, MAX_SESSION_EVENTS_PER_MESSAGE
+from ec_daemon.core.events import ReadySnapshot
+from ec_daemon.core.limits import (
+    MAX_MESSAGE_BYTES,
+    MAX_SESSION_EVENTS_PER_MESSAGE,
+    OPEN_TIMEOUT_SECONDS,
+)
 from ec_daemon.core.records import Session as ClientSession
 from ec_daemon.errors import CacheError, FailedPrecondition, InvalidArgument
 from ec_daemon.plane import watch
@@ -33,7 +37,6 @@ from ec_protocol.protocol import PROTOCOL_VERSION, pb, rpc
 
 log = logging.getLogger(__name__)
 
-OPEN_TIMEOUT_SECONDS = 10.0
 
 T = TypeVar("T")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
@@ -87,10 +90,10 @@ def _why_dropped(watcher: watch.Watcher) -> Ended | None:
 
 
 class ECDaemonService(rpc.ECDaemonServicer):
-    def __init__(self, plane: DataPlane, region: Any) -> None:
-        """`region` is the pb.Region clients are told."""
+    def __init__(self, plane: DataPlane, region: pb.Region) -> None:
+        """`region` is the region clients are told."""
         self.plane = plane
-        self.region = region  # pb.Region
+        self.region = region
         self.rpc_seconds = rpc_histogram()
         # Calls blocked writing to a client that stopped reading are cut
         # after a lease (a live client's link reads all the time).
@@ -190,13 +193,14 @@ class ECDaemonService(rpc.ECDaemonServicer):
 
     def _next_message(self, session: ClientSession) -> Any:
         """The next message of `session`'s outbox; a snapshot's ready events
-        are made here, as they are sent (`events.Snapshot`)."""
+        are made here, as they are sent (`events.ReadySnapshot`)."""
         events: list[Any] = []
         size = 0
         outbox = session.outbox
         while outbox and len(events) < MAX_SESSION_EVENTS_PER_MESSAGE and size < MAX_MESSAGE_BYTES:
             head = outbox[0]
-            if type(head) is Snapshot:
+            event: object
+            if type(head) is ReadySnapshot:
                 event = head.next()
                 if event is None:
                     outbox.popleft()

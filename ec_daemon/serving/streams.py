@@ -31,9 +31,12 @@ from typing import Any
 
 import grpc
 
+from ec_daemon.core.limits import STREAM_UPKEEP_SECONDS
+from ec_daemon.core.records import Session
+from ec_daemon.plane.watch import Watcher
+
 log = logging.getLogger(__name__)
 
-UPKEEP_SECONDS = 1.0
 Ended = tuple[grpc.StatusCode, str]  # the status a call that has ended is told
 
 
@@ -41,16 +44,17 @@ Ended = tuple[grpc.StatusCode, str]  # the status a call that has ended is told
 class Stream:
     """One streaming call: what it streams for, its handler and context."""
 
-    what: Any  # the Session or the Watcher
+    what: Session | Watcher
     ended: Callable[[], Ended | None]  # why what it streams for has ended, or None
-    context: Any  # grpc.aio.ServicerContext
+    context: grpc.aio.ServicerContext
     task: asyncio.Task[Any] | None
     writing_since: float | None = None
     cut: bool = field(default=False)
 
 
 class Streams:
-    def __init__(self, stall_seconds: float, on_stall: Callable[[Any], str]) -> None:
+    def __init__(self, stall_seconds: float,
+                 on_stall: Callable[[Session | Watcher], str]) -> None:
         """`on_stall(what)`: end the session or watcher of a stalled stream,
         counted; returns the message the client is told."""
         self.stall_seconds = stall_seconds
@@ -58,7 +62,8 @@ class Streams:
         self._open: set[Stream] = set()
         self._cutting: set[asyncio.Future[None]] = set()  # (held until they ran)
 
-    def add(self, what: Any, ended: Callable[[], Ended | None], context: Any) -> Stream:
+    def add(self, what: Session | Watcher, ended: Callable[[], Ended | None],
+            context: grpc.aio.ServicerContext) -> Stream:
         """A streaming call began, on the current task (its handler)."""
         stream = Stream(what, ended, context, asyncio.current_task())
         self._open.add(stream)
@@ -81,7 +86,7 @@ class Streams:
     async def upkeep(self) -> None:
         """Cut blocked calls once a second; runs until cancelled."""
         while True:
-            await asyncio.sleep(UPKEEP_SECONDS)
+            await asyncio.sleep(STREAM_UPKEEP_SECONDS)
             try:
                 self.check()
             except Exception:  # never stop: unread calls would pile up again

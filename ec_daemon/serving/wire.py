@@ -8,7 +8,7 @@ ranges) happens here too, before the core is asked anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 
@@ -51,6 +51,7 @@ from ec_protocol.protocol import (
     ROLE_NAMES,
     ROLES,
     WORKER,
+    Role,
     engine_token_problem,
     pb,
     store_namespace_problem,
@@ -100,8 +101,21 @@ def namespace_of(layout: Any) -> str:
     return validate_layout_namespace("|".join((model, layout.dtype, ",".join(widths), variant)))
 
 
-def attach_fields(request: Any) -> dict[str, Any]:
-    """Keyword arguments of Cache.attach from an AttachRequest."""
+class AttachFields(TypedDict):
+    """What an AttachRequest asks, checked: `DataPlane.attach`'s arguments."""
+
+    engine_id: str
+    role: Role
+    rank: int | None
+    world_size: int
+    engine_token: str
+    namespace: str
+    client_name: str
+    store_namespace: str
+
+
+def attach_fields(request: Any) -> AttachFields:
+    """`DataPlane.attach`'s arguments from an AttachRequest."""
     role = ROLE_NAMES.get(request.role)
     if role is None:
         raise InvalidArgument("role must be PRODUCER, CONSUMER or BOTH")
@@ -121,16 +135,16 @@ def attach_fields(request: Any) -> dict[str, Any]:
             raise InvalidArgument(f"worker.rank {rank} is not below world_size {world_size}")
     if not request.HasField("layout"):
         raise InvalidArgument("layout is missing")
-    return {
-        "engine_id": _text(request.engine_id, "engine_id", MAX_ID_CHARS),
-        "role": role,
-        "rank": rank,
-        "world_size": world_size,
-        "engine_token": token,
-        "namespace": namespace_of(request.layout),
-        "client_name": _text(request.client_name, "client_name", MAX_ID_CHARS, required=False),
-        "store_namespace": _store_namespace(request.store_namespace),
-    }
+    return AttachFields(
+        engine_id=_text(request.engine_id, "engine_id", MAX_ID_CHARS),
+        role=role,
+        rank=rank,
+        world_size=world_size,
+        engine_token=token,
+        namespace=namespace_of(request.layout),
+        client_name=_text(request.client_name, "client_name", MAX_ID_CHARS, required=False),
+        store_namespace=_store_namespace(request.store_namespace),
+    )
 
 
 def watch_engine(request: Any) -> tuple[str, str]:

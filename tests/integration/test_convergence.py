@@ -19,7 +19,7 @@ import pytest
 
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.worker_side.worker import WorkerDelegate
-from ec_daemon.plane.convergence import CLAIM_START_SECONDS
+from ec_daemon.core.limits import CLAIM_START_SECONDS
 from ec_protocol.protocol import BOTH, CONSUMER, MAX_BATCH, PRODUCER, Role, pb
 from tests import staged
 from tests.integration import engines, raw

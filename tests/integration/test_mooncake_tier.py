@@ -7,9 +7,11 @@ never a stuck engine, and publishing and promoting resume when it is back."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,3 +170,75 @@ def test_entries_the_shared_format_cannot_carry_stay_on_their_host(hosts):
     one.save("bytes", raw)
     wait_until(lambda: one.tier()["publish_skips"] >= 1, "a uint8 entry was not skipped")
     assert one.tier()["publishes"] == 0 and one.tier()["publish_errors"] == 0
+
+
+def test_a_client_that_truncates_the_region_cannot_kill_a_daemon_on_mooncake(master):
+    """The Mooncake backend read the pages it published through a mapping of
+    the region of its own: a client that truncated the region (every engine
+    worker opens it read-write) killed the daemon with SIGBUS on the next
+    publication. It reads them as the rest of the daemon does, with pread
+    through the daemon's own descriptor: a cut file reads short, the
+    publication is skipped, the daemon gives the file its size back and goes
+    on publishing."""
+    from ec_protocol.protocol import pb
+    from tests.integration.daemon import Daemon
+    from tests.integration.raw import attach
+
+    shape, dtype = (256, 512), "float16"  # vLLM's format carries it: published
+    nbytes = shape[0] * shape[1] * 2
+
+    def allocate(stub: Any, session_id: str, mm_hash: str) -> Any:
+        reply = stub.Allocate(pb.AllocateRequest(session_id=session_id, mm_hash=mm_hash,
+                                                 nbytes=nbytes, shape=list(shape),
+                                                 dtype=dtype), timeout=10)
+        assert reply.status == pb.ALLOCATED, reply
+        return reply
+
+    def report(stub: Any, session_id: str, mm_hash: str) -> None:
+        saved = stub.Report(pb.ReportRequest(session_id=session_id, saved=[mm_hash]),
+                            timeout=10).saved
+        assert list(saved) == [pb.ACCEPTED]
+
+    url = master.url_with(segment="128MiB", buffer="16MiB")
+    daemon = Daemon(cpu_bytes="16MiB", check_invariants=False,
+                    extra=("--remote", url)).start()
+    try:
+        stub = daemon.stub
+        writer = attach(stub, LAYOUT, engine="writer", token="7" * 32,
+                        store_namespace=STORE_NAMESPACE).session_id
+        region = Path(daemon.stats()["region_path"])
+        fd = os.open(region, os.O_RDWR)  # as every engine worker opens it
+        size = os.fstat(fd).st_size
+        try:
+            data = tensor(1).tobytes()
+            reply = allocate(stub, writer, "warm")
+            os.pwrite(fd, data, reply.extents[0].offset)
+            report(stub, writer, "warm")
+            # (Published: the store is connected, the next publication reads its pages.)
+            daemon.wait_for(lambda: daemon.stats()["remote_tier"]["publishes"] == 1,
+                            timeout=WAIT, what="the first publication")
+            reply = allocate(stub, writer, "cut")
+            os.pwrite(fd, data, reply.extents[0].offset)
+            os.ftruncate(fd, 0)
+            report(stub, writer, "cut")  # ready: published from pages cut off the file
+            daemon.wait_for(lambda: daemon.stats()["region_truncations"] == 1, timeout=WAIT,
+                            what="the truncation to be noticed")
+            assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
+            assert os.fstat(fd).st_size == size  # given back
+            tier = daemon.stats()["remote_tier"]
+            assert tier["publishes"] == 1 and tier["publish_skips"] == 1
+            # The tier goes on: a save after the cut is published.
+            reply = allocate(stub, writer, "after")
+            os.pwrite(fd, data, reply.extents[0].offset)
+            report(stub, writer, "after")
+            daemon.wait_for(lambda: daemon.stats()["remote_tier"]["publishes"] == 2,
+                            timeout=WAIT, what="a publication after the cut")
+        finally:
+            os.close(fd)
+        with mooncake_servers.raw_client(master) as raw:
+            key = f"{STORE_NAMESPACE}@id:"
+            assert raw.get(key + "after")[24:] == data  # vLLM's header, then the bytes
+            assert raw.is_exist(key + "cut") == 0  # never published from a short file
+    finally:
+        daemon.stop()
+        daemon.cleanup()

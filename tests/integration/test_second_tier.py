@@ -21,7 +21,7 @@ import pytest
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.scheduler_side.wants import ANSWER_SECONDS
 from ec_client.worker_side.worker import WorkerDelegate
-from ec_daemon.remote.store import value_key
+from ec_daemon.remote.redis.store import value_key
 from tests import groups, redis_servers, staged
 from tests.integration.daemon import Daemon, free_port
 from tests.integration.engines import LAYOUT, ensure_within, wait_until
@@ -216,7 +216,8 @@ def forge(store: Any, host: Host, mm_hash: str, shape: tuple[int, ...], dtype: s
           payload: Any) -> None:
     """A value whose header and checksum are consistent, written (and
     announced) by someone other than a daemon."""
-    from ec_daemon.remote.store import open_store
+    from ec_daemon.remote.redis.shards import IndexShards
+    from ec_daemon.remote.redis.store import open_store
     from ec_daemon.remote.values import encode
 
     namespace = host.namespace
@@ -224,7 +225,7 @@ def forge(store: Any, host: Host, mm_hash: str, shape: tuple[int, ...], dtype: s
     store.client().set(value_key(namespace, mm_hash), bytes(parts[0]) + bytes(parts[1]),
                        px=600_000)
     writer = open_store(store.url)
-    writer.announce(namespace, mm_hash, len(parts[1]), 600)
+    IndexShards(writer).announce(namespace, mm_hash, len(parts[1]), 600)
     writer.close()
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ec_daemon.durable.index import MAX_IDS_RESERVED, index_path
+from ec_daemon.core.limits import MAX_IDS_RESERVED
+from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import IDS_AT
 from tests import staged
 from tests.integration.daemon import free_port

@@ -12,25 +12,32 @@ from collections.abc import Iterator
 import pytest
 
 from ec_daemon.remote.budget import PromotionBudget
-from ec_daemon.remote.store import open_store, value_key
+from ec_daemon.remote.redis.store import value_key
 from ec_daemon.remote.tier import RemoteTier
 from ec_daemon.remote.values import encode, size_bounds
 from tests import redis_servers
-from tests.remote.conftest import NAMESPACE, needs_redis, payload, wait_for
+from tests.remote.conftest import (
+    NAMESPACE,
+    Pages,
+    needs_redis,
+    payload,
+    publish,
+    redis_tier,
+    wait_for,
+)
 
 
 @pytest.fixture()
 def tier(node: redis_servers.RedisServer) -> Iterator[RemoteTier]:
-    made = RemoteTier(open_store(node.url, timeout_s=1.0), ttl_s=60.0,
-                      publish_queue_bytes=64 << 20, promotion_bytes=1 << 20, block_s=0.2)
+    made = redis_tier(node.url, timeout_s=1.0, promotion_bytes=1 << 20, block_s=0.2)
     made.follow(NAMESPACE)
     made.start()
     yield made
     made.stop()
 
 
-def published(tier: RemoteTier, mm_hash: str, data: bytes) -> None:
-    assert tier.publish(NAMESPACE, mm_hash, (len(data),), "uint8", len(data), lambda: data)
+def published(tier: RemoteTier, pages: Pages, mm_hash: str, data: bytes) -> None:
+    assert publish(tier, pages, mm_hash, data)
     assert wait_for(lambda: tier.available(NAMESPACE, mm_hash) == len(data), 3.0)
 
 
@@ -57,16 +64,16 @@ def test_the_budget_counts_each_reservation_once() -> None:
 @pytest.mark.parametrize("stored_bytes", [8 << 20, 500])
 def test_a_value_not_of_the_announced_size_is_refused_unread(
         node: redis_servers.RedisServer, tier: RemoteTier, stored_bytes: int,
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, pages: Pages) -> None:
     key = f"resized-{stored_bytes}"
-    published(tier, key, payload(1000))
+    published(tier, pages, key, payload(1000))
     # Rewritten by someone else: a consistent value, of another size.
     other = payload(stored_bytes)
     node.client().set(value_key(NAMESPACE, key), b"".join(
         bytes(p) for p in encode(NAMESPACE, key, (stored_bytes,), "uint8", other)))
     before = sent_by(node)
     with caplog.at_level(logging.WARNING, logger="ec_daemon.remote"):
-        assert tier.fetch(NAMESPACE, key) is None
+        assert tier.fetch(NAMESPACE, key, 1000) is None
     assert sent_by(node) - before < size_bounds(NAMESPACE, key, 1000)[1] + 4096
     assert tier.snapshot()["bad_values"] == 1 and tier.snapshot()["errors"] == 0
     assert tier.available(NAMESPACE, key) is None  # no longer promised
@@ -75,12 +82,12 @@ def test_a_value_not_of_the_announced_size_is_refused_unread(
 
 
 @needs_redis
-def test_promotions_at_once_hold_no_more_than_the_budget(tier: RemoteTier) -> None:
+def test_promotions_at_once_hold_no_more_than_the_budget(tier: RemoteTier, pages: Pages) -> None:
     """Sixteen promotions at once, each holding its value a while (an
     allocation that waits), with room for three."""
     size = 300_000
     for i in range(16):
-        published(tier, f"burst-{i}", payload(size))
+        published(tier, pages, f"burst-{i}", payload(size))
     fetched: list[int] = []
     gate = threading.Barrier(16)
 
@@ -113,8 +120,8 @@ def test_promotions_at_once_hold_no_more_than_the_budget(tier: RemoteTier) -> No
 
 
 @needs_redis
-def test_a_value_larger_than_the_budget_never_promotes(tier: RemoteTier) -> None:
-    published(tier, "too-large", payload(2 << 20))
+def test_a_value_larger_than_the_budget_never_promotes(tier: RemoteTier, pages: Pages) -> None:
+    published(tier, pages, "too-large", payload(2 << 20))
     assert tier.reserve(NAMESPACE, "too-large") is None
     assert tier.snapshot()["promotions_refused"] == 1
     assert tier.available(NAMESPACE, "too-large") is None  # never asked for again

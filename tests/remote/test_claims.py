@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from ec_daemon.remote.store import (
+from ec_daemon.remote.common import RemoteError
+from ec_daemon.remote.redis.store import (
     MAX_TOKEN_CHARS,
     RedisStore,
-    RemoteError,
     claim_key,
     open_store,
     value_key,
@@ -167,7 +167,7 @@ def test_a_claim_lives_on_its_values_node(cluster: redis_servers.Cluster) -> Non
 def test_a_node_without_the_scripts_gets_them(own_node: redis_servers.RedisServer) -> None:
     """EVALSHA, then EVAL when the node does not know the script (a restart,
     SCRIPT FLUSH); the node caches it for the next EVALSHA."""
-    from ec_daemon.remote.store import _CLAIM, _RELEASE
+    from ec_daemon.remote.redis.store import _CLAIM, _RELEASE
 
     store = open_store(own_node.url)
     client = own_node.client()
@@ -185,17 +185,15 @@ def test_a_node_without_the_scripts_gets_them(own_node: redis_servers.RedisServe
 def test_claims_and_present_follow_a_key_that_moved(cluster: redis_servers.Cluster) -> None:
     """A stale slot table (a resharding) sends the call to the wrong node:
     it goes again through redis-py, which follows MOVED."""
-    from ec_daemon.remote.store import RedisStore
-
     store = open_store(cluster.url)
     assert isinstance(store, RedisStore)
     store.ping()
-    assert store._cluster is not None
-    manager = store._cluster.nodes_manager
+    assert store.cluster is not None
+    manager = store.cluster.nodes_manager
     mm_hash = fresh("moved")
     key = claim_key(NAMESPACE, mm_hash)
     owner = cluster.node_of(key)
-    wrong = next(n for n in store._cluster.get_nodes() if n.port != owner.port)
+    wrong = next(n for n in store.cluster.get_nodes() if n.port != owner.port)
 
     def mislead() -> None:
         manager.slots_cache[cluster.slot_of(key)] = [wrong]

@@ -1,4 +1,4 @@
-"""The Mooncake Store backend (ec_daemon/remote/mooncake.py) against a real
+"""The Mooncake Store backend (ec_daemon/remote/mooncake/) against a real
 mooncake_master: URLs, two hosts (two clients, each with its own region)
 sharing one master, values in vLLM's exact format both ways, values that
 must be refused, claims, a master that is not there yet, dies and comes back,
@@ -23,21 +23,24 @@ from typing import Any
 
 import pytest
 
-from ec_daemon.remote import mooncake, values
-from ec_daemon.remote.mooncake import (
+from ec_daemon.core.events import Fetched, Resolution
+from ec_daemon.durable.region import Region
+from ec_daemon.remote import values
+from ec_daemon.remote.common import Common, RemoteError
+from ec_daemon.remote.mooncake import claims, connection
+from ec_daemon.remote.mooncake.backend import MooncakeBackend
+from ec_daemon.remote.mooncake.codec import (
     CLAIM,
     DTYPE_CODES,
     HEADER,
     ITEM_BYTES,
     MAGIC,
     SIDECAR,
-    MooncakeStore,
-    open_store,
-    parse_url,
     value_key,
 )
-from ec_daemon.remote.store import RemoteError
-from ec_daemon.remote.tier import Outcome, RemoteTier, StoredValue
+from ec_daemon.remote.mooncake.store import MooncakeStore, open_store
+from ec_daemon.remote.mooncake.url import parse_url
+from ec_daemon.remote.tier import RemoteTier
 from ec_daemon.serving import cli, config
 from tests import mooncake_servers
 from tests.remote.conftest import NAMESPACE, needs_mooncake, payload, wait_for
@@ -64,44 +67,39 @@ def fresh(prefix: str = "h") -> str:
 
 
 class Host:
-    """One daemon's view: a MooncakeStore with its own region file in /dev/shm."""
+    """One daemon's view: a MooncakeStore and its own region file in /dev/shm
+    (a `Region`, read and written with pread and pwrite as the daemon does)."""
 
     def __init__(self, url: str) -> None:
         fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="ecd-mctest-")
         try:
             os.ftruncate(fd, REGION_BYTES)
             self.store = MooncakeStore(parse_url(url))
-            self.store.use_region(fd, REGION_BYTES)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        self.fd, self.path = fd, path
+        self.region = Region(Path(path), REGION_BYTES, 1, fd)
 
     def write(self, extents: list[tuple[int, int]], data: bytes) -> None:
-        """Write into the region's file (as a worker's save does; the store's
-        mapping is read-only)."""
-        at = 0
-        for offset, length in extents:
-            assert os.pwrite(self.fd, data[at:at + length], offset) == length
-            at += length
-        assert at == len(data)
+        """Write into the region's file (as a worker's save does)."""
+        self.region.write(extents, [data])
 
     def read(self, extents: list[tuple[int, int]]) -> bytes:
-        return b"".join(bytes(view) for view in self.store.region_views(extents))
+        return b"".join(self.region.read(extents))
 
     def fill(self, extents: list[tuple[int, int]], byte: int = 0xEE) -> None:
         self.write(extents, bytes([byte]) * sum(length for _, length in extents))
 
     def connected(self, timeout_s: float = 20.0) -> None:
-        assert wait_for(lambda: _pings(self.store), timeout_s), self.store._last_error
+        assert wait_for(lambda: _pings(self.store), timeout_s), \
+            self.store.connection._last_error
 
     def close(self) -> None:
         try:
             self.store.close()
         finally:
-            os.close(self.fd)
-            os.unlink(self.path)
+            self.region.close()
 
 
 def _pings(store: MooncakeStore) -> bool:
@@ -308,24 +306,24 @@ def test_one_host_publishes_from_extents_and_another_reads_into_its_own(
     one.write(WRITE_AT, data)
     assert one.store.present([(NAMESPACE, mm_hash)]) == [False]
     assert two.store.head(NAMESPACE, mm_hash) is None
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, dtype, WRITE_AT) == "stored"
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, dtype, one.region, WRITE_AT) == "stored"
 
     assert two.store.present([(NAMESPACE, mm_hash)]) == [True]
     head = two.store.head(NAMESPACE, mm_hash)
     assert head is not None
     assert (head.shape, head.dtype, head.nbytes) == (shape, dtype, len(data))
-    assert head.sidecar == sidecar(mm_hash, shape, dtype, data)
+    assert head.header == sidecar(mm_hash, shape, dtype, data)
     two.fill(READ_AT)
-    assert two.store.get_into(NAMESPACE, mm_hash, head, READ_AT) is True
+    assert two.store.get_into(NAMESPACE, mm_hash, head, two.region, READ_AT) is True
     assert two.read(READ_AT) == data
     # What any other reader (vLLM's connector) reads: its exact format, and
     # ec-daemon's checksum beside it under its own key.
     key = value_key(NAMESPACE, mm_hash)
     assert key == f"{NAMESPACE}@id:{mm_hash}"
     assert raw.get(key) == vllm_value(shape, dtype, data)
-    assert raw.get(key + SIDECAR) == head.sidecar
+    assert raw.get(key + SIDECAR) == head.header
     # The writer reads its own value back too.
-    assert one.store.get_into(NAMESPACE, mm_hash, head, [(6 << 20, len(data))]) is True
+    assert one.store.get_into(NAMESPACE, mm_hash, head, one.region, [(6 << 20, len(data))]) is True
     assert one.read([(6 << 20, len(data))]) == data
 
 
@@ -336,14 +334,14 @@ def test_a_value_is_written_once(hosts: tuple[Host, Host], raw: Any) -> None:
     at = extents_of(len(first), 100_000, 3)
     one.write(at, first)
     two.write(at, second)
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", at) == "stored"
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", one.region, at) == "stored"
     asked: list[int] = []
 
     def current() -> bool:
         asked.append(1)
         return True
 
-    assert two.store.put_entry(NAMESPACE, mm_hash, shape, "float16", at,
+    assert two.store.put_entry(NAMESPACE, mm_hash, shape, "float16", two.region, at,
                                current=current) == "exists"
     assert asked == []  # (found before its pages were even checksummed)
     assert raw.get(value_key(NAMESPACE, mm_hash)) == vllm_value(shape, "float16", first)
@@ -351,7 +349,7 @@ def test_a_value_is_written_once(hosts: tuple[Host, Host], raw: Any) -> None:
                                                                        "float16", first)
     head = two.store.head(NAMESPACE, mm_hash)
     assert head is not None
-    assert two.store.get_into(NAMESPACE, mm_hash, head, [(7 << 20, len(first))]) is True
+    assert two.store.get_into(NAMESPACE, mm_hash, head, two.region, [(7 << 20, len(first))]) is True
     assert two.read([(7 << 20, len(first))]) == first
 
 
@@ -360,7 +358,7 @@ def test_pages_reused_before_the_send_publish_nothing(hosts: tuple[Host, Host],
     one, two = hosts
     mm_hash, shape = fresh(), (2, 1500)
     one.write(WRITE_AT, entry(shape, "float16"))
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", WRITE_AT,
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", one.region, WRITE_AT,
                                current=lambda: False) == "rewritten"
     key = value_key(NAMESPACE, mm_hash)
     assert raw.is_exist(key) == 0 and raw.is_exist(key + SIDECAR) == 0
@@ -385,18 +383,18 @@ def test_pages_reused_during_the_send_are_never_served(hosts: tuple[Host, Host],
         one.write(WRITE_AT, b"\x5a" * len(data))  # reused meanwhile
         return False
 
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", WRITE_AT,
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", one.region, WRITE_AT,
                                current=current) == "rewritten"
     assert len(calls) == 1
     assert two.store.head(NAMESPACE, mm_hash) is None
     assert raw.is_exist(value_key(NAMESPACE, mm_hash)) == 0
     # The key can be published again (by this host or another), and then served.
     one.write(WRITE_AT, data)
-    assert wait_for(lambda: one.store.put_entry(NAMESPACE, mm_hash, shape, "float16",
+    assert wait_for(lambda: one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", one.region,
                                                 WRITE_AT) == "stored", 3.0, 0.1)
     head = two.store.head(NAMESPACE, mm_hash)
-    assert head is not None and head.sidecar == sidecar(mm_hash, shape, "float16", data)
-    assert two.store.get_into(NAMESPACE, mm_hash, head, READ_AT)
+    assert head is not None and head.header == sidecar(mm_hash, shape, "float16", data)
+    assert two.store.get_into(NAMESPACE, mm_hash, head, two.region, READ_AT)
     assert two.read(READ_AT) == data
     assert raw.get(value_key(NAMESPACE, mm_hash)) == vllm_value(shape, "float16", data)
 
@@ -413,14 +411,14 @@ def test_entries_the_format_cannot_carry(hosts: tuple[Host, Host], raw: Any,
                                          reason: str) -> None:
     mm_hash = fresh()
     with pytest.raises(ValueError, match=re.escape(reason)):
-        hosts[0].store.put_entry(NAMESPACE, mm_hash, shape, dtype, [(0, nbytes)])
+        hosts[0].store.put_entry(NAMESPACE, mm_hash, shape, dtype, hosts[0].region, [(0, nbytes)])
     assert raw.is_exist(value_key(NAMESPACE, mm_hash)) == 0
 
 
 def test_extents_outside_the_region(hosts: tuple[Host, Host], raw: Any) -> None:
     mm_hash = fresh()
     with pytest.raises(ValueError, match="outside the region"):
-        hosts[0].store.put_entry(NAMESPACE, mm_hash, (1, 8), "float32",
+        hosts[0].store.put_entry(NAMESPACE, mm_hash, (1, 8), "float32", hosts[0].region,
                                  [(REGION_BYTES - 16, 32)])
     assert raw.is_exist(value_key(NAMESPACE, mm_hash)) == 0
 
@@ -439,15 +437,15 @@ def test_a_value_vllm_wrote_is_read(hosts: tuple[Host, Host], raw: Any,
         assert host.store.present([(NAMESPACE, mm_hash)]) == [True]
         head = host.store.head(NAMESPACE, mm_hash)
         assert head is not None
-        assert (head.shape, head.dtype, head.nbytes, head.sidecar) == (shape, dtype,
+        assert (head.shape, head.dtype, head.nbytes, head.header) == (shape, dtype,
                                                                        len(data), None)
         at = extents_of(len(data), 2 << 20, 3)
         host.fill(at)
-        assert host.store.get_into(NAMESPACE, mm_hash, head, at) is True
+        assert host.store.get_into(NAMESPACE, mm_hash, head, host.region, at) is True
         assert host.read(at) == data
     # Published again by a host: left as vLLM wrote it.
     hosts[0].write(WRITE_AT[:1], b"\0" * 1000)
-    assert hosts[0].store.put_entry(NAMESPACE, mm_hash, (1, 500), "float16",
+    assert hosts[0].store.put_entry(NAMESPACE, mm_hash, (1, 500), "float16", hosts[0].region,
                                     WRITE_AT[:1]) == "exists"
     assert raw.get(value_key(NAMESPACE, mm_hash)) == vllm_value(shape, dtype, data)
 
@@ -504,7 +502,7 @@ def test_values_that_are_refused(hosts: tuple[Host, Host], raw: Any, case: str) 
     assert raw.put(key, value) == 0
     if side is not None:
         assert raw.put(key + SIDECAR, side) == 0
-    store = hosts[1].store
+    store, region = hosts[1].store, hosts[1].region
     at = [(1 << 20, 300), (4 << 20, 500)]
     if refuses == "head":
         with pytest.raises(values.BadValue, match=_escaped(reason)):
@@ -514,7 +512,7 @@ def test_values_that_are_refused(hosts: tuple[Host, Host], raw: Any, case: str) 
     assert head is not None and head.nbytes == 800
     hosts[1].fill(at)
     with pytest.raises(values.BadValue, match=_escaped(reason)):
-        store.get_into(NAMESPACE, mm_hash, head, at)
+        store.get_into(NAMESPACE, mm_hash, head, region, at)
     # Nothing to serve: the caller aborts the pages (they hold unverified bytes).
 
 
@@ -534,9 +532,9 @@ def test_a_value_replaced_between_head_and_read(hosts: tuple[Host, Host], raw: A
     assert raw.remove(key, True) == 0
     assert raw.put(key, vllm_value(SHAPE, "bfloat16", data)) == 0
     with pytest.raises(values.BadValue, match="rewritten between its header and its read"):
-        hosts[1].store.get_into(NAMESPACE, mm_hash, head, [(0, 800)])
+        hosts[1].store.get_into(NAMESPACE, mm_hash, head, hosts[1].region, [(0, 800)])
     assert raw.remove(key, True) == 0
-    assert hosts[1].store.get_into(NAMESPACE, mm_hash, head, [(0, 800)]) is False
+    assert hosts[1].store.get_into(NAMESPACE, mm_hash, head, hosts[1].region, [(0, 800)]) is False
 
 
 def test_a_failed_checksum_read_is_not_taken_for_no_checksum(
@@ -548,7 +546,8 @@ def test_a_failed_checksum_read_is_not_taken_for_no_checksum(
     one, two = hosts
     mm_hash, shape = fresh(), (2, 1500)
     one.write(WRITE_AT, entry(shape, "bfloat16"))
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "bfloat16", WRITE_AT) == "stored"
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "bfloat16", one.region,
+                               WRITE_AT) == "stored"
 
     class FailingReads:
         def __init__(self, client: Any) -> None:
@@ -562,12 +561,13 @@ def test_a_failed_checksum_read_is_not_taken_for_no_checksum(
         def __getattr__(self, name: str) -> Any:
             return getattr(self._client, name)
 
-    monkeypatch.setattr(two.store, "_client", FailingReads(two.store._client))
+    monkeypatch.setattr(two.store.connection, "_client",
+                        FailingReads(two.store.connection._client))
     with pytest.raises(RemoteError, match="@ecd1"):
         two.store.head(NAMESPACE, mm_hash)
     monkeypatch.undo()
     head = two.store.head(NAMESPACE, mm_hash)
-    assert head is not None and head.sidecar is not None
+    assert head is not None and head.header is not None
 
 
 def test_header_buffers_of_threads_that_ended(hosts: tuple[Host, Host]) -> None:
@@ -578,7 +578,8 @@ def test_header_buffers_of_threads_that_ended(hosts: tuple[Host, Host]) -> None:
     mm_hash, shape = fresh(), (2, 1500)
     data = entry(shape, "float16")
     one.write(WRITE_AT, data)
-    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", WRITE_AT) == "stored"
+    assert one.store.put_entry(NAMESPACE, mm_hash, shape, "float16", one.region,
+                               WRITE_AT) == "stored"
     failures: list[str] = []
 
     def read(i: int) -> None:
@@ -586,7 +587,7 @@ def test_header_buffers_of_threads_that_ended(hosts: tuple[Host, Host]) -> None:
             head = two.store.head(NAMESPACE, mm_hash)
             assert head is not None
             at = [(i * 8192, len(data))]
-            assert two.store.get_into(NAMESPACE, mm_hash, head, at)
+            assert two.store.get_into(NAMESPACE, mm_hash, head, two.region, at)
             assert two.read(at) == data
         except Exception as exc:  # (reported below)
             failures.append(f"thread {i}: {exc!r}")
@@ -607,7 +608,8 @@ def test_present_in_one_batch(hosts: tuple[Host, Host], raw: Any) -> None:
     one, two = hosts
     a, b, c = fresh("a"), fresh("b"), fresh("c")
     one.write(WRITE_AT, entry((3, 1000), "bfloat16"))
-    assert one.store.put_entry(NAMESPACE, a, (3, 1000), "bfloat16", WRITE_AT) == "stored"
+    assert one.store.put_entry(NAMESPACE, a, (3, 1000), "bfloat16", one.region,
+                               WRITE_AT) == "stored"
     assert raw.put(value_key(STORE_NS, c), vllm_value((1, 4), "float32", b"\1" * 16)) == 0
     assert raw.put(value_key(NAMESPACE, b) + SIDECAR, b"a checksum without its value") == 0
     keys = [(NAMESPACE, a), (NAMESPACE, b), (STORE_NS, c), (NAMESPACE, c), (STORE_NS, a)]
@@ -640,7 +642,7 @@ def test_claims_between_hosts(hosts: tuple[Host, Host], raw: Any) -> None:
 
 def test_an_expired_claim_is_taken_over(hosts: tuple[Host, Host],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mooncake, "CLAIM_SLACK_MS", 0)
+    monkeypatch.setattr(claims, "CLAIM_SLACK_MS", 0)
     one, two = hosts
     mm_hash = fresh("expiring")
     taken = time.monotonic()
@@ -705,13 +707,13 @@ def _gil_gaps(since: float, seconds: float) -> float:
 
 
 def _every_call_refused(host: Host, match: str) -> None:
-    store, head = host.store, mooncake.Head((1, 2), "float32", 8, None)
+    store, head, region = host.store, Fetched((1, 2), "float32", 8), host.region
     calls: dict[str, Callable[[], object]] = {
         "ping": store.ping,
         "present": lambda: store.present([(NAMESPACE, "k")]),
         "head": lambda: store.head(NAMESPACE, "k"),
-        "get_into": lambda: store.get_into(NAMESPACE, "k", head, [(0, 8)]),
-        "put_entry": lambda: store.put_entry(NAMESPACE, "k", (1, 2), "float32", [(0, 8)]),
+        "get_into": lambda: store.get_into(NAMESPACE, "k", head, region, [(0, 8)]),
+        "put_entry": lambda: store.put_entry(NAMESPACE, "k", (1, 2), "float32", region, [(0, 8)]),
         "claim": lambda: store.claim(NAMESPACE, "k", "t", 1.0),
         "release": lambda: store.release(NAMESPACE, "k", "t"),
     }
@@ -727,7 +729,7 @@ def test_before_the_master_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """Every call fails at once (not connected) and nothing blocks the
     process (the client's setup would hold the interpreter for 90 s); the
     store connects by itself once the master is there."""
-    monkeypatch.setattr(mooncake, "SETUP_RETRY_S", 0.2)
+    monkeypatch.setattr(connection, "SETUP_RETRY_S", 0.2)
     rpc_port, metadata_port = mooncake_servers.free_port(), mooncake_servers.free_port()
     server = mooncake_servers.MooncakeMaster(tmp_path, rpc_port=rpc_port,
                                              metadata_port=metadata_port)
@@ -744,9 +746,10 @@ def test_before_the_master_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert time.monotonic() - started < 5
         data = entry((3, 1000), "float16")
         host.write(WRITE_AT, data)
-        assert host.store.put_entry(NAMESPACE, "k", (3, 1000), "float16", WRITE_AT) == "stored"
+        assert host.store.put_entry(NAMESPACE, "k", (3, 1000), "float16", host.region,
+                                    WRITE_AT) == "stored"
         head = host.store.head(NAMESPACE, "k")
-        assert head is not None and host.store.get_into(NAMESPACE, "k", head, READ_AT)
+        assert head is not None and host.store.get_into(NAMESPACE, "k", head, host.region, READ_AT)
         assert host.read(READ_AT) == data
     finally:
         host.close()
@@ -757,7 +760,7 @@ def test_an_unreachable_metadata_server(mooncake_master: mooncake_servers.Moonca
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The master answers, its metadata server does not: not connected, and
     no setup that holds the interpreter for seconds at every retry."""
-    monkeypatch.setattr(mooncake, "SETUP_RETRY_S", 0.2)
+    monkeypatch.setattr(connection, "SETUP_RETRY_S", 0.2)
     dead = f"http://127.0.0.1:{mooncake_servers.free_port()}/metadata"
     url = (f"mooncake://{mooncake_master.rpc_address}?metadata={dead}"
            f"&segment={SEGMENT}&buffer={BUFFER}")
@@ -787,7 +790,7 @@ def test_a_killed_master_fails_calls_and_a_restarted_one_serves(
         host.connected()
         data = entry((3, 1000), "bfloat16")
         host.write(WRITE_AT, data)
-        assert host.store.put_entry(NAMESPACE, "before", (3, 1000), "bfloat16",
+        assert host.store.put_entry(NAMESPACE, "before", (3, 1000), "bfloat16", host.region,
                                     WRITE_AT) == "stored"
         server.kill()
         # The first calls fail at once (measured: 1 ms); later ones after the
@@ -801,7 +804,7 @@ def test_a_killed_master_fails_calls_and_a_restarted_one_serves(
         def serves() -> bool:
             try:
                 return host.store.present([(NAMESPACE, "before")]) == [False] and \
-                    host.store.put_entry(NAMESPACE, "after", (3, 1000), "bfloat16",
+                    host.store.put_entry(NAMESPACE, "after", (3, 1000), "bfloat16", host.region,
                                          WRITE_AT) == "stored"
             except RemoteError:
                 return False
@@ -810,7 +813,8 @@ def test_a_killed_master_fails_calls_and_a_restarted_one_serves(
         # The restart lost every object; the region is still registered.
         assert host.store.head(NAMESPACE, "before") is None
         head = host.store.head(NAMESPACE, "after")
-        assert head is not None and host.store.get_into(NAMESPACE, "after", head, READ_AT)
+        assert head is not None and host.store.get_into(NAMESPACE, "after", head, host.region,
+                                                        READ_AT)
         assert host.read(READ_AT) == data
     finally:
         host.close()
@@ -827,9 +831,9 @@ def tiers(hosts: tuple[Host, Host], monkeypatch: pytest.MonkeyPatch
     made = []
     for host in hosts:
         monkeypatch.setattr(host.store, "close", lambda: None)
-        store: Any = host.store  # (a store without an index)
-        made.append(RemoteTier(store, ttl_s=60.0, publish_queue_bytes=16 << 20,
-                               breaker_base_s=0.2, breaker_max_s=1.0, claim_s=5.0))
+        common = Common(promotion_bytes=256 << 20, breaker_base_s=0.2, breaker_max_s=1.0)
+        made.append(RemoteTier(MooncakeBackend(common, host.store, index_bytes=64 << 20),
+                               publish_queue_bytes=16 << 20, claim_s=5.0))
     for tier in made:
         tier.start()
         tier.follow(NAMESPACE, STORE_NS)
@@ -842,12 +846,12 @@ def tiers(hosts: tuple[Host, Host], monkeypatch: pytest.MonkeyPatch
 
 class Outcomes:
     def __init__(self) -> None:
-        self.seen: list[Outcome] = []
+        self.seen: list[Resolution] = []
 
-    def __call__(self, outcome: Outcome) -> None:
+    def __call__(self, outcome: Resolution) -> None:
         self.seen.append(outcome)
 
-    def became(self, outcome: Outcome, timeout_s: float = 5.0) -> bool:
+    def became(self, outcome: Resolution, timeout_s: float = 5.0) -> bool:
         return wait_for(lambda: bool(self.seen) and self.seen[-1] is outcome, timeout_s)
 
 
@@ -860,28 +864,29 @@ def test_tiers_claim_wait_and_promote(hosts: tuple[Host, Host], raw: Any,
 
     first, second = Outcomes(), Outcomes()
     assert tier1.resolve(NAMESPACE, mm_hash, first)
-    assert first.became(Outcome.CLAIMED)
+    assert first.became(Resolution.CLAIMED)
     assert raw.get(value_key(STORE_NS, mm_hash) + CLAIM).decode().startswith(tier1.token + " ")
     assert tier2.resolve(NAMESPACE, mm_hash, second)
-    assert second.became(Outcome.ELSEWHERE)
+    assert second.became(Resolution.ELSEWHERE)
     assert tier2.available(NAMESPACE, mm_hash) is None
 
     one.write(WRITE_AT, data)
-    assert tier1.publish(NAMESPACE, mm_hash, shape, "bfloat16", len(data), lambda: None,
-                         extents=list(WRITE_AT))
-    assert second.became(Outcome.FOUND)
-    assert second.seen == [Outcome.ELSEWHERE, Outcome.FOUND] and first.seen == [Outcome.CLAIMED]
+    assert tier1.publish(NAMESPACE, mm_hash, shape, "bfloat16", one.region, WRITE_AT,
+                         lambda: True)
+    assert second.became(Resolution.FOUND)
+    assert second.seen == [Resolution.ELSEWHERE, Resolution.FOUND]
+    assert first.seen == [Resolution.CLAIMED]
     assert tier2.available(NAMESPACE, mm_hash) == len(data)
     # Under the engine's store namespace (vLLM's key), and the claim released.
     assert raw.get(value_key(STORE_NS, mm_hash)) == vllm_value(shape, "bfloat16", data)
     # (released once published: perhaps just after the other host found the value)
     assert wait_for(lambda: raw.is_exist(value_key(STORE_NS, mm_hash) + CLAIM) == 0, 5.0)
 
-    value = tier2.fetch(NAMESPACE, mm_hash)
-    assert isinstance(value, StoredValue)
-    assert (value.shape, value.dtype, value.nbytes) == (shape, "bfloat16", len(data))
+    found = tier2.fetch(NAMESPACE, mm_hash, len(data))
+    assert found is not None
+    assert (found.shape, found.dtype, found.nbytes) == (shape, "bfloat16", len(data))
     two.fill(READ_AT)
-    assert value.write_into(None, list(READ_AT)) is True
+    assert tier2.fetch_into(NAMESPACE, mm_hash, found, two.region, READ_AT) is True
     assert two.read(READ_AT) == data
 
     s1, s2 = tier1.snapshot(), tier2.snapshot()
@@ -890,8 +895,8 @@ def test_tiers_claim_wait_and_promote(hosts: tuple[Host, Host], raw: Any,
     assert s2["fetch_bytes"] == len(data) and s2["errors"] == 0 and s2["reachable"] is True
     # Published once: the other host's publication is skipped.
     two.write(READ_AT, data)
-    assert tier2.publish(NAMESPACE, mm_hash, shape, "bfloat16", len(data), lambda: None,
-                         extents=list(READ_AT))
+    assert tier2.publish(NAMESPACE, mm_hash, shape, "bfloat16", two.region, READ_AT,
+                         lambda: True)
     assert wait_for(lambda: tier2.snapshot()["publish_exists"] == 1, 5.0)
 
 
@@ -907,13 +912,13 @@ def test_a_tier_refuses_bad_values_without_blaming_the_store(
     assert raw.put(value_key(STORE_NS, corrupt) + SIDECAR,
                    sidecar(corrupt, SHAPE, "float16", data, namespace=STORE_NS)) == 0
 
-    assert tier.fetch(NAMESPACE, short) is None
-    value = tier.fetch(NAMESPACE, corrupt)
-    assert isinstance(value, StoredValue) and value.nbytes == 800
+    assert tier.fetch(NAMESPACE, short, 800) is None
+    found = tier.fetch(NAMESPACE, corrupt, 800)
+    assert found is not None and found.nbytes == 800
     at = [(1 << 20, 800)]
-    assert value.write_into(None, at) is False
+    assert tier.fetch_into(NAMESPACE, corrupt, found, hosts[1].region, at) is False
     snap = tier.snapshot()
     assert (snap["bad_values"], snap["remote_hits"], snap["errors"]) == (2, 0, 0)
     assert snap["reachable"] is True and snap["breakers_open"] == 0
-    assert tier.fetch(NAMESPACE, fresh("absent")) is None
+    assert tier.fetch(NAMESPACE, fresh("absent"), 800) is None
     assert tier.snapshot()["remote_misses"] == 1

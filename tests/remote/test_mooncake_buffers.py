@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ec_daemon.remote.mooncake import MooncakeStore, buffer_bytes, parse_url
-from ec_daemon.remote.tier import Outcome, RemoteTier, StoredValue
+from ec_daemon.core.events import Resolution
+from ec_daemon.durable.region import Region
+from ec_daemon.remote.common import Common
+from ec_daemon.remote.mooncake.backend import MooncakeBackend
+from ec_daemon.remote.mooncake.buffers import buffer_bytes
+from ec_daemon.remote.mooncake.store import MooncakeStore
+from ec_daemon.remote.mooncake.url import parse_url
+from ec_daemon.remote.tier import RemoteTier
 from tests import mooncake_servers
 from tests.remote.conftest import needs_mooncake, wait_for
 
@@ -67,43 +74,41 @@ class Registered:
 
 @pytest.fixture
 def tier(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[
-        tuple[RemoteTier, MooncakeStore, Registered, memoryview]]:
+        tuple[RemoteTier, MooncakeStore, Registered, Region]]:
     from mooncake.store import MooncakeDistributedStore
 
     registered = Registered(MooncakeDistributedStore())
     spec = parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB"))
-    moon = MooncakeStore(spec, client_factory=lambda: registered)
+    common = Common(promotion_bytes=BUDGET)
+    moon = MooncakeStore(spec, client_factory=lambda: registered, budget=common.budget)
     fd = os.memfd_create("region")
     os.ftruncate(fd, REGION)
-    import mmap
-
-    mapped = mmap.mmap(fd, REGION)
-    view = memoryview(mapped)
-    tier = RemoteTier(moon, ttl_s=60, publish_queue_bytes=1 << 20, promotion_bytes=BUDGET)
+    region = Region(Path("/proc/self/fd") / str(fd), REGION, 1, fd)
+    tier = RemoteTier(MooncakeBackend(common, moon, index_bytes=64 << 20),
+                      publish_queue_bytes=1 << 20)
     try:
-        moon.use_region(fd, REGION)
         tier.follow(NS, STORE_NS)
-        assert wait_for(lambda: moon._client is not None, 60), moon._last_error
+        assert wait_for(lambda: moon.connection.current[0] is not None, 60), \
+            moon.connection._last_error
         tier.start()
-        yield tier, moon, registered, view
+        yield tier, moon, registered, region
     finally:
         tier.stop()
-        view.release()
-        mapped.close()
         os.close(fd)
 
 
-def publish(moon: MooncakeStore, region: memoryview, mm_hash: str, seed: int) -> bytes:
+def publish(moon: MooncakeStore, region: Region, mm_hash: str, seed: int) -> bytes:
     data = np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float16).tobytes()
-    region[:NBYTES] = data
-    assert moon.put_entry(STORE_NS, mm_hash, SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    region.write([(0, NBYTES)], [data])
+    assert moon.put_entry(STORE_NS, mm_hash, SHAPE, "float16", region,
+                          [(0, NBYTES)]) == "stored"
     return data
 
 
 def found(tier: RemoteTier, mm_hash: str) -> None:
-    told: list[Outcome] = []
+    told: list[Resolution] = []
     assert tier.resolve(NS, mm_hash, told.append, claim=False)
-    assert wait_for(lambda: told, 10) and told[0] is Outcome.FOUND, told
+    assert wait_for(lambda: told, 10) and told[0] is Resolution.FOUND, told
 
 
 def test_promotions_within_the_budget_never_hold_more_buffers_than_it(tier: Any) -> None:
@@ -120,8 +125,9 @@ def test_promotions_within_the_budget_never_hold_more_buffers_than_it(tier: Any)
 
     def promote(i: int, mm_hash: str) -> None:
         value = tier.fetch(NS, mm_hash, NBYTES)
-        assert isinstance(value, StoredValue)
-        results[mm_hash] = value.write_into(None, [(NBYTES * (i + 1), NBYTES)])
+        assert value is not None
+        results[mm_hash] = tier.fetch_into(NS, mm_hash, value, region,
+                                           [(NBYTES * (i + 1), NBYTES)])
 
     threads = [threading.Thread(target=promote, args=(i, h))
                for i, h in enumerate(keys[:PROMOTIONS])]
@@ -135,22 +141,22 @@ def test_promotions_within_the_budget_never_hold_more_buffers_than_it(tier: Any)
     registered.meet = None
     assert results == dict.fromkeys(keys[:PROMOTIONS], True)
     for i, mm_hash in enumerate(keys[:PROMOTIONS]):
-        assert bytes(region[NBYTES * (i + 1):NBYTES * (i + 2)]) == data[mm_hash]
+        assert region.read([(NBYTES * (i + 1), NBYTES)])[0] == data[mm_hash]
     # The transfer buffers never held more than the budget.
     assert registered.peak <= BUDGET, (registered.peak, BUDGET)
-    assert moon.buffers_bytes == registered.now == tier.budget.held
+    assert moon.buffers.buffers_bytes == registered.now == tier.budget.held
     # A promotion alone: its buffer stays pooled, held in the budget.
     last = tier.reserve(NS, keys[-1])
     assert last is not None and last.bytes == buffer_bytes(24 + NBYTES)
     value = tier.fetch(NS, keys[-1], NBYTES)
-    assert value is not None and value.write_into(None, [(0, NBYTES)])
+    assert value is not None and tier.fetch_into(NS, keys[-1], value, region, [(0, NBYTES)])
     last.release()
-    assert moon.buffers_bytes == registered.now == tier.budget.held >= last.bytes
+    assert moon.buffers.buffers_bytes == registered.now == tier.budget.held >= last.bytes
     assert tier.snapshot()["promotion_bytes"] == tier.budget.held
     # Promotions are not refused for buffers that sit idle: those are freed.
     again = [tier.reserve(NS, mm_hash) for mm_hash in keys[:PROMOTIONS]]
     assert all(r is not None for r in again), (again, tier.budget.held)
-    assert registered.now == moon.buffers_bytes < last.bytes
+    assert registered.now == moon.buffers.buffers_bytes < last.bytes
     for reservation in again:
         assert reservation is not None
         reservation.release()

@@ -10,16 +10,15 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ec_daemon.remote.mooncake import (
-    MooncakeStore,
-    parse_url,
-    value_key,
-    vllm_header,
-)
+from ec_daemon.durable.region import Region
+from ec_daemon.remote.mooncake.codec import value_key, vllm_header
+from ec_daemon.remote.mooncake.store import MooncakeStore
+from ec_daemon.remote.mooncake.url import parse_url
 from tests import mooncake_servers
 from tests.remote.conftest import needs_mooncake, payload, wait_for
 
@@ -49,9 +48,10 @@ class Counting:
 
 
 @pytest.fixture(scope="module")
-def stores(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[Any, Any]]:
-    """(a MooncakeStore over a counting client, with a region; a raw client
-    lending the store its memory)."""
+def stores(mooncake_master: mooncake_servers.MooncakeMaster
+           ) -> Iterator[tuple[Any, Any, Region]]:
+    """(a MooncakeStore over a counting client; a raw client lending the
+    store its memory; a region the store reads and writes)."""
     from mooncake.store import MooncakeDistributedStore
 
     with mooncake_servers.raw_client(mooncake_master) as raw:
@@ -59,47 +59,47 @@ def stores(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[A
         spec = replace(parse_url(mooncake_master.url), segment_bytes=0)
         store = MooncakeStore(spec, client_factory=lambda: counting)
         fd = os.memfd_create("region")
+        region = Region(Path("/proc/self/fd") / str(fd), REGION, 1, fd)
         try:
             os.ftruncate(fd, REGION)
-            store.use_region(fd, REGION)
-            assert wait_for(lambda: store._client is not None, 60)
-            yield store, raw, fd
+            assert wait_for(lambda: store.connection.current[0] is not None, 60)
+            yield store, raw, region
         finally:
             store.close()
             os.close(fd)
 
 
 def _reads(store: MooncakeStore) -> int:
-    calls = store._client.calls
+    calls = store.connection.current[0].calls
     return int(sum(n for name, n in calls.items() if "get" in name or "exist" in name))
 
 
 def test_a_published_value_is_described_by_its_checksum_in_one_read(stores):
-    store, _raw, fd = stores
+    store, _raw, region = stores
     data = payload(800)
-    os.pwrite(fd, data, 0)
-    assert store.put_entry(STORE_NS, "one-read", SHAPE, "float16", [(0, 800)]) == "stored"
+    region.write([(0, 800)], [data])
+    assert store.put_entry(STORE_NS, "one-read", SHAPE, "float16", region,
+                           [(0, 800)]) == "stored"
     before = _reads(store)
     head = store.head(STORE_NS, "one-read")
     assert _reads(store) - before == 1
     assert head is not None and (head.shape, head.dtype, head.nbytes) == (SHAPE, "float16", 800)
-    assert head.sidecar is not None
-    assert store.get_into(STORE_NS, "one-read", head, [(4096, 300), (8192, 500)])
-    views = store.region_views([(4096, 300), (8192, 500)])
-    assert bytes(views[0]) + bytes(views[1]) == data
+    assert head.header is not None
+    assert store.get_into(STORE_NS, "one-read", head, region, [(4096, 300), (8192, 500)])
+    assert b"".join(region.read([(4096, 300), (8192, 500)])) == data
 
 
 def test_a_value_vllm_wrote_is_described_by_its_header(stores):
-    store, raw, _fd = stores
+    store, raw, region = stores
     data = payload(800)
     assert raw.put(value_key(STORE_NS, "vllm"), vllm_header(SHAPE, "float16") + data) == 0
     before = _reads(store)
     head = store.head(STORE_NS, "vllm")
     assert _reads(store) - before == 2  # no checksum (said absent, not failed), the header
-    assert head is not None and head.sidecar is None
+    assert head is not None and head.header is None
     assert (head.shape, head.dtype, head.nbytes) == (SHAPE, "float16", 800)
-    assert store.get_into(STORE_NS, "vllm", head, [(0, 800)])
-    assert bytes(store.region_views([(0, 800)])[0]) == data
+    assert store.get_into(STORE_NS, "vllm", head, region, [(0, 800)])
+    assert region.read([(0, 800)])[0] == data
     assert store.head(STORE_NS, "absent") is None
 
 
@@ -110,16 +110,18 @@ def test_bytes_a_peer_rewrites_after_they_were_checked_never_reach_the_pages(
     into the pages from that private copy: a peer rewriting the chunk just
     after it was checked changes nothing served (checked one place, written
     from another, its bytes would reach the pages behind a passing check)."""
-    import ec_daemon.remote.mooncake as mooncake
+    from ec_daemon.remote import values
+    from ec_daemon.remote.mooncake import store as store_module
 
-    store, _raw, fd = stores
+    store, _raw, region = stores
+    fd = region.fileno()
     data = payload(800)
     os.pwrite(fd, data, 0)
-    assert store.put_entry(STORE_NS, "peer", SHAPE, "float16", [(0, 800)]) == "stored"
+    assert store.put_entry(STORE_NS, "peer", SHAPE, "float16", region, [(0, 800)]) == "stored"
     head = store.head(STORE_NS, "peer")
-    assert head is not None and head.sidecar is not None
+    assert head is not None and head.header is not None
     buffers: list[memoryview] = []
-    taken = store._buffer
+    taken = store.buffers.buffer
 
     def capture(*args: Any, **kwargs: Any) -> Any:
         context = taken(*args, **kwargs)
@@ -134,7 +136,7 @@ def test_bytes_a_peer_rewrites_after_they_were_checked_never_reach_the_pages(
                 return context.__exit__(*exc)
         return Held()
 
-    class Scribbled(mooncake.values.Check):
+    class Scribbled(values.Check):
         seen = 0
 
         def update(self, piece: Any) -> None:
@@ -143,10 +145,10 @@ def test_bytes_a_peer_rewrites_after_they_were_checked_never_reach_the_pages(
             buffers[-1][at:at + len(piece)] = bytes(len(piece))  # the peer's write
             self.seen += len(piece)
 
-    monkeypatch.setattr(store, "_buffer", capture)
-    monkeypatch.setattr(mooncake, "COPY_CHUNK", 256)
-    monkeypatch.setattr(mooncake.values, "Check", Scribbled)
+    monkeypatch.setattr(store.buffers, "buffer", capture)
+    monkeypatch.setattr(store_module, "COPY_CHUNK", 256)
+    monkeypatch.setattr(values, "Check", Scribbled)
     os.pwrite(fd, b"\xee" * 800, 4096)
-    assert store.get_into(STORE_NS, "peer", head, [(4096, 300), (8192, 500)])
+    assert store.get_into(STORE_NS, "peer", head, region, [(4096, 300), (8192, 500)])
     assert os.pread(fd, 300, 4096) + os.pread(fd, 500, 8192) == data
     assert bytes(buffers[-1][24:824]) == bytes(800)  # (the peer did write)

@@ -15,34 +15,43 @@ from typing import Any
 
 import pytest
 
+from ec_daemon.durable.region import Region
 from ec_daemon.remote import values
-from ec_daemon.remote.mooncake import value_key
+from ec_daemon.remote.mooncake.codec import value_key
 from tests import mooncake_servers
 from tests.remote.conftest import needs_mooncake
-from tests.remote.test_mooncake_store import NAMESPACE, NBYTES, SHAPE, fill, store  # noqa: F401
+from tests.remote.test_mooncake_store import (  # noqa: F401
+    NAMESPACE,
+    NBYTES,
+    SHAPE,
+    clear,
+    fill,
+    read,
+    store,
+)
 
 pytestmark = needs_mooncake
 
 
-def read_back(moon: Any, region: memoryview, mm_hash: str) -> bytes:
+def read_back(moon: Any, region: Region, mm_hash: str) -> bytes:
     head = moon.head(NAMESPACE, mm_hash)
     assert head is not None
-    region[NBYTES:2 * NBYTES] = bytes(NBYTES)
-    assert moon.get_into(NAMESPACE, mm_hash, head, [(NBYTES, NBYTES)])
-    return bytes(region[NBYTES:2 * NBYTES])
+    clear(region, NBYTES)
+    assert moon.get_into(NAMESPACE, mm_hash, head, region, [(NBYTES, NBYTES)])
+    return read(region, NBYTES)
 
 
 def test_a_value_evicted_before_its_checksum_is_published_again_readable(
         store: Any, mooncake_master: mooncake_servers.MooncakeMaster) -> None:  # noqa: F811
     moon, region = store
     fill(region, 1)
-    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", region, [(0, NBYTES)]) == "stored"
     with mooncake_servers.raw_client(mooncake_master) as other:
         # Mooncake evicts objects one by one: the value goes, its checksum stays.
         assert other.remove(value_key(NAMESPACE, "img"), True) == 0
     # Encoded again elsewhere (another GPU, another batch: not bit-identical).
     again = fill(region, 2)
-    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", region, [(0, NBYTES)]) == "stored"
     try:
         assert read_back(moon, region, "img") == again
     except values.BadValue as exc:
@@ -52,9 +61,9 @@ def test_a_value_evicted_before_its_checksum_is_published_again_readable(
 def test_an_item_named_after_anothers_checksum_key_does_not_poison_it(store: Any) -> None:  # noqa: F811
     moon, region = store
     fill(region, 3)
-    moon.put_entry(NAMESPACE, "victim@ecd1", SHAPE, "float16", [(0, NBYTES)])
+    moon.put_entry(NAMESPACE, "victim@ecd1", SHAPE, "float16", region, [(0, NBYTES)])
     data = fill(region, 4)
-    assert moon.put_entry(NAMESPACE, "victim", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    assert moon.put_entry(NAMESPACE, "victim", SHAPE, "float16", region, [(0, NBYTES)]) == "stored"
     try:
         assert read_back(moon, region, "victim") == data
     except values.BadValue as exc:
@@ -82,29 +91,34 @@ def test_a_promotion_the_regions_file_refuses_is_not_the_stores_failure(
     refused as a local error: the promotion fails, counted, but the
     store answered, and its circuit breaker (one failure opens it here) stays
     closed for every other key."""
-    from ec_daemon.remote.tier import RemoteTier, StoredValue
+    import os
+
+    from ec_daemon.remote.common import Common
+    from ec_daemon.remote.mooncake.backend import MooncakeBackend
+    from ec_daemon.remote.tier import RemoteTier
 
     moon, region = store
     fill(region, 5)
-    assert moon.put_entry(NAMESPACE, "local", SHAPE, "float16", [(0, NBYTES)]) == "stored"
-    tier = RemoteTier(moon, ttl_s=60, publish_queue_bytes=1 << 20, breaker_threshold=1)
+    assert moon.put_entry(NAMESPACE, "local", SHAPE, "float16", region,
+                          [(0, NBYTES)]) == "stored"
+    common = Common(promotion_bytes=256 << 20, breaker_threshold=1)
+    tier = RemoteTier(MooncakeBackend(common, moon, index_bytes=1 << 20),
+                      publish_queue_bytes=1 << 20)
     tier.follow("ns", NAMESPACE)
     readonly = tmp_path / "region"
     readonly.write_bytes(bytes(4 * NBYTES))
-    held = moon._region_file
-    moon._region_file = open(readonly, "rb", buffering=0)  # noqa: SIM115 (pwrite: EBADF)
+    refusing = Region(readonly, 4 * NBYTES, 1, os.open(readonly, os.O_RDONLY))  # pwrite: EBADF
     try:
-        value = tier.fetch("ns", "local")
-        assert isinstance(value, StoredValue)
-        assert not value.write_into(None, [(NBYTES, NBYTES)])
+        value = tier.fetch("ns", "local", NBYTES)
+        assert value is not None
+        assert not tier.fetch_into("ns", "local", value, refusing, [(NBYTES, NBYTES)])
     finally:
-        moon._region_file.close()
-        moon._region_file = held
+        refusing.close(remove=False)
     assert tier.snapshot()["errors"] == 1
     assert set(tier.states().values()) == {"closed"}
-    value = tier.fetch("ns", "local")
-    assert value is not None and value.write_into(None, [(NBYTES, NBYTES)])
-    assert bytes(region[NBYTES:2 * NBYTES]) == bytes(region[:NBYTES])
+    value = tier.fetch("ns", "local", NBYTES)
+    assert value is not None and tier.fetch_into("ns", "local", value, region, [(NBYTES, NBYTES)])
+    assert read(region, NBYTES) == read(region, 0)
 
 
 def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
@@ -122,8 +136,13 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
     import threading
     import time
 
-    from ec_daemon.remote.mooncake import CLAIM, MooncakeStore, parse_url
-    from ec_daemon.remote.tier import Outcome, RemoteTier
+    from ec_daemon.core.events import Resolution
+    from ec_daemon.remote.common import Common
+    from ec_daemon.remote.mooncake.backend import MooncakeBackend
+    from ec_daemon.remote.mooncake.codec import CLAIM
+    from ec_daemon.remote.mooncake.store import MooncakeStore
+    from ec_daemon.remote.mooncake.url import parse_url
+    from ec_daemon.remote.tier import RemoteTier
     from tests.remote.conftest import wait_for
 
     claims = [f"claimed-{i}" for i in range(8)]
@@ -140,19 +159,22 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
         child.send_signal(signal.SIGKILL)
         child.wait()
     moon = MooncakeStore(parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB")))
-    tier = RemoteTier(moon, ttl_s=3600, publish_queue_bytes=1 << 20, claim_s=30)
+    tier = RemoteTier(MooncakeBackend(Common(promotion_bytes=256 << 20), moon,
+                                      index_bytes=1 << 20), publish_queue_bytes=1 << 20,
+                      claim_s=30)
     tier.follow(DAEMON_NS, NAMESPACE)
-    told: list[tuple[str, Outcome]] = []
+    told: list[tuple[str, Resolution]] = []
     lock = threading.Lock()
 
     def teller(name: str) -> Any:
-        def done(outcome: Outcome) -> None:
+        def done(outcome: Resolution) -> None:
             with lock:
                 told.append((name, outcome))
         return done
 
     try:
-        assert wait_for(lambda: moon._client is not None, timeout_s=60), moon._last_error
+        assert wait_for(lambda: moon.connection.current[0] is not None, timeout_s=60), \
+            moon.connection._last_error
         # Queued before the resolver threads start: one round holds them all.
         for names in zip(claims, new, held + [""] * 4, strict=True):
             for name in filter(None, names):
@@ -167,8 +189,9 @@ def test_a_dead_hosts_claims_and_values_hold_up_only_their_own_keys(
         order = [name for name, _ in told]
         outcome = dict(told)
         assert set(order[:len(new)]) == set(new), order  # the new keys first
-        assert all(outcome[n] is Outcome.CLAIMED for n in new), told
-        assert all(outcome[n] in (Outcome.FAILED, Outcome.CLAIMED) for n in claims + held), told
+        assert all(outcome[n] is Resolution.CLAIMED for n in new), told
+        assert all(outcome[n] in (Resolution.FAILED, Resolution.CLAIMED)
+                   for n in claims + held), told
         assert len(order) == len(everyone), told  # each told once
         assert tier.snapshot()["claims_taken"] >= len(new)
         assert took < 8, took

@@ -1,19 +1,23 @@
 """MooncakeStore (the second tier's Mooncake backend) against a real
-mooncake_master: publishing from a mapped region, and what it
-leaves in the store when the region's pages were reused during the send."""
+mooncake_master: publishing from the region's pages (read with pread, as
+the daemon reads them), and what it leaves in the store when the region's
+pages were reused during the send."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ec_daemon.remote.mooncake import MooncakeStore, parse_url, value_key
+from ec_daemon.durable.region import Region
+from ec_daemon.remote.mooncake.codec import value_key
+from ec_daemon.remote.mooncake.store import MooncakeStore
+from ec_daemon.remote.mooncake.url import parse_url
 from tests import mooncake_servers
 from tests.remote.conftest import needs_mooncake, wait_for
 
@@ -28,40 +32,47 @@ NBYTES = SHAPE[0] * SHAPE[1] * 2
 
 @pytest.fixture
 def store(mooncake_master: mooncake_servers.MooncakeMaster) -> Iterator[tuple[MooncakeStore,
-                                                                             memoryview]]:
-    """A connected MooncakeStore on a 1 MiB region (a file in /dev/shm, as
-    the daemon's), and a writable view of that region."""
+                                                                             Region]]:
+    """A connected MooncakeStore, and a 1 MiB region (a file in /dev/shm, as
+    the daemon's) it publishes from and promotes into."""
     url = mooncake_master.url_with(segment="32MiB", buffer="8MiB")
     with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as file:
         file.truncate(REGION_BYTES)
-        mapped = mmap.mmap(file.fileno(), REGION_BYTES)
-        view = memoryview(mapped)
+        region = Region(Path(f"/proc/self/fd/{file.fileno()}"), REGION_BYTES, 1, file.fileno())
         moon = MooncakeStore(parse_url(url))
         try:
-            moon.use_region(file.fileno(), REGION_BYTES)
-            assert wait_for(lambda: moon._client is not None, timeout_s=60), moon._last_error
-            yield moon, view
+            assert wait_for(lambda: moon.connection.current[0] is not None, timeout_s=60), \
+                moon.connection._last_error
+            yield moon, region
         finally:
             moon.close()
-            view.release()
-            mapped.close()
 
 
-def fill(region: memoryview, seed: int) -> bytes:
+def fill(region: Region, seed: int, at: int = 0) -> bytes:
+    """An entry's bytes written into the region at `at` (as a worker's save does)."""
     data = np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float16).tobytes()
-    region[:NBYTES] = data
+    region.write([(at, NBYTES)], [data])
     return data
+
+
+def clear(region: Region, at: int, nbytes: int = NBYTES) -> None:
+    region.write([(at, nbytes)], [bytes(nbytes)])
+
+
+def read(region: Region, at: int, nbytes: int = NBYTES) -> bytes:
+    return region.read([(at, nbytes)])[0]
 
 
 def test_a_published_entry_is_read_back(store: Any) -> None:
     moon, region = store
     data = fill(region, 1)
-    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", [(0, NBYTES)]) == "stored"
+    assert moon.put_entry(NAMESPACE, "img", SHAPE, "float16", region,
+                          [(0, NBYTES)]) == "stored"
     head = moon.head(NAMESPACE, "img")
-    assert head is not None and head.sidecar is not None
-    region[:NBYTES] = bytes(NBYTES)
-    assert moon.get_into(NAMESPACE, "img", head, [(0, NBYTES)])
-    assert bytes(region[:NBYTES]) == data
+    assert head is not None and head.header is not None
+    clear(region, 0)
+    assert moon.get_into(NAMESPACE, "img", head, region, [(0, NBYTES)])
+    assert read(region, 0) == data
 
 
 def test_an_entry_whose_pages_were_reused_before_it_was_sent_is_not_stored(
@@ -77,7 +88,8 @@ def test_an_entry_whose_pages_were_reused_before_it_was_sent_is_not_stored(
         fill(region, 3)  # (another entry's bytes now)
         return False
 
-    result = moon.put_entry(NAMESPACE, "reused", SHAPE, "float16", [(0, NBYTES)], current)
+    result = moon.put_entry(NAMESPACE, "reused", SHAPE, "float16", region, [(0, NBYTES)],
+                            current)
     assert result == "rewritten"
     assert moon.head(NAMESPACE, "reused") is None
     assert moon.present([(NAMESPACE, "reused")]) == [False]
@@ -93,14 +105,14 @@ def test_pages_reused_once_copied_out_do_not_change_what_is_stored(store: Any) -
     def current() -> bool:  # the stamp still holds the entry at the copy...
         return True
 
-    assert moon.put_entry(NAMESPACE, "kept", SHAPE, "float16", [(0, NBYTES)],
+    assert moon.put_entry(NAMESPACE, "kept", SHAPE, "float16", region, [(0, NBYTES)],
                           current) == "stored"
     fill(region, 5)  # ...and the pages are reused right after
     head = moon.head(NAMESPACE, "kept")
-    assert head is not None and head.sidecar is not None
-    region[NBYTES:2 * NBYTES] = bytes(NBYTES)
-    assert moon.get_into(NAMESPACE, "kept", head, [(NBYTES, NBYTES)])
-    assert bytes(region[NBYTES:2 * NBYTES]) == data
+    assert head is not None and head.header is not None
+    clear(region, NBYTES)
+    assert moon.get_into(NAMESPACE, "kept", head, region, [(NBYTES, NBYTES)])
+    assert read(region, NBYTES) == data
 
 
 def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
@@ -113,7 +125,8 @@ def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
     moon, _ = store
     other = MooncakeStore(parse_url(mooncake_master.url_with(segment="32MiB", buffer="8MiB")))
     try:
-        assert wait_for(lambda: other._client is not None, timeout_s=60), other._last_error
+        assert wait_for(lambda: other.connection.current[0] is not None, timeout_s=60), \
+            other.connection._last_error
         keys = [(NAMESPACE, f"new-{i}") for i in range(50)]
         results: dict[str, list[bool]] = {}
 
@@ -144,22 +157,22 @@ def test_claims_in_a_batch_give_each_key_to_exactly_one_host(
 
 
 def test_published_and_promoted_pages_leave_the_daemons_rss(store: Any) -> None:
-    """The store reads and writes entries through its own mapping of the
-    region; once done, their pages are dropped from it (the region keeps
-    them): the daemon's RSS, which the OOM killer reads, does not grow to
-    the region's size with everything it ever published or promoted."""
+    """The store reads and writes entries with pread and pwrite, never
+    through a mapping of the region: the daemon's RSS, which the OOM killer
+    reads, does not grow to the region's size with everything it ever
+    published or promoted."""
     from tests.unit.test_region import rss_shmem_kib
 
     moon, region = store
     shape, half = (1024, 256), REGION_BYTES // 2  # 512 KiB of float16
     data = np.random.default_rng(9).standard_normal(shape).astype(np.float16).tobytes()
-    region[:half] = data
-    region[half:] = bytes(half)  # (the test's own mapping: touched before measuring)
+    region.write([(0, half)], [data])
+    clear(region, half, half)
     before = rss_shmem_kib()
-    assert moon.put_entry(NAMESPACE, "rss", shape, "float16", [(0, half)]) == "stored"
+    assert moon.put_entry(NAMESPACE, "rss", shape, "float16", region, [(0, half)]) == "stored"
     head = moon.head(NAMESPACE, "rss")
     assert head is not None
-    assert moon.get_into(NAMESPACE, "rss", head, [(half, half)])
+    assert moon.get_into(NAMESPACE, "rss", head, region, [(half, half)])
     after = rss_shmem_kib()
-    assert bytes(region[half:]) == data  # read through the store's mapping, written there
+    assert read(region, half, half) == data
     assert after - before < 128, (before, after)

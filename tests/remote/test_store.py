@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from ec_daemon.remote.store import (
+from ec_daemon.remote.common import RemoteAuthError, RemoteError
+from ec_daemon.remote.redis.shards import IndexShards
+from ec_daemon.remote.redis.store import (
     CHUNK_BYTES,
     FIRST_READ_BYTES,
     INDEX_SHARDS,
     RedisStore,
-    RemoteAuthError,
-    RemoteError,
     index_key,
     open_store,
-    parse_url,
     value_key,
 )
+from ec_daemon.remote.redis.url import parse_url
 from ec_daemon.remote.values import decode, encode
 from tests import redis_servers
 from tests.remote.conftest import NAMESPACE, needs_redis, payload, wait_for
@@ -71,7 +71,7 @@ def test_bad_urls_name_the_accepted_forms(url: str, reason: str) -> None:
 
 
 def test_token_files(token_file: Callable[[str], str], tmp_path: Path) -> None:
-    from ec_daemon.remote.store import read_credentials
+    from ec_daemon.remote.redis.url import read_credentials
 
     assert read_credentials(token_file("s3cret:with:colons\n")) == (None, "s3cret:with:colons")
     assert read_credentials(token_file("\nalice\n  pw  \n")) == ("alice", "pw")
@@ -121,15 +121,15 @@ def test_put_get_round_trip(node: redis_servers.RedisServer, size: int) -> None:
 def test_a_put_is_one_set_of_the_parts_as_they_are() -> None:
     """SET key value PX ttl in RESP: the payload goes out as the caller's own
     buffer; small parts ride with the command's text (fewer sends)."""
-    from ec_daemon.remote.store import SMALL_PART_BYTES, _set_command
+    from ec_daemon.remote.redis.resp import SMALL_PART_BYTES, set_command
 
     big = bytearray(SMALL_PART_BYTES * 2)
-    pieces = _set_command("ecd1:v:{é}", [b"head", memoryview(big), b"x"], 1500)
+    pieces = set_command("ecd1:v:{é}", [b"head", memoryview(big), b"x"], 1500)
     assert pieces[0] == b"*5\r\n$3\r\nSET\r\n$11\r\necd1:v:{\xc3\xa9}\r\n$%d\r\nhead" % (
         len(big) + 5)
     assert isinstance(pieces[1], memoryview) and pieces[1].obj is big
     assert pieces[2:] == [b"x\r\n$2\r\nPX\r\n$4\r\n1500\r\n"]
-    assert _set_command("k", [b""], 1) == [b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n"
+    assert set_command("k", [b""], 1) == [b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n"
                                            b"\r\n$2\r\nPX\r\n$1\r\n1\r\n"]
 
 
@@ -166,7 +166,7 @@ def test_a_bulk_reply_is_read_into_a_buffer_and_nothing_past_it(step: int) -> No
 
     from redis.exceptions import InvalidResponse, MovedError, ResponseError
 
-    from ec_daemon.remote.store import _read_bulk
+    from ec_daemon.remote.redis.resp import read_bulk
 
     # (A reply's first line is read with room to spare; nothing follows a
     # reply on a connection, except in this test, read a byte at a time.)
@@ -174,7 +174,7 @@ def test_a_bulk_reply_is_read_into_a_buffer_and_nothing_past_it(step: int) -> No
 
     def read(reply: bytes, most: int = 100) -> tuple[object, bytes]:
         sock = _Socket(reply + after, step)
-        got = _read_bulk(SimpleNamespace(_sock=sock), most)
+        got = read_bulk(SimpleNamespace(_sock=sock), most)
         return (bytes(got) if got is not None else None), sock.data
 
     assert read(b"$12\r\nhello\r\nworld\r\n") == (b"hello\r\nworld", after)
@@ -189,7 +189,7 @@ def test_a_bulk_reply_is_read_into_a_buffer_and_nothing_past_it(step: int) -> No
         with pytest.raises(InvalidResponse):
             read(bad, most=5)
     with pytest.raises(ConnectionError):
-        _read_bulk(SimpleNamespace(_sock=_Socket(b"$5\r\nhel", step)), 5)
+        read_bulk(SimpleNamespace(_sock=_Socket(b"$5\r\nhel", step)), 5)
 
 
 @needs_redis
@@ -245,11 +245,12 @@ def test_ttl_expiry(node: redis_servers.RedisServer) -> None:
 @needs_redis
 def test_the_index(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
+    streams = IndexShards(store)
     node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
     before_ms = int(node.client().time()[0]) * 1000
     for i in range(30):
-        store.announce(NAMESPACE, f"idx-{i}", 1000 + i, 60.0)
-    found, cursor = store.read_index(None, 0.1, 1000)
+        streams.announce(NAMESPACE, f"idx-{i}", 1000 + i, 60.0)
+    found, cursor = streams.read(None, 0.1, 1000)
     assert sorted(a.mm_hash for a in found) == sorted(f"idx-{i}" for i in range(30))
     a = next(a for a in found if a.mm_hash == "idx-7")
     assert a.namespace == NAMESPACE and a.nbytes == 1007 and a.ttl_ms == 60_000
@@ -258,16 +259,16 @@ def test_the_index(node: redis_servers.RedisServer) -> None:
     assert sum(1 for k in range(INDEX_SHARDS) if node.client().exists(index_key(k))) > 5
     # The cursor moves on; a blocking read returns what comes next.
     started = time.monotonic()
-    assert store.read_index(cursor, 0.2, 1000)[0] == []
+    assert streams.read(cursor, 0.2, 1000)[0] == []
     assert 0.15 < time.monotonic() - started < 1.5
-    store.announce(NAMESPACE, "idx-late", 5, 60.0)
-    found, cursor = store.read_index(cursor, 0.2, 1000)
+    streams.announce(NAMESPACE, "idx-late", 5, 60.0)
+    found, cursor = streams.read(cursor, 0.2, 1000)
     assert [a.mm_hash for a in found] == ["idx-late"]
     # count bounds each shard's batch.
-    found, _ = store.read_index(None, 0.1, 1)
+    found, _ = streams.read(None, 0.1, 1)
     assert len(found) <= INDEX_SHARDS
     # The store's clock (what a follower dates entries by).
-    clock_ms = store.clock_ms()
+    clock_ms = streams.clock_ms()
     assert clock_ms is not None and abs(clock_ms - time.time() * 1000) < 5000
     store.close()
 
@@ -275,12 +276,13 @@ def test_the_index(node: redis_servers.RedisServer) -> None:
 @needs_redis
 def test_the_index_is_trimmed_to_the_ttl(node: redis_servers.RedisServer) -> None:
     store = open_store(node.url)
+    streams = IndexShards(store)
     node.client().delete(*[index_key(k) for k in range(INDEX_SHARDS)])
     for i in range(200):
-        store.announce(NAMESPACE, f"old-{i}", 1, 0.2)
+        streams.announce(NAMESPACE, f"old-{i}", 1, 0.2)
     time.sleep(0.3)
     for i in range(200):
-        store.announce(NAMESPACE, f"new-{i}", 1, 0.2)
+        streams.announce(NAMESPACE, f"new-{i}", 1, 0.2)
     client = node.client()
     lengths = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS))
     assert lengths < 400  # MINID ~ trims whole nodes of old entries
@@ -390,16 +392,15 @@ def test_a_put_to_a_key_that_moved_follows_the_redirection(
         cluster: redis_servers.Cluster) -> None:
     """A stale slot table (a resharding) sends the SET or the GETRANGE to the
     wrong node: the call goes through redis-py, which follows MOVED."""
-    from ec_daemon.remote.store import RedisStore
 
     store = open_store(cluster.url)
     assert isinstance(store, RedisStore)
     store.ping()
     key = value_key(NAMESPACE, "moved")
     owner = cluster.node_of(key)
-    assert store._cluster is not None
-    manager = store._cluster.nodes_manager
-    wrong = next(n for n in store._cluster.get_nodes() if n.port != owner.port)
+    assert store.cluster is not None
+    manager = store.cluster.nodes_manager
+    wrong = next(n for n in store.cluster.get_nodes() if n.port != owner.port)
     manager.slots_cache[cluster.slot_of(key)] = [wrong]
     data = payload(50_000)
     put_value(store, "moved", data)
@@ -415,6 +416,7 @@ def test_a_put_to_a_key_that_moved_follows_the_redirection(
 def test_cluster_announcements_live_beside_their_values(cluster: redis_servers.Cluster) -> None:
     """A value's announcement goes to an index shard on the value's node."""
     store = open_store(cluster.url)
+    streams = IndexShards(store)
     store.ping()
     for n in cluster.nodes:
         keys = [k for k in range(INDEX_SHARDS) if cluster.node_of(index_key(k)) is n]
@@ -425,13 +427,13 @@ def test_cluster_announcements_live_beside_their_values(cluster: redis_servers.C
         client = node.client()
         before = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)
                      if cluster.node_of(index_key(k)) is node)
-        store.announce(NAMESPACE, mm_hash, 1, 60.0)
+        streams.announce(NAMESPACE, mm_hash, 1, 60.0)
         after = sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)
                     if cluster.node_of(index_key(k)) is node)
         assert after == before + 1
-    found, _ = store.read_index(None, 0.1, 10_000)
+    found, _ = streams.read(None, 0.1, 10_000)
     assert {f"beside-{i}" for i in range(20)} <= {a.mm_hash for a in found}
-    clock_ms = store.clock_ms()
+    clock_ms = streams.clock_ms()
     assert clock_ms is not None and abs(clock_ms - time.time() * 1000) < 5000
     store.close()
 
@@ -443,18 +445,17 @@ def test_payloads_go_out_without_copies(node: redis_servers.RedisServer,
     which sends a large payload as it is; the hiredis packer copies it twice."""
     from redis.connection import PythonRespSerializer
 
-    from ec_daemon.remote.store import RedisStore
 
     for url in (node.url, cluster.url):
         store = open_store(url)
         assert isinstance(store, RedisStore)
         put_value(store, "no-copies", b"p" * 100_000)
         assert store.get(NAMESPACE, "no-copies") is not None
-        if store._single is not None:
-            pools = [store._single.connection_pool]
+        if store.single is not None:
+            pools = [store.single.connection_pool]
         else:
-            assert store._cluster is not None
-            pools = [n.redis_connection.connection_pool for n in store._cluster.get_nodes()]
+            assert store.cluster is not None
+            pools = [n.redis_connection.connection_pool for n in store.cluster.get_nodes()]
         for pool in pools:
             connection = pool.get_connection()
             try:
@@ -471,7 +472,8 @@ def test_a_password_in_a_bad_url_is_never_echoed() -> None:
 
 
 def test_index_entries_out_of_bounds_are_ignored() -> None:
-    from ec_daemon.remote.store import Announcement, _announcement
+    from ec_daemon.remote.redis.announcements import Announcement
+    from ec_daemon.remote.redis.shards import _announcement
 
     good = {b"ns": b"m|f16|image=8|", b"h": b"abc", b"n": b"4096", b"t": b"60000",
             b"e": b"1e15"}

@@ -12,7 +12,6 @@ from ec_daemon.remote.values import (
     FORMAT_VERSION,
     BadValue,
     Check,
-    Value,
     decode,
     encode,
     parse_header,
@@ -77,20 +76,9 @@ def test_decode_in_parts_any_boundaries(cuts: list[int]) -> None:
     parts = [raw[a:b] for a, b in itertools.pairwise(bounds)]
     got = decode(parts, namespace=NS, mm_hash=HASH)
     assert bytes(got.payload) == data
-    out = [bytearray(1000), bytearray(len(data) - 1000)]
-    got.copy_into(out)
-    assert bytes(out[0] + out[1]) == data
-
-
-def test_copy_into_scatters_and_checks_sizes() -> None:
-    parts = (memoryview(b"abc"), memoryview(b"defgh"), memoryview(b"ij"))
-    got = Value(shape=(10,), dtype="uint8", nbytes=10, parts=parts)
-    targets = [bytearray(4), bytearray(1), bytearray(5)]
-    got.copy_into(targets)
-    assert b"".join(targets) == b"abcdefghij"
-    assert bytes(got.payload) == b"abcdefghij"
-    with pytest.raises(ValueError, match="targets hold 9 bytes"):
-        got.copy_into([bytearray(9)])
+    # The payload's parts are views of what was read, in order, no copy.
+    assert b"".join(bytes(part) for part in got.parts) == data
+    assert all(isinstance(part, memoryview) for part in got.parts)
 
 
 def test_refuses_a_corrupt_payload_byte() -> None:

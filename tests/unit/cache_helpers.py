@@ -12,17 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ec_daemon.core import invariants
-from ec_daemon.core.cache import AllocResult, Cache
-from ec_daemon.core.events import Snapshot
+from ec_daemon.core.cache import AllocResult, Cache, CacheListener
+from ec_daemon.core.events import ReadySnapshot
 from ec_daemon.core.quotas import PendingCaps
 from ec_daemon.core.sessions import Session, SessionTable
+from ec_daemon.plane.dataplane import DataPlane
 from ec_protocol.stamps import StampTable, table_bytes
 
 PAGE = 1024
-# Every public Cache method that may change state.
-_MUTATORS = ("attach", "open", "end_session", "expire_sessions", "release_ghosts", "record_lookups",
-             "allocate", "refuse_waited_save", "commit", "abort", "release_quarantine",
-             "acknowledge", "hold", "touch", "restore", "compact_index")
+# Every public Cache method that may change state, and its views' (`Cache.views`).
+_MUTATORS = ("attach", "end_session", "expire_sessions", "release_ghosts", "allocate",
+             "refuse_waited_save", "commit", "abort", "release_quarantine", "restore",
+             "compact_index")
+_VIEW_MUTATORS = ("open", "record_lookups", "acknowledge", "hold", "touch")
 
 
 class FakeClock:
@@ -33,19 +35,26 @@ class FakeClock:
         return self.now
 
 
-def _checked(method: Callable[..., Any]) -> Callable[..., Any]:
+def _checked(method: Callable[..., Any], cache: Cache | None = None) -> Callable[..., Any]:
+    """`method` of the cache (or, bound, of `cache`'s parts), checking the
+    cache's invariants after it."""
     @functools.wraps(method)
-    def call(self: Cache, *args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            invariants.check(self)
+            invariants.check(cache if cache is not None else args[0])
 
     return call
 
 
 class CheckedCache(Cache):
     """A Cache whose invariants are checked after every state-changing call."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in _VIEW_MUTATORS:
+            setattr(self.views, name, _checked(getattr(self.views, name), self))
 
 
 for _name in _MUTATORS:
@@ -61,14 +70,24 @@ def stamp_table(pages: int) -> StampTable:
 
 def make_cache(pages: int = 16, lease: float = 10.0, clock: FakeClock | None = None, *,
                stamps: StampTable | None = None, quarantine: float = 300.0,
-               pending_caps: PendingCaps | None = None) -> Cache:
+               pending_caps: PendingCaps | None = None,
+               listener: CacheListener | None = None) -> Cache:
     """A checked cache of `pages` pages; with `stamps`, payload starts at its
     data_offset and allocations are stamped into it."""
     table = SessionTable(lease, clock=clock or FakeClock())
     return CheckedCache(capacity_bytes=pages * PAGE, page_bytes=PAGE, sessions=table,
                         data_offset=stamps.data_offset if stamps is not None else 0,
                         stamps=stamps, quarantine_seconds=quarantine,
-                        pending_caps=pending_caps)
+                        pending_caps=pending_caps, listener=listener)
+
+
+def make_plane(pages: int = 16, clock: FakeClock | None = None, *,
+               alloc_wait_seconds: float = 5.0) -> DataPlane:
+    """A data plane (invariants checked) running a checked cache of `pages`
+    pages (`plane.cache`), its listener."""
+    return DataPlane(lambda listener: make_cache(pages, clock=clock, listener=listener),
+                     lease_seconds=10.0, alloc_wait_seconds=alloc_wait_seconds,
+                     check_invariants=True)
 
 
 def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns", *,
@@ -77,7 +96,7 @@ def scheduler(cache: Cache, engine: str = "E", role: str = "both", ns: str = "ns
     session = cache.attach(engine_id=engine, role=role, rank=None, world_size=1, namespace=ns,
                            client_name="test")
     if stream:
-        cache.open(session)
+        cache.views.open(session)
     return session
 
 
@@ -88,7 +107,7 @@ def worker(cache: Cache, engine: str = "E", rank: int = 0, world: int = 1,
     session = cache.attach(engine_id=engine, role=role, rank=rank, world_size=world,
                            namespace=ns, client_name="test", engine_token=token)
     if stream:
-        cache.open(session)
+        cache.views.open(session)
     return session
 
 
@@ -109,7 +128,7 @@ def drain(session: Session) -> list[Any]:
     events made), emptied."""
     events: list[Any] = []
     for item in session.outbox:
-        if isinstance(item, Snapshot):
+        if isinstance(item, ReadySnapshot):
             events += iter(item.next, None)
         else:
             events.append(item)

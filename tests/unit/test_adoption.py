@@ -15,18 +15,20 @@ from typing import Any
 
 import pytest
 
+from ec_daemon.core import cache as cache_module
 from ec_daemon.core import invariants
 from ec_daemon.core.cache import Cache
 from ec_daemon.core.events import AllocOutcome, EvictedEvent
 from ec_daemon.core.records import State
 from ec_daemon.core.sessions import SessionTable
 from ec_daemon.durable import index as index_module
+from ec_daemon.durable.dead import dead_regions
 from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import encode_ready
-from ec_daemon.durable.region import Region, dead_regions
+from ec_daemon.durable.region import Region
 from ec_daemon.durable.stamp_file import StampFile
 from ec_daemon.errors import ResourceExhausted
-from ec_daemon.serving.adoption import Layout, find
+from ec_daemon.serving.adoption import RegionSpec, find
 from ec_protocol.stamps import file_bytes, table_bytes, whole
 from tests.unit.cache_helpers import FakeClock, drain, scheduler, worker
 
@@ -34,17 +36,17 @@ PAGE = 4096
 SOCKET = "unix:///run/ec-test/ec.sock"
 
 
-def layout(pages: int = 32, page: int = PAGE, socket: str = SOCKET) -> Layout:
+def region_spec(pages: int = 32, page: int = PAGE, socket: str = SOCKET) -> RegionSpec:
     offset = table_bytes(pages, page)
-    return Layout(socket, offset + pages * page, page, offset)
+    return RegionSpec(socket, offset + pages * page, page, offset)
 
 
 class Host:
     """A daemon's core over a real region in `folder` (no gRPC)."""
 
-    def __init__(self, folder: Path, shape: Layout, *, adopt: bool = True,
+    def __init__(self, folder: Path, shape: RegionSpec, *, adopt: bool = True,
                  clock: FakeClock | None = None) -> None:
-        self.layout = shape
+        self.spec = shape
         self.clock = clock or FakeClock()
         adoption, self.why_not, _ = find(str(folder), shape) if adopt else (None, "", ())
         self.adoption = adoption
@@ -63,8 +65,8 @@ class Host:
         invariants.check(self.cache)
 
     def save(self, writer: Any, mm_hash: str, pages: int, *, commit: bool = True) -> Any:
-        result = self.cache.allocate(writer, mm_hash, pages * self.layout.page_bytes,
-                                     (pages, self.layout.page_bytes), "uint8")
+        result = self.cache.allocate(writer, mm_hash, pages * self.spec.page_bytes,
+                                     (pages, self.spec.page_bytes), "uint8")
         if result.outcome is AllocOutcome.ALLOCATED:
             self.region.write(result.extents, [payload(result.entry_id, pages * PAGE)])
             if commit:
@@ -90,7 +92,7 @@ def entries(cache: Cache) -> dict[str, tuple[int, State, tuple[Any, ...]]]:
 
 
 def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     view, w = scheduler(first.cache), worker(first.cache)
     for name, pages in (("a", 2), ("b", 3), ("c", 1)):
         first.save(w, name, pages)
@@ -99,7 +101,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     first.save(gone_writer, "quarantined", 1, commit=False)
     first.cache.end_session(gone_writer)  # its pages: quarantined
     a, b = first.cache.get("ns", "a"), first.cache.get("ns", "b")
-    first.cache.touch(view, [("a", a.entry_id, 1), ("b", b.entry_id, 1)])  # c: least recent
+    first.cache.views.touch(view, [("a", a.entry_id, 1), ("b", b.entry_id, 1)])  # c: least recent
     assert first.save(w, "big", 24).outcome is AllocOutcome.WAIT  # c evicted, not acknowledged
     assert first.cache.state_of("ns", "c") is State.HIDDEN
     before = entries(first.cache)
@@ -107,7 +109,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     drain(view)
     first.crash()
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert second.region.path == first.region.path
     assert second.region.generation == first.region.generation
     after = entries(second.cache)
@@ -120,7 +122,7 @@ def test_a_restart_adopts_what_was_ready_with_its_bytes(tmp_path):
     (ghost,) = second.cache.get("ns", "c").awaiting
     assert ghost.is_ghost and ghost.engine_id == "E"
     # The pending save and the dead writer's save: quarantined, not adopted.
-    assert second.cache.quarantined_pages == 3
+    assert second.cache.quarantine.pages == 3
     summary = second.adoption.summary()
     assert "3 entries" in summary and "1 evicted" in summary and "quarantined" in summary
     # Ids go on above every id of the dead daemon.
@@ -140,7 +142,7 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     """The ghost of an engine's old view holds the evictions of its namespace
     only until that engine re-attaches and declares its loads (`hold`), not
     for a whole lease: saves of a full cache go on within moments."""
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     a_view, b_view = scheduler(first.cache, engine="A"), scheduler(first.cache, engine="B")
     w = worker(first.cache)
     first.save(w, "x", 30)
@@ -150,17 +152,17 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
     drain(b_view)
     first.crash()
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     x = second.cache.get("ns", "x")
     assert x.state is State.HIDDEN and {g.engine_id for g in x.awaiting} == {"A", "B"}
     a_again = scheduler(second.cache, engine="A")
-    second.cache.hold(a_again, [("x", x.entry_id)])  # A is still loading x
+    second.cache.views.hold(a_again, [("x", x.entry_id)])  # A is still loading x
     second.cache.reattached(a_again)
     b_again = scheduler(second.cache, engine="B")
     second.cache.reattached(b_again)  # B loads nothing
     assert x.awaiting == {a_again}  # both ghosts gone; A's new view holds it
     assert not list(second.cache.sessions.ghosts())
-    second.cache.acknowledge(a_again, [("x", x.entry_id)])  # A's load ended
+    second.cache.views.acknowledge(a_again, [("x", x.entry_id)])  # A's load ended
     assert second.cache.get("ns", "x") is None
     second.crash()
 
@@ -168,17 +170,17 @@ def test_an_engine_that_comes_back_releases_its_ghost_at_once(tmp_path):
 def test_an_engine_back_after_its_ghost_expired_stays_journaled(tmp_path):
     """Its old view's ghost ran out first: the engine's new session, attached
     later, is what the journal must still name (a crash now awaits it)."""
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     scheduler(first.cache, engine="A")
     first.crash()
-    second = Host(tmp_path, layout())
-    second.cache.serving()
+    second = Host(tmp_path, region_spec())
+    second.cache.acks.serving()
     second.clock.now += 11
     assert [g.engine_id for g in second.cache.release_ghosts()] == ["A"]
     back = scheduler(second.cache, engine="A")
     second.cache.reattached(back)
     second.crash()
-    third = Host(tmp_path, layout())
+    third = Host(tmp_path, region_spec())
     assert [g.engine_id for g in third.cache.sessions.ghosts()] == ["A"]
     third.crash()
 
@@ -198,22 +200,22 @@ def test_an_entry_hidden_when_no_view_was_attached_is_freed_at_restore():
 
 
 def test_a_record_whose_pages_lost_their_stamp_is_not_adopted(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     w = worker(first.cache)
     first.save(w, "a", 2)
     first.save(w, "b", 1)
     a = first.cache.get("ns", "a")
     first.table.write([(a.runs[0][0] + 1, 1)], 0)  # one page of a: free now
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert set(entries(second.cache)) == {"b"}
     assert second.adoption.verified.rejected == 1
-    assert second.cache.quarantined_pages == 1  # a's page that kept its stamp
+    assert second.cache.quarantine.pages == 1  # a's page that kept its stamp
     second.crash()
 
 
 def test_two_records_never_adopt_one_page(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     w = worker(first.cache)
     first.save(w, "a", 2)
     a = first.cache.get("ns", "a")
@@ -224,7 +226,7 @@ def test_two_records_never_adopt_one_page(tmp_path):
         f.write(encode_ready(a.entry_id + 100, "ns", "other", a.nbytes, a.shape, a.dtype,
                              a.runs))
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     adopted = entries(second.cache)
     assert list(adopted) == ["forged"] and second.adoption.verified.rejected == 1
     second.crash()
@@ -233,10 +235,10 @@ def test_two_records_never_adopt_one_page(tmp_path):
 @pytest.mark.parametrize(("change", "why"), [
     ({"pages": 64}, "--cpu-bytes"), ({"page": 8192, "pages": 16}, "--page-bytes")])
 def test_a_region_of_another_size_is_not_adopted(tmp_path, change, why):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.save(worker(first.cache), "a", 1)
     first.crash()
-    second = Host(tmp_path, layout(**change))
+    second = Host(tmp_path, region_spec(**change))
     assert second.adoption is None and why in second.why_not
     assert second.region.path != first.region.path and not first.region.path.exists()
     assert entries(second.cache) == {}
@@ -244,11 +246,11 @@ def test_a_region_of_another_size_is_not_adopted(tmp_path, change, why):
 
 
 def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path):
-    other = Host(tmp_path, layout(socket="unix:///other.sock"))
+    other = Host(tmp_path, region_spec(socket="unix:///other.sock"))
     other.crash()
-    mine = Host(tmp_path, layout())
+    mine = Host(tmp_path, region_spec())
     mine.crash()
-    adoption, why, _ = find(str(tmp_path), layout(), fresh_start=True)
+    adoption, why, _ = find(str(tmp_path), region_spec(), fresh_start=True)
     assert adoption is None and "--fresh-start" in why
     assert not mine.region.path.exists() and other.region.path.exists()
     for dead in dead_regions(tmp_path):
@@ -256,10 +258,10 @@ def test_regions_of_other_sockets_are_left_and_fresh_start_removes_ours(tmp_path
 
 
 def test_a_region_without_a_readable_index_is_removed(tmp_path):
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.crash()
     index_path(first.region.path).write_bytes(b"garbage")
-    adoption, why, _ = find(str(tmp_path), layout())
+    adoption, why, _ = find(str(tmp_path), region_spec())
     assert adoption is None and "unreadable" in why and not first.region.path.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -331,7 +333,7 @@ def churn(host: Host, rng: random.Random, steps: int) -> None:
             for view in views:
                 refs = [(e.mm_hash, e.entry_id) for e in drain(view)
                         if isinstance(e, EvictedEvent)]
-                cache.acknowledge(view, refs)
+                cache.views.acknowledge(view, refs)
         elif roll < 0.85:
             writers.remove(writer)
             cache.end_session(writer)
@@ -345,7 +347,7 @@ def churn(host: Host, rng: random.Random, steps: int) -> None:
 
 def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
-    monkeypatch.setattr(index_module, "ID_BLOCK", 8)  # reservations on the way too
+    monkeypatch.setattr(cache_module, "ID_BLOCK", 8)  # reservations on the way too
     deadline = time.monotonic() + 20
     adopted_total = snapshots = 0
     seed = 0
@@ -355,15 +357,15 @@ def test_any_crash_point_adopts_only_ready_entries_with_their_own_bytes(tmp_path
         rng = random.Random(seed)
         seed += 1
         (folder / "live").mkdir()
-        host = Host(folder / "live", layout(pages=24))
+        host = Host(folder / "live", region_spec(pages=24))
         points = CrashPoints(monkeypatch, folder, rng, host, every=0.08)
         churn(host, rng, 250)
         monkeypatch.undo()
         monkeypatch.setattr(index_module, "COMPACT_MIN_BYTES", 0)
-        monkeypatch.setattr(index_module, "ID_BLOCK", 8)
+        monkeypatch.setattr(cache_module, "ID_BLOCK", 8)
         snapshots += len(points.taken)
         for snap, handed_out in points.taken:
-            after = Host(snap, layout(pages=24), clock=FakeClock())
+            after = Host(snap, region_spec(pages=24), clock=FakeClock())
             assert after.adoption is not None, after.why_not
             invariants.check(after.cache)  # pages, counters, and every stamp
             for entry in after.cache.entries():
@@ -391,7 +393,7 @@ def test_a_format_1_index_is_still_adopted_and_becomes_format_2(tmp_path):
     from ec_daemon.durable.index import read_header
     from ec_daemon.durable.journal import HEADER_BYTES, VERSION_AT, _frame, decode_records
 
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.save(worker(first.cache), "a", 2)
     entry = first.cache.get("ns", "a")
     first.crash()
@@ -406,7 +408,7 @@ def test_a_format_1_index_is_still_adopted_and_becomes_format_2(tmp_path):
     data[VERSION_AT:VERSION_AT + 4] = struct.pack("<I", 1)
     path.write_bytes(bytes(data[:HEADER_BYTES]) + _frame(body))  # what format 1 wrote
 
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert entries(second.cache) == {"a": (entry.entry_id, State.READY,
                                            second.cache.extents(entry))}
     assert second.cache.get("ns", "a").checksum == 0
@@ -421,14 +423,14 @@ def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
     is reclaimed, and the bookkeeping adds up throughout."""
     import os
 
-    host = Host(tmp_path, layout(pages=8))
+    host = Host(tmp_path, region_spec(pages=8))
     view, w = scheduler(host.cache), worker(host.cache)
     host.save(w, "a", 2)
     host.save(w, "b", 2)
     host.save(w, "c", 1, commit=False)  # pending
     drain(view)
     a, b = host.cache.get("ns", "a"), host.cache.get("ns", "b")
-    cut_at = host.layout.data_offset + 3 * PAGE  # b's second page and everything after
+    cut_at = host.spec.data_offset + 3 * PAGE  # b's second page and everything after
     with open(host.region.path, "r+b") as f:
         os.ftruncate(f.fileno(), cut_at)
     assert host.region.shortfall() == cut_at
@@ -436,12 +438,12 @@ def test_pages_cut_off_the_region_are_never_served_nor_completed(tmp_path):
     lost = host.cache.cut_off(3)
     assert sorted(e.mm_hash for e in lost) == ["b", "c"]
     invariants.check(host.cache)
-    assert host.cache.get("ns", "c") is None and host.cache.quarantined_pages == 1
+    assert host.cache.get("ns", "c") is None and host.cache.quarantine.pages == 1
     assert b.state is State.HIDDEN and b.entry_id in host.cache.lost
     assert not host.table.holds(host.cache.extents(b), b.entry_id)  # stamped LOST
     assert host.table.holds(host.cache.extents(a), a.entry_id)  # untouched
     assert drain(view) == [EvictedEvent("b", b.entry_id)]
-    host.cache.acknowledge(view, [("b", b.entry_id)])
+    host.cache.views.acknowledge(view, [("b", b.entry_id)])
     assert host.cache.get("ns", "b") is None and not host.cache.lost
     invariants.check(host.cache)
     host.crash()
@@ -451,11 +453,11 @@ def test_an_adopted_region_keeps_its_canary_for_the_mappings_that_hold_it(tmp_pa
     """A warm restart leaves workers' mappings alone: they go on checking the
     canary they mapped the file with, so the next daemon keeps it (and tells
     it in its attach replies)."""
-    first = Host(tmp_path, layout())
+    first = Host(tmp_path, region_spec())
     first.save(worker(first.cache), "a", 2)
     canary = first.region.canary
     first.crash()
-    second = Host(tmp_path, layout())
+    second = Host(tmp_path, region_spec())
     assert second.adoption is not None and second.region.canary == canary
     assert second.region.canary_intact()
 
@@ -465,7 +467,7 @@ def test_an_older_daemons_region_without_a_canary_is_adopted_and_given_one(tmp_p
     size): it is adopted with its entries, and the file grows by the trailer,
     with a canary (workers of the older daemon check none; those of this one
     will)."""
-    shape = layout()
+    shape = region_spec()
     first = Host(tmp_path, shape)
     first.save(worker(first.cache), "a", 2)
     path = first.region.path
@@ -484,7 +486,7 @@ def test_a_region_cut_while_no_daemon_watched_is_not_adopted(tmp_path, cut):
     """A client that truncated a dead daemon's region (and regrew it) leaves
     its canary cut: what the cut reached is unknown, so the next start begins
     a fresh region, saying why."""
-    shape = layout()
+    shape = region_spec()
     first = Host(tmp_path, shape)
     first.save(worker(first.cache), "a", 2)
     path = first.region.path

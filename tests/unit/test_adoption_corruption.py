@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 
 from ec_daemon.core import invariants
 from ec_daemon.core.events import AllocOutcome
+from ec_daemon.core.limits import ID_BLOCK, MAX_IDS_RESERVED
 from ec_daemon.core.records import State
-from ec_daemon.durable.index import ID_BLOCK, MAX_IDS_RESERVED, index_path
+from ec_daemon.durable.index import index_path
 from ec_daemon.durable.journal import IDS_AT, encode_ready
 from tests.unit.cache_helpers import worker
-from tests.unit.test_adoption import PAGE, Host, entries, layout, payload
+from tests.unit.test_adoption import PAGE, Host, entries, payload, region_spec
 
 PAGES = 32
 LAST = PAGES - 1  # free in these tests: saves take pages from the front
@@ -70,19 +71,19 @@ def saves_go_on(host: Host) -> None:
 
 @pytest.mark.parametrize("value", [U64_MAX, U64_MAX - 99, 1 << 63, ID_BLOCK + 2])
 def test_a_stamp_no_daemon_issued_is_quarantined_and_saves_go_on(tmp_path, value):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     w = worker(first.cache)
     first.save(w, "a", 2)
     first.save(w, "b", 1)
     first.crash()
     poke_stamps(first, {5: value})  # a free page, as `kill -9; poke; restart` leaves it
 
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert second.adoption is not None, second.why_not
     v = second.adoption.verified
     assert set(entries(second.cache)) == {"a", "b"} and v.corrupt_pages == 1
     assert v.next_entry_id == ID_BLOCK + 1  # the reservation, not the stamp
-    assert second.cache.quarantined_pages == 1
+    assert second.cache.quarantine.pages == 1
     assert "1 page(s) quarantined whose stamp is an id no daemon issued" in \
         second.adoption.summary()
     saves_go_on(second)
@@ -92,18 +93,18 @@ def test_a_stamp_no_daemon_issued_is_quarantined_and_saves_go_on(tmp_path, value
     assert second.table.stamps(5, 1) == [0]
     invariants.check(second.cache)
     second.crash()
-    third = Host(tmp_path, layout(pages=PAGES))
+    third = Host(tmp_path, region_spec(pages=PAGES))
     assert third.adoption is not None and third.adoption.verified.corrupt_pages == 0
     third.crash()
 
 
 @pytest.mark.parametrize("value", [U64_MAX, MAX_IDS_RESERVED + 1])
 def test_a_reservation_no_daemon_makes_starts_fresh(tmp_path, value):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     first.save(worker(first.cache), "a", 2)
     first.crash()
     poke_reservation(first, value)
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert second.adoption is None and "the index is corrupt" in second.why_not
     assert second.region.path != first.region.path and not first.region.path.exists()
     saves_go_on(second)
@@ -111,11 +112,11 @@ def test_a_reservation_no_daemon_makes_starts_fresh(tmp_path, value):
 
 
 def test_a_reservation_at_the_limit_is_adopted_and_saves_go_on(tmp_path):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     first.save(worker(first.cache), "a", 2)
     first.crash()
     poke_reservation(first, MAX_IDS_RESERVED)
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert second.adoption is not None and set(entries(second.cache)) == {"a"}
     saves_go_on(second)
     assert second.cache.get("ns", "after-restart").entry_id == MAX_IDS_RESERVED
@@ -123,17 +124,17 @@ def test_a_reservation_at_the_limit_is_adopted_and_saves_go_on(tmp_path):
 
 
 def test_a_lowered_reservation_keeps_what_it_covers_and_quarantines_the_rest(tmp_path):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     w = worker(first.cache)
     first.save(w, "a", 2)
     first.save(w, "b", 1)
     b = first.cache.get("ns", "b")
     first.crash()
     poke_reservation(first, b.entry_id)  # b's id is no longer reserved: not adopted
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     v = second.adoption.verified
     assert set(entries(second.cache)) == {"a"} and v.invalid == 1 and v.corrupt_pages == 1
-    assert second.cache.quarantined_pages == 1
+    assert second.cache.quarantine.pages == 1
     saves_go_on(second)
     second.crash()
 
@@ -155,7 +156,7 @@ values = st.one_of(st.integers(0, U64_MAX),
        reservation=st.one_of(st.none(), values))
 def test_adoption_survives_any_stamp_table_and_reservation(saved, stamps, reservation):
     with tempfile.TemporaryDirectory() as folder:
-        first = Host(Path(folder), layout(pages=PAGES))
+        first = Host(Path(folder), region_spec(pages=PAGES))
         w = worker(first.cache)
         for i, pages in enumerate(saved):
             first.save(w, f"k{i}", pages)
@@ -164,7 +165,7 @@ def test_adoption_survives_any_stamp_table_and_reservation(saved, stamps, reserv
         if reservation is not None:
             poke_reservation(first, reservation)
 
-        second = Host(Path(folder), layout(pages=PAGES))  # restores and checks invariants
+        second = Host(Path(folder), region_spec(pages=PAGES))  # restores and checks invariants
         if second.adoption is None:
             assert reservation is not None and reservation > MAX_IDS_RESERVED, second.why_not
         else:
@@ -188,19 +189,19 @@ def test_adoption_survives_any_stamp_table_and_reservation(saved, stamps, reserv
 
 
 def test_a_record_naming_one_page_twice_is_not_adopted_nor_freed_twice(tmp_path):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     first.save(worker(first.cache), "a", 1)
     first.crash()
     forged = ID_BLOCK  # a reserved id no entry used
     poke_stamps(first, {9: forged})
     append_record(first, forged, "twice", 2, [(9, 1), (9, 1)])
 
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert set(entries(second.cache)) == {"a"}
     assert second.adoption.verified.invalid == 1
     assert "1 record(s) not adopted: not records this daemon writes" in \
         second.adoption.summary()
-    assert second.cache.quarantined_pages == 1  # page 9: stamped, owned by nobody
+    assert second.cache.quarantine.pages == 1  # page 9: stamped, owned by nobody
     second.clock.now += 31
     assert second.cache.release_quarantine() == 1
     invariants.check(second.cache)
@@ -223,7 +224,7 @@ def test_records_the_daemon_never_writes_are_not_adopted(tmp_path, kind):
     """(Issue 40, findings 5 and 14: a bogus dtype or size, or a namespace
     of 65,535 bytes, was adopted; every engine hitting the entry failed its
     load, and Stats outgrew gRPC's 4 MiB.)"""
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     first.save(worker(first.cache), "a", 1)
     a = first.cache.get("ns", "a")
     first.crash()
@@ -251,7 +252,7 @@ def test_records_the_daemon_never_writes_are_not_adopted(tmp_path, kind):
                             for p in range(first_page, min(first_page + n, PAGES))})
     append_record(first, forged, mm_hash, pages, runs, **fields)  # type: ignore[arg-type]
 
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert entries(second.cache) == {"a": (a.entry_id, State.READY, second.cache.extents(
         second.cache.get("ns", "a")))}
     assert second.adoption.verified.invalid == 1
@@ -263,10 +264,10 @@ def test_records_the_daemon_never_writes_are_not_adopted(tmp_path, kind):
 
 
 def test_a_record_of_free_pages_under_id_0_leaves_them_free(tmp_path):
-    first = Host(tmp_path, layout(pages=PAGES))
+    first = Host(tmp_path, region_spec(pages=PAGES))
     first.crash()
     append_record(first, 0, "zero", 1, [(3, 1)])
-    second = Host(tmp_path, layout(pages=PAGES))
+    second = Host(tmp_path, region_spec(pages=PAGES))
     assert entries(second.cache) == {} and second.cache.allocator.free_pages == PAGES
     second.crash()
 

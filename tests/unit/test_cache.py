@@ -10,6 +10,7 @@ import pytest
 
 from ec_daemon.core import cache as cache_module
 from ec_daemon.core import stats as stats_module
+from ec_daemon.core import views as views_module
 from ec_daemon.core.events import (
     AllocOutcome,
     EvictedEvent,
@@ -58,7 +59,7 @@ def test_pending_is_invisible_until_committed(cache):
     assert drain(view) == []  # no ready event before the copy landed
     assert [type(e) for e in drain(scheduler(cache, engine="late"))] == [SnapshotDoneEvent,
                                                                         RanksEvent]
-    assert cache.pending_pages == 2 and cache.allocator.free_pages == 6
+    assert cache.table.pending_pages == 2 and cache.allocator.free_pages == 6
 
 
 def test_commit_makes_ready_and_tells_every_view_of_the_namespace(cache):
@@ -74,7 +75,7 @@ def test_commit_makes_ready_and_tells_every_view_of_the_namespace(cache):
     assert drain(elsewhere) == [] and drain(w) == []  # other namespaces and writers hear nothing
     assert states(cache, "h") == [READY] and states(cache, "h", ns="other") == [None]
     assert (cache.counters["saves"], cache.counters["bytes_saved"]) == (1, 2 * PAGE)
-    assert cache.pending_pages == 0 and cache.namespace_usage["ns"] == [1, 2 * PAGE]
+    assert cache.table.pending_pages == 0 and cache.table.usage["ns"] == [1, 2 * PAGE]
 
 
 def test_a_snapshot_holds_the_ready_entries_then_done(cache):
@@ -116,7 +117,7 @@ def test_abort_frees_at_once_and_commit_and_abort_answer_per_key(cache):
     assert cache.commit(w2, ["a"]) == [ReportStatus.UNKNOWN]  # not w2's save
     assert cache.abort(w2, ["a"]) == [ReportStatus.UNKNOWN]
     assert cache.abort(w1, ["a", "never"]) == [ReportStatus.ACCEPTED, ReportStatus.UNKNOWN]
-    assert cache.pending_pages == 3 and cache.allocator.free_pages == 5
+    assert cache.table.pending_pages == 3 and cache.allocator.free_pages == 5
     assert states(cache, "a") == [None]
     assert cache.commit(w1, ["a", "b"]) == [ReportStatus.UNKNOWN, ReportStatus.ACCEPTED]
     assert cache.commit(w1, ["b"]) == [ReportStatus.DUPLICATE]
@@ -201,20 +202,20 @@ def test_lru_victims_are_hidden_and_every_view_of_the_namespace_is_told(cache):
     assert drain(elsewhere) == []
     (entry,) = cache.lookup("ns", ["a"])
     assert entry.awaiting == {a, b} and a.awaiting == {entry}
-    assert cache.hidden_pages == 2 and cache.counters["evictions"] == 1
+    assert cache.table.hidden_pages == 2 and cache.counters["evictions"] == 1
 
 
 def test_pages_are_reused_only_after_every_awaited_view_acknowledged(cache):
     a, b, w = scheduler(cache), scheduler(cache, engine="F"), worker(cache)
     old = save(cache, w, "old", pages=8)
     assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT
-    cache.acknowledge(a, [("old", old.entry_id)])
+    cache.views.acknowledge(a, [("old", old.entry_id)])
     assert states(cache, "old") == [HIDDEN]
     assert allocate(cache, w, "new", pages=8).outcome is AllocOutcome.WAIT  # b may still load
     late = scheduler(cache, engine="late")  # attached after the eviction: never saw "old"
-    cache.acknowledge(late, [("old", old.entry_id)])
+    cache.views.acknowledge(late, [("old", old.entry_id)])
     assert states(cache, "old") == [HIDDEN] and cache.allocator.free_pages == 0
-    cache.acknowledge(b, [("old", old.entry_id)])
+    cache.views.acknowledge(b, [("old", old.entry_id)])
     assert states(cache, "old") == [None] and cache.allocator.free_pages == 8
     new = allocate(cache, w, "new", pages=8)
     assert new.outcome is AllocOutcome.ALLOCATED and new.extents == old.extents
@@ -225,15 +226,15 @@ def test_stale_and_foreign_acknowledgements_are_ignored(cache):
     other_ns_view = scheduler(cache, engine="G", ns="other")
     first = save(cache, w, "k", pages=8)
     assert allocate(cache, w, "x", pages=8).outcome is AllocOutcome.WAIT
-    cache.acknowledge(view, [("k", first.entry_id)])  # reclaimed
+    cache.views.acknowledge(view, [("k", first.entry_id)])  # reclaimed
     again = save(cache, w, "k", pages=4)
     save(cache, w, "filler", pages=4)
     assert allocate(cache, w, "x", pages=8).outcome is AllocOutcome.WAIT  # hides both
-    cache.acknowledge(view, [("k", first.entry_id)])  # a late duplicate of the old ack
-    cache.acknowledge(view, [("k", 999), ("missing", again.entry_id)])
-    cache.acknowledge(other_ns_view, [("k", again.entry_id)])  # another namespace's view
+    cache.views.acknowledge(view, [("k", first.entry_id)])  # a late duplicate of the old ack
+    cache.views.acknowledge(view, [("k", 999), ("missing", again.entry_id)])
+    cache.views.acknowledge(other_ns_view, [("k", again.entry_id)])  # another namespace's view
     assert states(cache, "k") == [HIDDEN]
-    cache.acknowledge(view, [("k", again.entry_id)])
+    cache.views.acknowledge(view, [("k", again.entry_id)])
     assert states(cache, "k", "filler") == [None, HIDDEN]
 
 
@@ -243,7 +244,7 @@ def test_without_views_eviction_reclaims_at_once(cache):
         save(cache, w, h, pages=2)
     assert allocate(cache, w, "new", pages=3).outcome is AllocOutcome.ALLOCATED
     assert states(cache, *"abcd") == [None, None, READY, READY]
-    assert cache.counters["evictions"] == 2 and cache.hidden_pages == 0
+    assert cache.counters["evictions"] == 2 and cache.table.hidden_pages == 0
 
 
 def test_while_victims_await_acknowledgements_saves_wait_and_nothing_more_is_hidden(cache):
@@ -303,7 +304,7 @@ def test_evictions_come_in_batches_of_a_sixty_fourth_of_the_cache():
     assert allocate(cache, w, "new0").outcome is AllocOutcome.WAIT  # the view must ack
     evicted = drain(view)
     assert [e.mm_hash for e in evicted] == ["k0", "k1", "k2", "k3"]  # 256 // 64, oldest first
-    cache.acknowledge(view, [(e.mm_hash, e.entry_id) for e in evicted])
+    cache.views.acknowledge(view, [(e.mm_hash, e.entry_id) for e in evicted])
     for n in range(4):  # room for the next saves without another round
         assert allocate(cache, w, f"new{n}").outcome is AllocOutcome.ALLOCATED
     assert drain(view) == [] and cache.counters["evictions"] == 4
@@ -325,11 +326,11 @@ def test_a_small_shortfall_is_met_when_less_than_a_batch_is_evictable():
 def test_a_touch_makes_an_entry_recent_and_counts_the_load(cache):
     view, w = scheduler(cache), worker(cache)
     ids = {h: save(cache, w, h, pages=2).entry_id for h in "abcd"}
-    cache.touch(view, [("a", ids["a"], 2)])  # two loads of one entry
+    cache.views.touch(view, [("a", ids["a"], 2)])  # two loads of one entry
     assert allocate(cache, w, "new", pages=2).outcome is AllocOutcome.WAIT
     assert states(cache, "a", "b") == [READY, HIDDEN]
     assert cache.counters["loads"] == 2 and cache.counters["bytes_loaded"] == 4 * PAGE
-    assert cache.namespace_counters["ns"]["loads"] == 2
+    assert cache.table.counters["ns"]["loads"] == 2
 
 
 def test_touches_of_stale_unknown_or_foreign_refs_count_the_load_but_no_bytes(cache):
@@ -339,11 +340,11 @@ def test_touches_of_stale_unknown_or_foreign_refs_count_the_load_but_no_bytes(ca
     other = scheduler(cache, engine="G", ns="other")
     a = save(cache, w, "a")
     before = list(cache.policy._order)
-    cache.touch(view, [("a", a.entry_id + 100, 1), ("missing", a.entry_id, 1)])
-    cache.touch(other, [("a", a.entry_id, 1)])  # another namespace has no "a"
+    cache.views.touch(view, [("a", a.entry_id + 100, 1), ("missing", a.entry_id, 1)])
+    cache.views.touch(other, [("a", a.entry_id, 1)])  # another namespace has no "a"
     assert cache.counters["loads"] == 3 and cache.counters["bytes_loaded"] == 0
-    assert cache.namespace_counters["ns"]["loads"] == 2
-    assert cache.namespace_counters["other"]["loads"] == 1
+    assert cache.table.counters["ns"]["loads"] == 2
+    assert cache.table.counters["other"]["loads"] == 1
     assert list(cache.policy._order) == before  # recency untouched
 
 
@@ -352,7 +353,7 @@ def test_a_touch_of_a_hidden_entry_counts_the_load_but_does_not_revive_it(cache)
     a = save(cache, w, "a", pages=4)
     save(cache, w, "b", pages=4)
     assert allocate(cache, w, "new", pages=4).outcome is AllocOutcome.WAIT
-    cache.touch(view, [("a", a.entry_id, 1)])  # dispatched before the view saw the eviction
+    cache.views.touch(view, [("a", a.entry_id, 1)])  # dispatched before the view saw the eviction
     assert states(cache, "a") == [HIDDEN] and cache.policy.evictable_pages == 4
     assert cache.counters["loads"] == 1
 
@@ -424,7 +425,7 @@ def test_an_engines_views_hear_how_many_of_its_ranks_mapped_the_region():
     r0 = worker(cache, rank=0, world=2)
     r1 = worker(cache, rank=1, world=2, stream=False)  # attached, not mapped yet
     assert drain(view) == [RanksEvent(1, 2)] and drain(other) == []
-    cache.open(r1)
+    cache.views.open(r1)
     assert drain(view) == [RanksEvent(2, 2)]
     late = scheduler(cache)  # a re-attached view learns it with its snapshot
     assert drain(late)[-1] == RanksEvent(2, 2)
@@ -443,7 +444,7 @@ def test_a_hidden_entry_awaiting_a_live_view_and_a_ghost_needs_both():
     clock.now += 10
     assert cache.release_ghosts() == [lost]
     assert states(cache, "a") == [HIDDEN]  # the live view still owes its ack
-    cache.acknowledge(live, [("a", a.entry_id)])
+    cache.views.acknowledge(live, [("a", a.entry_id)])
     assert states(cache, "a") == [None]
 
 
@@ -476,7 +477,7 @@ def test_expired_leases_end_sessions_views_become_ghosts():
     cache.sessions.renew(view)
     clock.now += 3
     assert cache.expire_sessions() == [writer]
-    assert cache.pending_pages == 0 and cache.quarantined_pages == 2
+    assert cache.table.pending_pages == 0 and cache.quarantine.pages == 2
     clock.now += 3
     assert cache.expire_sessions() == [view]
     assert view.is_ghost and view.ghost_until == clock.now + 5 and len(cache.sessions) == 0
@@ -494,8 +495,8 @@ def test_pending_saves_of_an_ended_writer_are_quarantined_then_freed():
     allocate(cache, w, "a", pages=3)
     b = allocate(cache, w, "b", pages=3)
     cache.end_session(w, detached=True)  # detached or not: it may still be copying
-    assert cache.pending_pages == 0 and states(cache, "a", "b") == [None, None]
-    assert cache.quarantined_pages == 6 and cache.allocator.free_pages == 2
+    assert cache.table.pending_pages == 0 and states(cache, "a", "b") == [None, None]
+    assert cache.quarantine.pages == 6 and cache.allocator.free_pages == 2
     # The key is free again, but not the pages a frozen writer may still write.
     retry = allocate(cache, worker(cache, engine="F"), "b", pages=2)
     assert retry.outcome is AllocOutcome.ALLOCATED
@@ -507,7 +508,7 @@ def test_pending_saves_of_an_ended_writer_are_quarantined_then_freed():
     assert table.holds(b.extents, b.entry_id)  # the dead writer's stamp stays meanwhile
     clock.now += 0.1
     assert cache.release_quarantine() == 6
-    assert cache.quarantined_pages == 0 and cache.allocator.free_pages == 6
+    assert cache.quarantine.pages == 0 and cache.allocator.free_pages == 6
     assert table.holds(b.extents, 0)
 
 
@@ -556,7 +557,7 @@ def test_stamps_are_cleared_when_pages_come_back_and_rewritten_on_reuse():
     a = save(cache, w, "a", pages=8)
     assert allocate(cache, w, "b", pages=8).outcome is AllocOutcome.WAIT
     assert table.holds(a.extents, a.entry_id)  # hidden: the bytes are intact
-    cache.acknowledge(view, [("a", a.entry_id)])
+    cache.views.acknowledge(view, [("a", a.entry_id)])
     assert stamped(table, range(8), 0)
     b = allocate(cache, w, "b", pages=8)
     assert b.entry_id != a.entry_id and table.holds(b.extents, b.entry_id)
@@ -573,19 +574,19 @@ def test_namespace_counters_are_forgotten_once_nothing_uses_the_namespace():
     cache = make_cache(pages=8, lease=10, clock=clock)
     view, w = scheduler(cache, ns="x"), worker(cache, ns="x")
     save(cache, w, "a")
-    cache.record_lookups(view, 3, 1)
+    cache.views.record_lookups(view, 3, 1)
     cache.end_session(view, detached=True)
     cache.end_session(w)
-    assert cache.namespace_counters["x"]["hits"] == 1  # "a" is still cached
+    assert cache.table.counters["x"]["hits"] == 1  # "a" is still cached
     assert allocate(cache, worker(cache, ns="y"), "big", pages=8).outcome is (
         AllocOutcome.ALLOCATED)  # "a" evicted and reclaimed: nobody awaited it
-    assert "x" not in cache.namespace_counters and "x" not in cache.namespace_usage
+    assert "x" not in cache.table.counters and "x" not in cache.table.usage
     ghost = scheduler(cache, ns="g")
     cache.end_session(ghost)  # not detached: a ghost still uses its namespace
-    assert "g" in cache.namespace_counters
+    assert "g" in cache.table.counters
     clock.now += 10
     assert cache.release_ghosts() == [ghost]
-    assert "g" not in cache.namespace_counters
+    assert "g" not in cache.table.counters
 
 
 def test_stats_list_the_namespaces_holding_the_most_bytes_and_count_the_rest(monkeypatch):
@@ -624,26 +625,26 @@ def test_stats_list_a_namespace_that_only_holds_adopted_entries():
 
 def test_heartbeat_lookup_counters_feed_hits_and_misses(cache):
     view = scheduler(cache)
-    cache.record_lookups(view, 10, 4)
-    cache.record_lookups(view, 0, 0)
+    cache.views.record_lookups(view, 10, 4)
+    cache.views.record_lookups(view, 0, 0)
     assert (cache.counters["hits"], cache.counters["misses"]) == (4, 6)
-    assert cache.namespace_counters["ns"] == {"hits": 4, "misses": 6, "loads": 0}
+    assert cache.table.counters["ns"] == {"hits": 4, "misses": 6, "loads": 0}
 
 
 @pytest.mark.parametrize(("lookups", "hits"), [(1, 2), (-1, 0), (3, -1)])
 def test_impossible_lookup_counters_are_refused_and_change_nothing(cache, lookups, hits):
     view = scheduler(cache)
     with pytest.raises(InvalidArgument):
-        cache.record_lookups(view, lookups, hits)
+        cache.views.record_lookups(view, lookups, hits)
     assert cache.counters["hits"] == cache.counters["misses"] == 0
-    assert cache.namespace_counters["ns"] == {"hits": 0, "misses": 0, "loads": 0}
+    assert cache.table.counters["ns"] == {"hits": 0, "misses": 0, "loads": 0}
 
 
 # ------------------------------------------------------------- outbox
 
 
 def test_a_view_whose_outbox_passes_its_limit_is_marked_overflowed(cache, monkeypatch):
-    monkeypatch.setattr(cache_module, "OUTBOX_MIN_EVENTS", 2)
+    monkeypatch.setattr(views_module, "OUTBOX_MIN_EVENTS", 2)
     w = worker(cache)
     for h in "abc":
         save(cache, w, h)
@@ -687,12 +688,12 @@ def test_an_eviction_waits_on_a_live_view_for_the_bound_only():
     entry = cache.get("ns", "a")
     assert entry.state is State.HIDDEN and entry.awaiting == {view}
     clock.now += 29.9
-    assert cache.overdue_views() == []
+    assert cache.acks.overdue_views() == []
     clock.now += 0.1
-    assert cache.overdue_views() == [view]
+    assert cache.acks.overdue_views() == [view]
     cache.end_session(view)  # a ghost: it still awaits "a" for a lease
     again = scheduler(cache, engine="E")
-    cache.hold(again, [("a", entry.entry_id)])
+    cache.views.hold(again, [("a", entry.entry_id)])
     assert again not in entry.awaiting and entry.awaiting == {view}
     clock.now += 10
     cache.release_ghosts()

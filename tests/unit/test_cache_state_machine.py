@@ -48,8 +48,8 @@ from ec_daemon.core.events import (
     AllocOutcome,
     EvictedEvent,
     ReadyEvent,
+    ReadySnapshot,
     ReportStatus,
-    Snapshot,
 )
 from ec_daemon.core.records import Session, State
 from ec_daemon.errors import ResourceExhausted
@@ -153,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
     def attach_writer(self, ns: str) -> None:
         writer = self.cache.attach(engine_id=f"W{len(self.writers)}", role="producer", rank=0,
                                    world_size=1, namespace=ns, client_name="writer")
-        self.cache.open(writer)
+        self.cache.views.open(writer)
         self.writers.append(writer)
 
     @precondition(lambda self: any(w.alive for w in self.writers))
@@ -235,7 +235,7 @@ class CacheMachine(RuleBasedStateMachine):
     def attach_view(self, ns: str, slow: bool) -> None:
         session = self.cache.attach(engine_id=f"S{len(self.views)}", role="both", rank=None,
                                     world_size=1, namespace=ns, client_name="view")
-        self.cache.open(session)
+        self.cache.views.open(session)
         if slow:  # a reader that falls behind after a few events
             session.outbox_limit = len(session.outbox) + 2
         self.views.append(View(session, self.clock.now))
@@ -268,7 +268,7 @@ class CacheMachine(RuleBasedStateMachine):
             if not outbox:
                 break
             event = outbox[0]
-            if isinstance(event, Snapshot):  # its ready events, made as the stream sends them
+            if isinstance(event, ReadySnapshot):  # its ready events, made as the stream sends them
                 event = event.next()
                 if event is None:
                     outbox.popleft()
@@ -339,9 +339,9 @@ class CacheMachine(RuleBasedStateMachine):
             return  # the stream is gone
         for kind, ref in batch:
             if kind == "ack":
-                self.cache.acknowledge(view.session, [ref])
+                self.cache.views.acknowledge(view.session, [ref])
             else:
-                self.cache.touch(view.session, [(*ref, 1)])
+                self.cache.views.touch(view.session, [(*ref, 1)])
 
     @precondition(lambda self: any(v.session.alive for v in self.views))
     @rule(data=st.data(), detached=st.booleans())

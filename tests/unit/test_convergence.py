@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 
 from ec_client.scheduler_side.wants import ANSWER_SECONDS as scheduler_answer_seconds
-from ec_daemon.core.events import AnswerEvent, Verdict
-from ec_daemon.core.limits import MAX_ITEMS_MAKING, MAX_ITEMS_PER_INSTANCE, MAX_ITEMS_TOKENLESS
-from ec_daemon.plane.convergence import ANSWER_SECONDS, CLAIM_START_SECONDS, Convergence
+from ec_daemon.core.events import AnswerEvent, Resolution, Verdict
+from ec_daemon.core.limits import (
+    CLAIM_START_SECONDS,
+    MAX_ITEMS_MAKING,
+    MAX_ITEMS_PER_INSTANCE,
+    MAX_ITEMS_TOKENLESS,
+)
+from ec_daemon.plane.convergence import ANSWER_SECONDS, Convergence, Promoted
 from ec_protocol.protocol import MAX_BATCH
 from tests.unit.cache_helpers import FakeClock, allocate, drain, make_cache, save, scheduler, worker
 
@@ -16,14 +21,24 @@ def answers(session) -> dict[str, Verdict]:
     return {e.mm_hash: e.verdict for e in drain(session) if isinstance(e, AnswerEvent)}
 
 
-def setup(remote=None):
+class Promoter:
+    """Records the promotions convergence starts: (key, nbytes)."""
+
+    def __init__(self) -> None:
+        self.started: list = []
+
+    def start(self, key, nbytes, done) -> None:
+        self.started.append((key, nbytes))
+
+
+def setup(remote=None, resolve=None, call_later=None):
     clock = FakeClock()
     cache = make_cache(pages=64, clock=clock)
-    conv = Convergence(cache, remote_available=remote, claim_seconds=30, promote_seconds=10,
+    promoter = Promoter()
+    conv = Convergence(cache, remote_available=remote, promoter=promoter, resolve=resolve,
+                       call_later=call_later, claim_seconds=30, promote_seconds=10,
                        clock=clock)
-    started: list = []
-    conv.start_promotion = lambda key, nbytes: started.append((key, nbytes))
-    return clock, cache, conv, started
+    return clock, cache, conv, promoter.started
 
 
 def a_claims_b_waits():
@@ -150,7 +165,7 @@ def test_a_remote_item_is_promoted_once_however_many_engines_want_it():
     assert started == [(("ns", "far"), 4096)]
     assert answers(a) == {"far": Verdict.PROMOTING}
     assert answers(b) == {"far": Verdict.PROMOTING}
-    conv.promoted(("ns", "far"), 4096)
+    conv.promotion_ended(("ns", "far"), Promoted.WRITTEN, 4096)
     assert conv.making == {}
     assert conv.counters["promotions"] == 1 and conv.counters["promoted_bytes"] == 4096
 
@@ -161,7 +176,7 @@ def test_a_failed_promotion_makes_one_waiter_encode_and_the_rest_wait():
     conv.want(a, ["far"])
     conv.want(b, ["far"])
     drain(a), drain(b)
-    conv.promotion_failed(("ns", "far"))
+    conv.promotion_ended(("ns", "far"), Promoted.FAILED, 0)
     assert answers(a) == {"far": Verdict.ENCODE}
     assert answers(b) == {}
     assert conv.making[("ns", "far")].kind is Verdict.ENCODING
@@ -254,7 +269,7 @@ def test_a_client_naming_the_producers_id_without_its_token_takes_no_claim_away(
     _, cache, conv, _ = setup()
     producer = cache.attach(engine_id="P", role="both", rank=None, world_size=1,
                             namespace="ns", client_name="t", engine_token="a" * 32)
-    cache.open(producer)
+    cache.views.open(producer)
     waiter = scheduler(cache, "W")
     conv.want(producer, ["img"])
     conv.want(waiter, ["img"])
@@ -278,7 +293,7 @@ def test_one_client_cannot_fill_the_table_of_items_being_made():
     _, cache, conv, _ = setup()
     hog = cache.attach(engine_id="hog", role="both", rank=None, world_size=1,
                        namespace="ns", client_name="t", engine_token="b" * 32)
-    cache.open(hog)
+    cache.views.open(hog)
     for start in range(0, MAX_ITEMS_MAKING, MAX_BATCH):
         conv.want(hog, [f"item-{i}" for i in range(start, start + MAX_BATCH)])
     assert len(conv.making) == conv.items_of(hog) == MAX_ITEMS_PER_INSTANCE
@@ -291,10 +306,10 @@ def test_one_client_cannot_fill_the_table_of_items_being_made():
     assert sum(conv.items_of(v) for v in tokenless) == MAX_ITEMS_TOKENLESS
     a = cache.attach(engine_id="A", role="both", rank=None, world_size=1, namespace="ns",
                      client_name="t", engine_token="c" * 32)
-    cache.open(a)
+    cache.views.open(a)
     b = cache.attach(engine_id="B", role="both", rank=None, world_size=1, namespace="ns",
                      client_name="t", engine_token="d" * 32)
-    cache.open(b)
+    cache.views.open(b)
     for s in (a, b):
         drain(s)
     conv.want(a, ["fresh"])
@@ -308,11 +323,12 @@ def test_one_client_cannot_fill_the_table_of_items_being_made():
     assert conv.items_of(hog) == MAX_ITEMS_PER_INSTANCE and conv.items_of(a) == 1
 
 
-def resolving_setup():
+def resolving_setup(call_later=None):
     """A second tier that must be asked (`resolve`): the keys asked about."""
-    clock, cache, conv, started = setup(remote=lambda ns, h: None)
     asked: list = []
-    conv.resolve = lambda key, claim: asked.append((key, claim)) or True
+    clock, cache, conv, started = setup(
+        remote=lambda ns, h: None, resolve=lambda key, claim: asked.append((key, claim)) or True,
+        call_later=call_later)
     return clock, cache, conv, started, asked
 
 
@@ -324,7 +340,7 @@ def test_a_cold_item_is_answered_only_once_the_second_tier_resolved_it():
     assert asked == [(("ns", "img"), True)] and answers(a) == {}  # nothing yet: resolving
     conv.want(b, ["img"])
     assert answers(b) == {"img": Verdict.PROMOTING} and len(asked) == 1  # asked once
-    conv.resolved(("ns", "img"), "claimed")  # nobody has it: this host encodes
+    conv.resolved(("ns", "img"), Resolution.CLAIMED)  # nobody has it: this host encodes
     assert answers(a) == {"img": Verdict.ENCODE} and answers(b) == {}
     assert conv.making[("ns", "img")].holder is a and started == []
 
@@ -334,7 +350,7 @@ def test_a_resolved_item_found_in_the_store_is_promoted_and_the_first_engine_tol
     a = scheduler(cache, "A")
     drain(a)
     conv.want(a, ["img"])
-    conv.resolved(("ns", "img"), "found", 4096)
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)
     assert started == [(("ns", "img"), 4096)]
     assert answers(a) == {"img": Verdict.PROMOTING}
 
@@ -344,7 +360,7 @@ def test_an_item_another_host_claimed_is_waited_for_within_the_claim_then_encode
     a = scheduler(cache, "A")
     drain(a)
     conv.want(a, ["img"])
-    conv.resolved(("ns", "img"), "elsewhere")
+    conv.resolved(("ns", "img"), Resolution.ELSEWHERE)
     assert answers(a) == {"img": Verdict.PROMOTING} and started == []
     clock.now += 29  # within the claim's bound: still waiting
     conv.expire()
@@ -362,7 +378,7 @@ def test_a_failed_resolution_hands_the_item_to_an_engine_that_can_save():
     conv.want(c, ["img"])  # a consumer asks first: it cannot save
     conv.want(b, ["img"])
     drain(b)
-    conv.resolved(("ns", "img"), "failed")
+    conv.resolved(("ns", "img"), Resolution.FAILED)
     assert answers(b) == {"img": Verdict.ENCODE}
     assert answers(c) == {"img": Verdict.ENCODING}  # told to wait for B's save
     assert conv.making[("ns", "img")].holder is b
@@ -375,12 +391,12 @@ def test_a_resolution_after_the_item_landed_or_its_engine_ended_changes_nothing(
     conv.want(a, ["img"])
     cache.end_session(a)
     conv.session_ended(a)
-    conv.resolved(("ns", "img"), "claimed")
+    conv.resolved(("ns", "img"), Resolution.CLAIMED)
     assert answers(a) == {}  # (it ended: told nothing)
     conv.want(b := scheduler(cache, "B"), ["other"])
     save(cache, worker(cache, "B"), "other")
     conv.ready(("ns", "other"))
-    conv.resolved(("ns", "other"), "found", 4096)
+    conv.resolved(("ns", "other"), Resolution.FOUND, 4096)
     assert started == [] and ("ns", "other") not in conv.making
     assert {e.mm_hash for e in drain(b) if isinstance(e, AnswerEvent)} == {"other"}
 
@@ -412,8 +428,8 @@ def test_a_stale_resolution_does_not_answer_a_later_making_of_the_same_key():
     assert ("ns", "img") not in conv.making
     conv.want(b, ["img"])  # resolution 2
     assert len(asked) == 2
-    conv.resolved(("ns", "img"), "found", 4096)  # resolution 1's answer, late
-    conv.resolved(("ns", "img"), "found", 4096)  # resolution 2's
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)  # resolution 1's answer, late
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)  # resolution 2's
     assert len(started) == 1, started
 
 
@@ -424,18 +440,18 @@ def test_an_item_another_host_claimed_is_promoted_when_its_value_appears():
     a = scheduler(cache, "A")
     drain(a)
     conv.want(a, ["img"])
-    conv.resolved(("ns", "img"), "elsewhere")
+    conv.resolved(("ns", "img"), Resolution.ELSEWHERE)
     assert answers(a) == {"img": Verdict.PROMOTING}
-    conv.resolved(("ns", "img"), "found", 4096)
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)
     assert started == [(("ns", "img"), 4096)] and answers(a) == {}
-    conv.resolved(("ns", "img"), "found", 4096)  # (nothing more of that resolution)
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)  # (nothing more of that resolution)
     assert len(started) == 1
 
 
 @pytest.mark.parametrize(("outcome", "b_told"), [
-    ("found", {}),  # B was told PROMOTING when it asked
-    ("elsewhere", {}),
-    ("claimed", {"img": Verdict.ENCODE}),  # the claim passes to B
+    (Resolution.FOUND, {}),  # B was told PROMOTING when it asked
+    (Resolution.ELSEWHERE, {}),
+    (Resolution.CLAIMED, {"img": Verdict.ENCODE}),  # the claim passes to B
 ], ids=["found", "elsewhere", "claimed"])
 def test_an_engine_that_released_an_item_being_resolved_is_not_answered(outcome, b_told):
     _, cache, conv, _, _ = resolving_setup()
@@ -453,9 +469,9 @@ def test_an_engine_that_released_an_item_being_resolved_is_not_answered(outcome,
 def resolving_slowly():
     """`resolving_setup` whose timers (`call_later`) are kept, to be run as
     the loop would run them: (delay, fn) pairs."""
-    _, cache, conv, started, _ = resolving_setup()
     timers: list = []
-    conv.call_later = lambda seconds, fn: timers.append((seconds, fn))
+    _, cache, conv, started, _ = resolving_setup(
+        call_later=lambda seconds, fn: timers.append((seconds, fn)))
     a = scheduler(cache, "A")
     drain(a)
     conv.want(a, ["img"])
@@ -464,10 +480,10 @@ def resolving_slowly():
 
 
 @pytest.mark.parametrize(("outcome", "then"), [
-    ("found", {}),  # promoted: its ready event follows; told PROMOTING once
-    ("elsewhere", {}),
-    ("claimed", {"img": Verdict.ENCODE}),
-    ("failed", {"img": Verdict.ENCODE}),
+    (Resolution.FOUND, {}),  # promoted: its ready event follows; told PROMOTING once
+    (Resolution.ELSEWHERE, {}),
+    (Resolution.CLAIMED, {"img": Verdict.ENCODE}),
+    (Resolution.FAILED, {"img": Verdict.ENCODE}),
 ])
 def test_a_slow_resolution_tells_the_engine_to_wait_and_the_outcome_still_decides(
         outcome, then):
@@ -482,12 +498,12 @@ def test_a_slow_resolution_tells_the_engine_to_wait_and_the_outcome_still_decide
     assert conv.counters["slow_resolutions"] == 1
     conv.resolved(("ns", "img"), outcome, 4096)
     assert answers(a) == then
-    assert started == ([(("ns", "img"), 4096)] if outcome == "found" else [])
+    assert started == ([(("ns", "img"), 4096)] if outcome is Resolution.FOUND else [])
 
 
 def test_a_resolution_that_ends_in_time_is_answered_once_and_its_timer_does_nothing():
     conv, _, a, timers = resolving_slowly()
-    conv.resolved(("ns", "img"), "found", 4096)
+    conv.resolved(("ns", "img"), Resolution.FOUND, 4096)
     assert answers(a) == {"img": Verdict.PROMOTING}
     timers[0][1]()
     assert answers(a) == {} and conv.counters["slow_resolutions"] == 0

@@ -169,3 +169,22 @@ def test_every_socket_a_doc_names_is_the_default_or_systemds_and_says_which(doc:
                 whose = "the systemd unit's" if path == SYSTEMD_SOCKET else "the default"
                 wrong.append(f"{found} (its paragraph does not say it is {whose})")
     assert not wrong, f"{doc.relative_to(ROOT)}: {wrong}"
+
+
+def glossary_terms(text: str) -> list[str]:
+    """The glossary's terms, as its first column names them, a qualifier in
+    parentheses dropped ("claim (of an item)" is the term "claim")."""
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]  # (its header)
+    return [re.sub(r"\s*\(.*\)\s*$", "", row.split("|")[1]).strip() for row in rows]
+
+
+def test_the_glossary_defines_each_term_once():
+    terms = glossary_terms((ROOT / "docs" / "glossary.md").read_text())
+    assert len(terms) > 30
+    assert sorted(t for t in set(terms) if terms.count(t) > 1) == []
+
+
+def test_the_glossary_check_sees_a_term_defined_twice():
+    text = ("| term | meaning |\n|---|---|\n| claim (in a view) | a |\n"
+            "| claim (of an item) | b |\n| hold | c |\n")
+    assert glossary_terms(text) == ["claim", "claim", "hold"]

@@ -1,7 +1,9 @@
 """The packages' import graph, read from the source (imports under
 TYPE_CHECKING and inside functions count too): no module imports one that
 imports it back, benchmarks included; the daemon never imports the client;
-and each layer folder never imports the folders above it.
+and each layer folder never imports the folders above it. And what the
+source declares where: one name per idea, every bound of the daemon in
+`core.limits`, seams typed and wired at construction.
 
 The daemon's layers, bottom up: the vocabulary (`errors`, `sizes`), durable
 state, the cache core, then the data plane and the second tier side by side
@@ -11,6 +13,7 @@ serving on top. Each folder's `__init__` says why it sits where it does."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +21,8 @@ PACKAGES = ("ec_daemon", "ec_protocol", "ec_client", "benchmarks")
 
 DURABLE, CORE, PLANE = "ec_daemon.durable", "ec_daemon.core", "ec_daemon.plane"
 REMOTE, SERVING = "ec_daemon.remote", "ec_daemon.serving"
+REDIS, MOONCAKE = f"{REMOTE}.redis", f"{REMOTE}.mooncake"  # the second tier's backends
+LIMITS = f"{CORE}.limits"  # every bound, declared once: a leaf every layer reads
 # The daemon's modules outside its layer folders: each imports nothing of the
 # daemon (`__main__` only starts `serving.cli`).
 DAEMON_ROOT = {"ec_daemon", "ec_daemon.errors", "ec_daemon.sizes", "ec_daemon.__main__"}
@@ -154,7 +159,14 @@ def test_the_daemons_root_modules_import_nothing_of_the_daemon():
 
 
 def test_durable_state_never_imports_the_core_plane_second_tier_or_serving():
-    assert imports_of(import_graph(), DURABLE, (CORE, PLANE, REMOTE, SERVING)) == {}
+    """But the core's limits, where every bound is declared (a leaf)."""
+    graph = {module: targets - {LIMITS} for module, targets in import_graph().items()}
+    assert imports_of(graph, DURABLE, (CORE, PLANE, REMOTE, SERVING)) == {}
+
+
+def test_the_limits_every_layer_reads_import_nothing_of_the_daemon_but_its_errors():
+    assert sorted(t for t in import_graph()[LIMITS] if within(t, "ec_daemon")) == \
+        ["ec_daemon.errors"]
 
 
 def test_the_core_never_imports_the_plane_second_tier_or_serving():
@@ -169,14 +181,32 @@ def test_the_second_tier_never_imports_the_data_plane_or_serving():
     assert imports_of(import_graph(), REMOTE, (PLANE, SERVING)) == {}
 
 
-def test_the_second_tiers_parts_hold_the_core_never_the_tier_or_one_another():
+def test_the_second_tiers_parts_hold_what_they_share_never_the_tier_or_one_another():
     # The tier composes them; a part that reached for the tier (or another
     # part) would tie the threads' life cycles back together.
     graph = import_graph()
-    parts = [f"{REMOTE}.{name}" for name in ("core", "publisher", "follower", "resolver")]
+    parts = [f"{REMOTE}.{name}" for name in ("common", "publisher", "resolver")]
     assert {part: sorted(graph[part] & {f"{REMOTE}.tier", *parts}) for part in parts} == {
-        f"{REMOTE}.core": [], f"{REMOTE}.publisher": [f"{REMOTE}.core"],
-        f"{REMOTE}.follower": [f"{REMOTE}.core"], f"{REMOTE}.resolver": [f"{REMOTE}.core"]}
+        f"{REMOTE}.common": [], f"{REMOTE}.publisher": [f"{REMOTE}.common"],
+        f"{REMOTE}.resolver": [f"{REMOTE}.common"]}
+
+
+def test_the_second_tiers_backends_never_import_each_other_nor_what_composes_them():
+    graph = import_graph()
+    above = (f"{REMOTE}.tier", f"{REMOTE}.publisher", f"{REMOTE}.resolver")
+    assert imports_of(graph, REDIS, (MOONCAKE, *above)) == {}
+    assert imports_of(graph, MOONCAKE, (REDIS, *above)) == {}
+
+
+def test_only_the_tier_chooses_a_backend():
+    """The URL's scheme chooses a backend in one place (`tier.open_tier`);
+    the flag's check reads the URLs. No other part of the daemon names one."""
+    graph = import_graph()
+    naming = sorted(m for m, targets in graph.items()
+                    if within(m, "ec_daemon") and not within(m, REDIS)
+                    and not within(m, MOONCAKE)
+                    and any(within(t, REDIS) or within(t, MOONCAKE) for t in targets))
+    assert naming == [f"{REMOTE}.tier", f"{SERVING}.config"]
 
 
 def test_the_protocol_never_imports_the_daemon_or_the_client():
@@ -223,3 +253,185 @@ def test_nothing_below_the_vllm_shell_imports_it():
     offending = {m: sorted(graph[m] & shell) for m in graph
                  if any(within(m, f) for f in CLIENT_FOLDERS) and graph[m] & shell}
     assert offending == {}
+
+
+# ------------------------------------------------------------------ one name per idea
+
+LAYER_FOLDERS = ("durable", "core", "plane", "remote", "serving")
+# A module name repeats only for a part every second-tier backend has alike
+# (each backend's folder holds its own `backend`, `store` and `url`).
+BACKEND_PARTS = {"backend", "store", "url"}
+# A class name repeats only where one side declares, as a Protocol, the
+# interface of what another implements (the caller names what it needs).
+DECLARED_BY_CALLER = {"Reservation": ("ec_daemon.plane.second_tier", "ec_daemon.remote.budget")}
+
+
+def daemon_module_names() -> dict[str, list[str]]:
+    """Each module name of the daemon (no package faces) -> where it is."""
+    names: dict[str, list[str]] = {}
+    for module in modules():
+        if within(module, "ec_daemon") and module.rsplit(".", 1)[0] != module \
+                and not (ROOT / (module.replace(".", "/") + "/__init__.py")).exists():
+            names.setdefault(module.rsplit(".", 1)[1], []).append(module)
+    return names
+
+
+def test_no_daemon_module_is_named_after_a_layer_folder():
+    assert sorted(m for name, where in daemon_module_names().items() if name in LAYER_FOLDERS
+                  for m in where) == []
+
+
+def test_a_module_name_means_one_thing_in_the_daemon():
+    repeated = {name: sorted(where) for name, where in daemon_module_names().items()
+                if len(where) > 1}
+    assert {name for name in repeated if name not in BACKEND_PARTS} == set(), repeated
+    for name in repeated.keys() & BACKEND_PARTS:
+        assert all(within(m, REMOTE) for m in repeated[name]), repeated[name]
+
+
+def defined_classes() -> dict[str, list[str]]:
+    """Each class name defined at the top of a daemon or protocol module -> where."""
+    found: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        if within(module, "ec_daemon") or within(module, "ec_protocol"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_a_class_name_means_one_thing_in_the_daemon_and_the_protocol():
+    """(Layout was a model's fingerprint in the protocol and a region's
+    geometry in adoption; Found, Header and Snapshot were two things each.)"""
+    repeated = {name: tuple(sorted(where)) for name, where in defined_classes().items()
+                if len(where) > 1}
+    assert repeated == DECLARED_BY_CALLER
+
+
+# ------------------------------------------------------------------ every bound in core.limits
+
+# The numbers a daemon module may declare itself, each set with why none of
+# them is a bound. Any other number a module declares (a module-level
+# UPPER_CASE constant, a class field's default, a parameter's default) that
+# is not 0, 1 or -1 is a bound or a default, and goes in core.limits.
+NOT_BOUNDS = {
+    "ec_daemon/durable/journal.py": (
+        {"FORMAT_VERSION", "VERSION_AT", "HEADER_BYTES", "IDS_AT"},
+        "the index file's format: its version and where its header's fields sit"),
+    "ec_daemon/durable/stamp_file.py": ({"LOST"}, "a stamp value no entry id takes"),
+    "ec_daemon/remote/values.py": (
+        {"FORMAT_VERSION", "ALGORITHM_XXH3_64"},
+        "the value format's version and checksum algorithm, written into every value"),
+    "ec_daemon/remote/redis/store.py": (
+        {"INDEX_SHARDS"}, "the key scheme: every daemon of a fleet uses the same shards"),
+    "ec_daemon/remote/redis/announcements.py": (
+        {"ENTRY_BYTES", "_SIZE_BITS"},
+        "what an entry takes in memory, measured (its bound is --remote-index-bytes), and "
+        "how its int is packed"),
+    "ec_daemon/remote/mooncake/codec.py": ({"MAGIC"}, "vLLM's value format"),
+    "ec_daemon/remote/mooncake/connection.py": (
+        {"OBJECT_NOT_FOUND", "OBJECT_ALREADY_EXISTS", "TRANSFER_FAIL", "INVALID_PARAMS"},
+        "Mooncake's error codes, as its binding returns them"),
+    "ec_daemon/serving/startup.py": ({"UNIX_PATH_MAX"}, "the kernel's limit on a socket path"),
+    "ec_daemon/serving/wire.py": ({"U64_MAX"}, "protobuf's uint64"),
+    "ec_daemon/serving/cli.py": ({"_fail(code)"}, "an exit status"),
+}
+UPPER = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
+
+
+def _number(node: ast.AST | None) -> float | None:
+    """The value of an expression made of numbers alone (and arithmetic), or None."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp | ast.BinOp):
+        try:
+            return float(eval(compile(ast.Expression(node), "<bound>", "eval")))
+        except Exception:
+            return None
+    return None
+
+
+def declared_numbers(root: Path,
+                     not_bounds: dict[str, tuple[set[str], str]] = NOT_BOUNDS) -> list[str]:
+    """Each number a daemon module declares itself, outside core.limits and
+    `not_bounds`, as 'path: name' ('path: Class.field', 'path: function(parameter)')."""
+    found = []
+    for path in sorted((root / "ec_daemon").rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if "_proto" in path.parts or relative == "ec_daemon/core/limits.py":
+            continue
+        allowed = not_bounds.get(relative, (set(), ""))[0]
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module-level constants
+            for target, value in _assignments(node):
+                if UPPER.match(target) and _number(value) is not None and target not in allowed:
+                    found.append(f"{relative}: {target}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):  # fields' defaults
+                for item in node.body:
+                    for target, value in _assignments(item):
+                        if _number(value) not in (None, 0, 1, -1):
+                            found.append(f"{relative}: {node.name}.{target}")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # parameters' defaults
+                args = node.args
+                positional = args.posonlyargs + args.args
+                pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults,
+                              strict=True),
+                         *((a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults,
+                                                  strict=True) if d is not None)]
+                for arg, default in pairs:
+                    name = f"{node.name}({arg.arg})"
+                    if _number(default) not in (None, 0, 1, -1) and name not in allowed:
+                        found.append(f"{relative}: {name}")
+    return found
+
+
+def _assignments(node: ast.AST) -> list[tuple[str, ast.AST | None]]:
+    if isinstance(node, ast.Assign):
+        return [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [(node.target.id, node.value)]
+    return []
+
+
+def test_every_bound_of_the_daemon_is_declared_in_its_limits():
+    assert declared_numbers(ROOT) == []
+
+
+def test_what_is_no_bound_is_listed_only_where_it_is():
+    everything = set(declared_numbers(ROOT, not_bounds={}))
+    listed = {f"{path}: {name}" for path, (names, _) in NOT_BOUNDS.items() for name in names}
+    assert listed - everything == set()
+
+
+def test_the_bound_finder_sees_a_bound_declared_elsewhere(tmp_path: Path):
+    folder = tmp_path / "ec_daemon" / "plane"
+    folder.mkdir(parents=True)
+    (folder / "saves.py").write_text(
+        "WAITING = 64\nNAME = 'x'\nTABLE = {1: 2}\nSHIFTED = 1 << 20\n"
+        "class Box:\n    size: int = 8\n    count: int = 0\n"
+        "def wait(seconds: float = 2.5, tries: int = 1) -> None: ...\n")
+    assert declared_numbers(tmp_path) == ["ec_daemon/plane/saves.py: WAITING",
+                                          "ec_daemon/plane/saves.py: SHIFTED",
+                                          "ec_daemon/plane/saves.py: Box.size",
+                                          "ec_daemon/plane/saves.py: wait(seconds)"]
+
+
+def test_every_default_of_a_setting_is_the_limits_and_declared_nowhere_else():
+    """The settings table takes each number among its defaults from
+    core.limits (it writes none of its own), and each of the limits'
+    defaults is a setting's."""
+    source = (ROOT / "ec_daemon" / "serving" / "config.py").read_text()
+    table = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.AnnAssign)
+                 and getattr(node.target, "id", "") == "SETTINGS")
+    number = re.compile(r"\s*\d+(\.\d+)?\s*[A-Za-z]*\s*")  # `10`, `0.25`, `64MiB`
+    written = [ast.unparse(call.args[2]) for call in ast.walk(table)
+               if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "Setting"
+               and isinstance(call.args[2], ast.Lambda)
+               and isinstance(call.args[2].body, ast.Constant)
+               and number.fullmatch(str(call.args[2].body.value))]
+    assert written == []
+    from ec_daemon.core import limits
+
+    defaults = {name for name in vars(limits) if name.startswith("DEFAULT_")}
+    assert {name for name in defaults if f"limits.{name}" not in source} == set()

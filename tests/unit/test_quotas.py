@@ -49,7 +49,7 @@ def test_an_ended_sessions_quarantine_is_charged_to_its_engine_until_released():
     first = worker(cache, "H")
     allocate(cache, first, "a", 3)
     cache.end_session(first)
-    assert cache.quarantined_pages == 3
+    assert cache.quarantine.pages == 3
     again = worker(cache, "H")
     with pytest.raises(ResourceExhausted, match="3072 bytes in quarantine"):
         allocate(cache, again, "b", 2)
@@ -72,7 +72,7 @@ def test_a_strangers_quarantine_under_the_engines_id_is_not_charged_to_the_engin
     stranger = worker(cache, "H")
     allocate(cache, stranger, "a", 3)
     cache.end_session(stranger)
-    assert cache.quarantined_pages == 3
+    assert cache.quarantine.pages == 3
     own = worker(cache, "H", token="cd" * 16)
     allocate(cache, own, "b", 4)
     assert cache.state_of("ns", "b") is State.PENDING
@@ -94,7 +94,7 @@ def test_without_caps_nothing_is_refused():
     w = worker(cache)
     for i in range(16):
         allocate(cache, w, f"p{i}")
-    assert cache.pending_pages == 16
+    assert cache.table.pending_pages == 16
 
 
 def test_the_daemons_own_writer_is_not_capped_nor_charged_for_a_clients_quarantine():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ec_daemon.durable.region import PREFIX, Region, RegionError, clean_stale
+from ec_daemon.durable.dead import clean_stale
+from ec_daemon.durable.region import PREFIX, Region, RegionError
 from ec_protocol.stamps import TRAILER_BYTES, file_bytes, read_canary, whole
 
 
@@ -227,7 +228,7 @@ def test_a_symlink_loop_or_a_folder_under_our_names_never_fails_the_scan(tmp_pat
 def test_regions_of_other_sockets_are_not_even_locked(tmp_path, monkeypatch):
     """Their own daemon may be starting at this moment: locking them, even
     briefly, would make it miss its region and start cold."""
-    import ec_daemon.durable.region as region_module
+    import ec_daemon.durable.dead as dead_module
     from ec_daemon.durable.journal import Header
 
     header = lambda gen, socket: Header(gen, 1 << 16, 4096, 4096, socket)  # noqa: E731
@@ -237,9 +238,9 @@ def test_regions_of_other_sockets_are_not_even_locked(tmp_path, monkeypatch):
     mine.close(remove=False)
     theirs.close(remove=False)
     locked: list[Path] = []
-    real = region_module._lock_own
-    monkeypatch.setattr(region_module, "_lock_own", lambda p: locked.append(p) or real(p))
-    (dead,) = region_module.dead_regions(tmp_path, "unix:///a.sock")
+    real = dead_module._lock_own
+    monkeypatch.setattr(dead_module, "_lock_own", lambda p: locked.append(p) or real(p))
+    (dead,) = dead_module.dead_regions(tmp_path, "unix:///a.sock")
     assert dead.path == mine.path and theirs.path not in locked
     dead.release()
     assert sorted(clean_stale(tmp_path)) == sorted([mine.path, theirs.path])

@@ -24,11 +24,11 @@ from ec_daemon.core.events import (
 )
 from ec_daemon.core.records import State
 from ec_daemon.errors import FailedPrecondition, InvalidArgument
-from ec_daemon.plane import saves as saves_module
-from ec_daemon.plane.dataplane import SPACE, DataPlane
+from ec_daemon.plane import room as room_module
+from ec_daemon.plane.room import SPACE
 from ec_daemon.serving import wire
 from ec_protocol.protocol import pb
-from tests.unit.cache_helpers import PAGE, allocate, drain, make_cache, save, scheduler, worker
+from tests.unit.cache_helpers import PAGE, allocate, drain, make_plane, save, scheduler, worker
 
 
 def message(*, allocations=(), reports=(), beat=None) -> ClientMessage:
@@ -40,14 +40,10 @@ def ask(request_id: int, mm_hash: str, pages: int = 1) -> SaveAllocate:
     return SaveAllocate(request_id, mm_hash, pages * PAGE, (pages, PAGE), "uint8")
 
 
-def plane_of(cache, alloc_wait_seconds: float = 5.0) -> DataPlane:
-    return DataPlane(cache, lease_seconds=cache.sessions.lease_seconds,
-                     alloc_wait_seconds=alloc_wait_seconds, check_invariants=True)
-
-
 def test_allocations_and_reports_are_answered_by_request_id():
-    cache = make_cache(pages=16)
-    plane, w = plane_of(cache), worker(cache)
+    plane = make_plane(pages=16)
+    cache = plane.cache
+    w = worker(cache)
     save(cache, w, "ready")
     plane.apply(w, message(allocations=[ask(7, "a", 2), ask(8, "ready"), ask(9, "b")]))
     answers = {a.request_id: a for a in drain(w)}
@@ -63,8 +59,9 @@ def test_allocations_and_reports_are_answered_by_request_id():
 
 
 def test_reports_are_applied_before_the_allocations_of_their_message():
-    cache = make_cache(pages=2)
-    plane, w = plane_of(cache), worker(cache)
+    plane = make_plane(pages=2)
+    cache = plane.cache
+    w = worker(cache)
     allocate(cache, w, "first", pages=2)
     plane.apply(w, message(reports=[SaveReport(0, "first", False)],
                            allocations=[ask(1, "second", 2)]))
@@ -73,8 +70,9 @@ def test_reports_are_applied_before_the_allocations_of_their_message():
 
 
 def test_a_refusal_is_an_answer_and_the_stream_goes_on():
-    cache = make_cache(pages=4)
-    plane, w = plane_of(cache), worker(cache)
+    plane = make_plane(pages=4)
+    cache = plane.cache
+    w = worker(cache)
     plane.apply(w, message(allocations=[ask(1, "huge", 5), ask(2, "", 1), ask(3, "fine")]))
     huge, empty, fine = drain(w)
     assert wire.status_code(huge.error).name == "RESOURCE_EXHAUSTED"
@@ -87,8 +85,8 @@ def test_a_refusal_is_an_answer_and_the_stream_goes_on():
 
 
 def test_only_worker_sessions_of_saving_engines_save_on_the_stream():
-    cache = make_cache()
-    plane = plane_of(cache)
+    plane = make_plane()
+    cache = plane.cache
     with pytest.raises(FailedPrecondition):
         plane.apply(scheduler(cache), message(allocations=[ask(1, "a")]))
     consumer = worker(cache, engine="C", role="consumer")
@@ -110,8 +108,9 @@ def test_a_stream_allocation_without_a_request_id_is_refused_whole():
 def test_an_allocation_that_waits_for_pages_is_answered_later_and_the_stream_goes_on():
     """A cache of 16 pages: 8 pending, 8 ready and seen by a view, so a save
     of 8 pages hides the ready entry and waits for the view's ack."""
-    cache = make_cache(pages=16)
-    plane, view, w = plane_of(cache), scheduler(cache), worker(cache)
+    plane = make_plane(pages=16)
+    cache = plane.cache
+    view, w = scheduler(cache), worker(cache)
     allocate(cache, w, "pending", pages=8)
     ready = save(cache, w, "ready", pages=8)
     drain(view)
@@ -119,12 +118,12 @@ def test_an_allocation_that_waits_for_pages_is_answered_later_and_the_stream_goe
     async def scenario():
         plane.apply(w, message(allocations=[ask(5, "new", 8)]))
         deadline = time.monotonic() + 5
-        while SPACE not in plane.wakeups._waiters:
+        while SPACE not in plane.room.wakeups._waiters:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
         plane.apply(w, message(beat=None, allocations=[ask(6, "ready")]))  # goes on meanwhile
         assert [a.request_id for a in drain(w)] == [6]
-        cache.acknowledge(view, [("ready", ready.entry_id)])
+        cache.views.acknowledge(view, [("ready", ready.entry_id)])
         while not w.outbox:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
@@ -135,35 +134,37 @@ def test_an_allocation_that_waits_for_pages_is_answered_later_and_the_stream_goe
 
 
 def test_a_session_that_ends_while_its_allocation_waits_allocates_nothing():
-    cache = make_cache(pages=16)
-    plane, view, w = plane_of(cache), scheduler(cache), worker(cache)
+    plane = make_plane(pages=16)
+    cache = plane.cache
+    view, w = scheduler(cache), worker(cache)
     allocate(cache, w, "pending", pages=8)
     save(cache, w, "ready", pages=8)
 
     async def scenario():
         plane.apply(w, message(allocations=[ask(5, "new", 8)]))
-        while SPACE not in plane.wakeups._waiters:
+        while SPACE not in plane.room.wakeups._waiters:
             await asyncio.sleep(0.005)
         plane.end_session(w)  # its pending save is quarantined
-        cache.acknowledge(view, [(e.mm_hash, e.entry_id) for e in list(view.awaiting)])
+        cache.views.acknowledge(view, [(e.mm_hash, e.entry_id) for e in list(view.awaiting)])
         for _ in range(20):
             await asyncio.sleep(0.005)
 
     asyncio.run(scenario())
     assert cache.state_of("ns", "new") is None and not plane.saves._waiting
-    assert cache.pending_pages == 0
+    assert cache.table.pending_pages == 0
 
 
 def test_a_session_has_at_most_so_many_allocations_waiting_for_pages():
     """A misbehaving client cannot park thousands of waiting allocations
     (each woken by every page that comes back): past the bound one is
     refused at once, and the bound frees as the waits end."""
-    cache = make_cache(pages=16)
-    plane, view, w = plane_of(cache, alloc_wait_seconds=0.2), scheduler(cache), worker(cache)
+    plane = make_plane(pages=16, alloc_wait_seconds=0.2)
+    cache = plane.cache
+    view, w = scheduler(cache), worker(cache)
     allocate(cache, w, "pending", pages=8)
     save(cache, w, "ready", pages=8)
     drain(view)
-    bound = saves_module.WAITING_PER_SESSION
+    bound = room_module.WAITING_PER_SESSION
 
     async def scenario():
         plane.apply(w, message(allocations=[ask(i + 1, f"new{i}", 8) for i in range(bound + 1)]))
@@ -175,14 +176,15 @@ def test_a_session_has_at_most_so_many_allocations_waiting_for_pages():
         while plane.saves._waiting:  # the waits end (refused after the wait)
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert len(drain(w)) == bound and not plane.saves._waiting_of
+        assert len(drain(w)) == bound and plane.room.waiting == 0
 
     asyncio.run(scenario())
 
 
 def test_a_heartbeat_on_a_saving_message_is_still_echoed():
-    cache = make_cache()
-    plane, w = plane_of(cache), worker(cache)
+    plane = make_plane()
+    cache = plane.cache
+    w = worker(cache)
     plane.apply(w, message(allocations=[ask(1, "a")], beat=Heartbeat(9, 0, 0)))
     events = drain(w)
     assert isinstance(events[0], AllocationAnswer) and events[-1] == HeartbeatEcho(9)

@@ -1,8 +1,9 @@
-"""The second tier's stores are told apart by their declared interface
-(`ec_daemon.remote.backend`), never by probing them: no `hasattr` anywhere in
-the daemon, and `getattr` only where the daemon reflects over another
-library's declared fields (protobuf messages, argparse, grpc's status codes).
-Each backend implements its kind of store whole."""
+"""The second tier's stores are used through one declared interface
+(`ec_daemon.remote.backend.Backend`), never by probing them: no `hasattr`
+anywhere in the daemon, and `getattr` only where the daemon reflects over
+another library's declared fields (protobuf messages, argparse, grpc's status
+codes). Each backend implements the whole interface, and nothing outside the
+backends asks which kind of store it has."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ast
 import inspect
 from pathlib import Path
 
-from ec_daemon.remote.backend import IndexedStore, ProbedStore, Store
+from ec_daemon.remote.backend import Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 # Modules that may call getattr, and why (none of them touches a store or a value).
@@ -56,16 +57,45 @@ def test_the_finder_sees_a_probe(tmp_path: Path) -> None:
         "ec_daemon/remote/tier.py:2: hasattr(store, 'read_index')"]
 
 
-def test_each_backend_implements_its_kind_of_store() -> None:
-    from ec_daemon.remote.mooncake import MooncakeStore
-    from ec_daemon.remote.store import RedisStore
+def test_each_backend_implements_the_whole_interface() -> None:
+    from ec_daemon.remote.mooncake.backend import MooncakeBackend
+    from ec_daemon.remote.redis.backend import RedisBackend
 
-    assert issubclass(RedisStore, IndexedStore) and RedisStore.indexed is True
-    assert issubclass(MooncakeStore, ProbedStore) and MooncakeStore.indexed is False
-    for backend in (RedisStore, MooncakeStore):
+    for backend in (RedisBackend, MooncakeBackend):
+        assert issubclass(backend, Backend)
         assert not inspect.isabstract(backend), backend.__abstractmethods__
-    # The kinds share every call the tier makes of any store.
-    shared = {name for name, member in vars(Store).items()
-              if callable(member) and not name.startswith("_")}
-    assert {"domain", "present", "claim", "claim_many", "release", "ping", "close",
-            "accepts", "claimable"} <= shared
+    declared = {name for name, member in vars(Backend).items()
+                if callable(member) and not name.startswith("_")}
+    assert {"lookup", "confirm", "claim", "claim_many", "release", "publish", "fetch",
+            "fetch_into", "follow", "threads"} <= declared
+
+
+def kind_branches(root: Path) -> list[str]:
+    """Each line of the second tier outside its backends' folders (and the
+    interface, `backend.py`) that names a kind of store: an `indexed` flag, a
+    value type of one backend, or a test of a backend's class."""
+    found = []
+    remote = root / "ec_daemon" / "remote"
+    for path in sorted(remote.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if path.parent != remote or path.name == "backend.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if any(word in code for word in ("indexed", "StoredValue", "isinstance(store",
+                                             "isinstance(backend", "RedisBackend",
+                                             "MooncakeBackend")):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    return found
+
+
+def test_nothing_outside_the_backends_asks_which_store_it_has() -> None:
+    assert kind_branches(ROOT) == []
+
+
+def test_the_kind_finder_sees_a_branch(tmp_path: Path) -> None:
+    remote = tmp_path / "ec_daemon" / "remote"
+    (remote / "redis").mkdir(parents=True)
+    (remote / "tier.py").write_text("if store.indexed:\n    pass\n")
+    (remote / "redis" / "backend.py").write_text("indexed = True\n")
+    assert kind_branches(tmp_path) == ["ec_daemon/remote/tier.py:1: if store.indexed:"]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ec_daemon.plane.dataplane import SPACE, DataPlane
+from ec_daemon.plane.room import SPACE
 from ec_daemon.plane.wakeups import Wakeups
 from ec_daemon.serving.service import ECDaemonService
 from ec_protocol.protocol import pb
@@ -18,7 +18,7 @@ from tests.unit.cache_helpers import (
     FakeClock,
     allocate,
     drain,
-    make_cache,
+    make_plane,
     save,
     scheduler,
     worker,
@@ -94,14 +94,13 @@ def test_a_cancelled_wait_leaves_nothing_behind():
 def full_cache(alloc_wait_seconds=5.0, clock=None):
     """A cache of 16 pages: 8 pending, 8 ready and seen by a view, so a save
     of 8 pages hides the ready entry and waits for the view's ack."""
-    cache = make_cache(pages=16, clock=clock)
+    plane = make_plane(pages=16, clock=clock, alloc_wait_seconds=alloc_wait_seconds)
+    cache = plane.cache
     view, w = scheduler(cache), worker(cache)
     allocate(cache, w, "pending", pages=8)
     ready = save(cache, w, "ready", pages=8)
     drain(view)
-    plane = DataPlane(cache, lease_seconds=cache.sessions.lease_seconds,
-                      alloc_wait_seconds=alloc_wait_seconds, check_invariants=True)
-    daemon = ECDaemonService(plane, None)
+    daemon = ECDaemonService(plane, pb.Region())
     request = pb.AllocateRequest(session_id=w.session_id, mm_hash="new", nbytes=8 * PAGE,
                                  shape=[8, PAGE], dtype="uint8")
     return cache, daemon, view, w, ready, request
@@ -112,7 +111,7 @@ def waits_then(daemon, request, action):
     async def scenario():
         allocation = asyncio.ensure_future(daemon.Allocate(request, FakeContext()))
         deadline = time.monotonic() + 5
-        while SPACE not in daemon.plane.wakeups._waiters:  # until it waits for pages
+        while SPACE not in daemon.plane.room.wakeups._waiters:  # until it waits for pages
             assert not allocation.done() and time.monotonic() < deadline
             await asyncio.sleep(0.005)
         action()
@@ -124,7 +123,7 @@ def waits_then(daemon, request, action):
 def test_a_waiting_allocation_wakes_when_the_view_acknowledges():
     cache, daemon, view, _, ready, request = full_cache()
     reply = waits_then(daemon, request,
-                       lambda: cache.acknowledge(view, [("ready", ready.entry_id)]))
+                       lambda: cache.views.acknowledge(view, [("ready", ready.entry_id)]))
     assert reply.status == pb.ALLOCATED and reply.extents[0].offset == 8 * PAGE
 
 
@@ -160,4 +159,4 @@ def test_an_allocation_whose_victims_are_never_acknowledged_is_refused_at_its_de
     assert 0.15 < waited < 5
     assert context.code.name == "RESOURCE_EXHAUSTED"
     assert "not acknowledged in time" in context.details
-    assert cache.counters["refused_saves"] == 1 and daemon.plane.wakeups._waiters == {}
+    assert cache.counters["refused_saves"] == 1 and daemon.plane.room.wakeups._waiters == {}

@@ -260,10 +260,22 @@ def test_batches_wait_for_events_and_stop_when_the_watch_ends():
     asyncio.run(scenario())
 
 
-def test_the_cache_hook_reports_commits_and_evictions_in_order():
-    cache = make_cache(pages=4)
+class Publishing:
+    """A cache listener that tells the watchers, as the data plane does."""
+
+    def __init__(self, watchers: Watchers) -> None:
+        self.watchers = watchers
+
+    def entry_changed(self, entry) -> None:
+        self.watchers.publish(entry)
+
+    def pages_reclaimed(self) -> None:
+        pass
+
+
+def test_the_caches_announcements_reach_watchers_in_order():
     watchers = Watchers()
-    cache.on_entry_change = watchers.publish
+    cache = make_cache(pages=4, listener=Publishing(watchers))
     w = worker(cache)
     save(cache, w, "first", pages=2)
     watcher = watchers.open(ALL, cache.entries())

@@ -1,5 +1,5 @@
-"""The second tier's local index: bounded in bytes, one copy of each
-namespace string, and time taken from the store, never from a host's clock
+"""The announcements a daemon follows (Redis): bounded in bytes, one copy of
+each namespace string, and time taken from the store, never from a host's clock
 (a publisher's clock that runs ahead trims nobody's announcements; a follower
 whose clock is off neither drops nor keeps entries wrongly)."""
 
@@ -13,11 +13,17 @@ from collections.abc import Callable
 
 import pytest
 
-from ec_daemon.remote.index import MAX_FORGOTTEN, RemoteIndex, ServerClock, entry_bytes
-from ec_daemon.remote.store import INDEX_SHARDS, Announcement, index_key, open_store
-from ec_daemon.remote.tier import RemoteTier
+from ec_daemon.remote.redis.announcements import (
+    MAX_FORGOTTEN,
+    Announcement,
+    Announcements,
+    ServerClock,
+    entry_bytes,
+)
+from ec_daemon.remote.redis.shards import IndexShards
+from ec_daemon.remote.redis.store import INDEX_SHARDS, index_key, open_store
 from tests import redis_servers
-from tests.remote.conftest import NAMESPACE, needs_redis, wait_for
+from tests.remote.conftest import NAMESPACE, needs_redis, redis_tier, wait_for
 
 HOUR_S = 3600.0
 
@@ -48,7 +54,7 @@ def wall_clock(monkeypatch: pytest.MonkeyPatch, skew_s: float) -> Callable[[], N
 
 
 def test_the_index_is_bounded_in_bytes_oldest_first() -> None:
-    index = RemoteIndex(max_bytes=4 * entry_bytes("h-0"), ttl_ms=60_000)
+    index = Announcements(max_bytes=4 * entry_bytes("h-0"), ttl_ms=60_000)
     index.follow("a")
     index.follow("b")
     evicted = index.absorb([announcement(f"h-{i}", 1000 + i, namespace="ab"[i % 2])
@@ -71,7 +77,7 @@ def test_a_forgotten_entry_stays_forgotten_when_its_announcement_is_read_again()
     it is back. Forgotten keys are remembered until their entry would have
     expired, and at most MAX_FORGOTTEN of them."""
     monotonic = FakeMonotonic()
-    index = RemoteIndex(max_bytes=1 << 20, ttl_ms=60_000, clock=ServerClock(monotonic))
+    index = Announcements(max_bytes=1 << 20, ttl_ms=60_000, clock=ServerClock(monotonic))
     index.follow(NAMESPACE)
     stamp = 1_700_000_000_000
     index.absorb([announcement("bad", stamp), announcement("good", stamp)])
@@ -96,7 +102,7 @@ def test_an_entry_costs_what_it_is_counted_and_namespaces_are_held_once() -> Non
     --remote-index-bytes, with the tables just grown (as empty as they get).
     Before: 690 bytes an entry with this 250-character namespace."""
     count = 43_700  # just past a table's growth: the most per entry
-    index = RemoteIndex(max_bytes=1 << 40, ttl_ms=3_600_000)
+    index = Announcements(max_bytes=1 << 40, ttl_ms=3_600_000)
     index.follow(NAMESPACE)
     hashes = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(count)]
     gc.collect()
@@ -121,7 +127,7 @@ def test_an_entry_costs_what_it_is_counted_and_namespaces_are_held_once() -> Non
 
 def test_entries_expire_by_the_stores_clock() -> None:
     monotonic = FakeMonotonic()
-    index = RemoteIndex(max_bytes=1 << 20, ttl_ms=10_000, clock=ServerClock(monotonic))
+    index = Announcements(max_bytes=1 << 20, ttl_ms=10_000, clock=ServerClock(monotonic))
     index.follow(NAMESPACE)
     stamp = 1_700_000_000_000
     index.absorb([announcement("old", stamp - 9_000, ttl_ms=None),  # its TTL: ours
@@ -143,16 +149,18 @@ def test_a_publisher_whose_clock_runs_ahead_trims_nobody_elses_announcements(
     client = own_node.client()
     client.config_set("stream-node-max-entries", 4)  # approximate trims act on few entries
     honest = open_store(own_node.url)
+    honest_streams = IndexShards(honest)
     for i in range(200):
-        honest.announce(NAMESPACE, f"honest-{i}", 10, 60.0)
+        honest_streams.announce(NAMESPACE, f"honest-{i}", 10, 60.0)
     restore = wall_clock(monkeypatch, 2 * HOUR_S)  # ahead by more than the TTL
     ahead = open_store(own_node.url)
+    ahead_streams = IndexShards(ahead)
     for i in range(200):
-        ahead.announce(NAMESPACE, f"ahead-{i}", 10, 60.0)
+        ahead_streams.announce(NAMESPACE, f"ahead-{i}", 10, 60.0)
     restore()
     assert sum(int(client.xlen(index_key(k))) for k in range(INDEX_SHARDS)) == 400
     follower = open_store(own_node.url)
-    found, _ = follower.read_index(None, 0.1, 1000)
+    found, _ = IndexShards(follower).read(None, 0.1, 1000)
     assert {a.mm_hash for a in found} >= {f"honest-{i}" for i in range(200)}
     for store in (honest, ahead, follower):
         store.close()
@@ -167,13 +175,12 @@ def test_entries_live_their_ttl_whatever_the_hosts_clocks_say(
         publisher_skew: float, follower_skew: float) -> None:
     restore = wall_clock(monkeypatch, publisher_skew)
     publisher = open_store(own_node.url)
-    publisher.announce(NAMESPACE, "kept", 10, 60.0)
-    publisher.announce(NAMESPACE, "brief", 10, 1.0)
+    IndexShards(publisher).announce(NAMESPACE, "kept", 10, 60.0)
+    IndexShards(publisher).announce(NAMESPACE, "brief", 10, 1.0)
     publisher.close()
     restore()
     wall_clock(monkeypatch, follower_skew)
-    tier = RemoteTier(open_store(own_node.url), ttl_s=60.0, publish_queue_bytes=1 << 20,
-                      block_s=0.2)
+    tier = redis_tier(own_node.url, block_s=0.2)
     tier.follow(NAMESPACE)
     tier.start()
     try:

@@ -1,5 +1,5 @@
-"""The second tier's local index: what the announcements of the namespaces
-this host follows say the store holds, answered from memory.
+"""What other hosts announced in the Redis store's index (`shards`), for the
+namespaces this host follows: what the store holds, answered from memory.
 
 Bounded in bytes (`max_bytes`, the oldest announcements dropped first), since
 what an entry costs depends on its key. Each namespace's entries sit in their
@@ -24,18 +24,30 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from ec_daemon.remote.backend import Announcement
+from ec_daemon.core.limits import MAX_FORGOTTEN
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Another daemon (or this one) published (namespace, mm_hash) of nbytes
+    payload bytes at stamp_ms (the server's clock: its stream entry's ID), for
+    ttl_ms (None: a daemon that predates `t`; the reader assumes its own)."""
+
+    namespace: str
+    mm_hash: str
+    nbytes: int
+    stamp_ms: int
+    ttl_ms: int | None
+
 
 # The most an entry takes beside its mm_hash's characters: the table's slot
 # and link, the key string's header, the packed int (CPython 3.11, with the
-# tables as empty as they get, just grown; tests/remote/test_index.py).
+# tables as empty as they get, just grown; tests/remote/test_announcements.py).
 ENTRY_BYTES = 185
-_SIZE_BITS = 41  # the payload size's bits in an entry (store.MAX_VALUE_BYTES is 2**40)
+_SIZE_BITS = 41  # the payload size's bits in an entry (limits.MAX_VALUE_BYTES is 2**40)
 _SIZE_MASK = (1 << _SIZE_BITS) - 1
-# Entries forgotten (not promotable) remembered against a re-read of their
-# announcement (a rescan reads the index from its start), at most this many.
-MAX_FORGOTTEN = 4096
 
 
 class ServerClock:
@@ -58,10 +70,10 @@ def entry_bytes(mm_hash: str) -> int:
     return ENTRY_BYTES + (len(mm_hash) if mm_hash.isascii() else 4 * len(mm_hash))
 
 
-class RemoteIndex:
+class Announcements:
     """(namespace, mm_hash) -> payload size, for followed namespaces, until
-    the entry expires by the server's clock. Not thread-safe: the tier holds
-    its lock around every call."""
+    the entry expires by the server's clock. Not thread-safe: its backend
+    (`backend.RedisBackend`) holds its lock around every call."""
 
     def __init__(self, *, max_bytes: int, ttl_ms: int, clock: ServerClock | None = None) -> None:
         """`ttl_ms` caps every announcement's TTL (an entry never outlives
@@ -78,6 +90,7 @@ class RemoteIndex:
         # (namespace, mm_hash) -> the forgotten entry's expiry (ms): an
         # announcement that expires no later is the one forgotten, read again.
         self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._rescan = False  # a namespace was followed since `take_rescan`
 
     @property
     def entries(self) -> int:
@@ -92,7 +105,15 @@ class RemoteIndex:
         if namespace in self._tables:
             return False
         self._tables[namespace] = OrderedDict()
+        self._rescan = True
         return True
+
+    def take_rescan(self) -> bool:
+        """Whether the index must be read again from their start (a
+        namespace was followed since the last call, whose entries announced
+        before were skipped): said once."""
+        rescan, self._rescan = self._rescan, False
+        return rescan
 
     def unfollow(self, namespace: str) -> None:
         """Forget `namespace` and its entries."""
