@@ -63,13 +63,14 @@ from collections.abc import Container, Iterable
 from typing import Any, NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
-from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import (
+from ec_client.common.limits import (
     DEFAULT_ANSWER_WAIT_SECONDS,
     DEFAULT_MAX_DEFER_SECONDS,
     DEFAULT_STAGING_BYTES,
     DEFAULT_VERIFY_CHECKSUM,
+    UNMAPPED_WARNING_SECONDS,
 )
+from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner, open_region
 from ec_client.scheduler_side.staging import Stage, Staging
 from ec_client.scheduler_side.view import ReadyView, Refs
@@ -86,10 +87,6 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-# Ranks still not all mapped this long after an attach or a rank's loss is
-# worth a warning (engines start their scheduler before their workers, and
-# stop their workers first).
-UNMAPPED_WARNING_SECONDS = 30.0
 
 
 class _Current(NamedTuple):

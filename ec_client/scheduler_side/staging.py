@@ -61,7 +61,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ec_client.common.contract import (
-    ADOPT_STEPS,
     CHECKSUM_MISMATCH,
     STAMP_MISMATCH,
     UNUSABLE,
@@ -71,20 +70,12 @@ from ec_client.common.contract import (
     RegionInfo,
     StepMetadata,
 )
+from ec_client.common.limits import ADOPT_STEPS, INFLIGHT_TTL_SECONDS, MAX_REFUSED, UNUSABLE_SECONDS
 from ec_client.common.readback import Refused, RegionReader
 from ec_client.scheduler_side.view import ReadyView, Ref, Refs, Send
 
 log = logging.getLogger(__name__)
 
-# A staged load whose ranks never all reported is given up after this (a
-# backstop: vLLM returns every step's worker output, and a copy takes
-# milliseconds). Its eviction is then acknowledged, logged.
-INFLIGHT_TTL_SECONDS = 120.0
-# An entry a rank could not use for a reason other than its bytes is not
-# staged again by this engine for this long (its requests encode it).
-UNUSABLE_SECONDS = 10.0
-# Entries remembered as not to be staged again, at most.
-MAX_REFUSED = 4096
 
 
 class Stage(enum.Enum):

@@ -45,15 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ec_client.common.limits import APPLY_SLICE, MAX_PENDING_TOUCHES
 from ec_protocol.protocol import MAX_BATCH
 
 Ref = tuple[str, int]  # (mm_hash, entry_id)
-# Distinct entries whose loads wait for a heartbeat; beyond, recency and load
-# counts of further entries are dropped until the next one.
-MAX_PENDING_TOUCHES = 1 << 16
-# Events of one daemon message applied per hold of the view's lock (a few
-# microseconds each); between slices the engine's thread may take the lock.
-APPLY_SLICE = 256
 Refs = list[Ref]
 # Send(acks) -> False when the link is down.
 Send = Callable[[Refs], bool]
