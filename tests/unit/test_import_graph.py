@@ -310,6 +310,41 @@ def test_a_class_name_means_one_thing_in_the_daemon_and_the_protocol():
     assert repeated == DECLARED_BY_CALLER
 
 
+# A class name the client repeats from the daemon: each copy backend's module
+# names its class `Backend`, as `ec_client.copy.get_backend` finds it (and as
+# users' own backends are documented), beside the daemon's second-tier Backend.
+CLIENT_REPEATS = {"Backend"}
+
+
+def client_classes() -> dict[str, list[str]]:
+    """Each public class name of the client -> where, beside the daemon's and protocol's."""
+    found = {name: list(where) for name, where in defined_classes().items()}
+    for module, path in modules().items():
+        if within(module, "ec_client"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_a_class_name_means_one_thing_across_the_client_the_daemon_and_the_protocol():
+    """(The client's readback refusal was `Refused`, as the daemon's breaker's is.)"""
+    repeated = {name for name, where in client_classes().items()
+                if len(where) > 1 and any(within(m, "ec_client") for m in where)}
+    assert repeated == CLIENT_REPEATS
+
+
+def test_a_claim_is_the_right_to_encode_and_nothing_else_in_the_client():
+    """The glossary's claim is the right to encode an item (`Wants.claim`,
+    a producer's); a view protecting the entry of a hit until the step's
+    end is a hit (`ReadyView.hit`: it was `claim` too)."""
+    named = sorted(f"{module}.{node.name}" for module, path in modules().items()
+                   if within(module, "ec_client")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.FunctionDef) and "claim" in node.name)
+    assert named == ["ec_client.scheduler_side.wants.claim"]
+
+
 # ------------------------------------------------------------------ every bound in core.limits
 
 # The numbers a daemon module may declare itself, each set with why none of
