@@ -227,9 +227,9 @@ vllm-compat:
 
 ## ruff and mypy
 lint: $(STAMP) proto
-	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py deploy scripts
+	$(BIN)/ruff check ec_daemon ec_client ec_protocol tests benchmarks proto/generate.py deploy
 	$(BIN)/mypy
-	$(BIN)/mypy tests/docker deploy/wheelhouse.py scripts/relayout.py
+	$(BIN)/mypy tests/docker deploy/wheelhouse.py
 
 # Longer runs of the CI suites: many more malformed requests, kills and soak time.
 ## the malformed-request suite with FUZZ_EXAMPLES cases (200k)

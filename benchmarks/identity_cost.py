@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ec_client import identity
-from ec_daemon.sizes import parse_size
+from ec_protocol.sizes import parse_size
 
 GIB = 1 << 30
 MIB = 1 << 20

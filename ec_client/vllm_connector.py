@@ -68,6 +68,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.logger import init_logger
 
 from ec_client.common.contract import StepMetadata
+from ec_client.common.limits import MAX_RUNTIME_CHARS, STATS_INTERVAL_SECONDS
 from ec_client.common.settings import ConnectorSettings
 from ec_client.engine_token import derived_engine_token, new_engine_token
 from ec_client.identity import (
@@ -127,11 +128,6 @@ def _log_through_vllm() -> None:
 _log_through_vllm()
 
 ROLES: dict[str, Role] = {"ec_producer": PRODUCER, "ec_consumer": CONSUMER, "ec_both": BOTH}
-# How often get_ec_connector_stats hands vLLM a summary (it asks every step).
-STATS_INTERVAL_SECONDS = 1.0
-# The daemon takes a layout variant of up to 256 characters: versions longer
-# than this (local build tags) are named by their digest.
-MAX_RUNTIME_CHARS = 64
 
 
 @dataclass

@@ -58,6 +58,7 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
     collect_ec_item_metadata,
 )
 
+from ec_client.common.limits import MAX_DROPPED_ITEMS
 from ec_client.scheduler_side.staging import Stage
 
 if TYPE_CHECKING:
@@ -67,9 +68,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Items whose save was reported dropped, remembered (the most recent ones)
-# so a producer announces no metadata for them.
-MAX_DROPPED = 4096
 
 
 class RequestItems:
@@ -153,7 +151,7 @@ class RequestItems:
         waited = max(now - self._fetch_since[(request_id, h)] for h in missing)
         if waited >= self.max_defer_seconds:
             self._fail(request_id, f"the cache has not had {', '.join(missing)} for "
-                       f"{waited:.1f}s (ec_daemon_max_defer_s)")
+                       f"{waited:.1f}s (ec_daemon_max_defer_seconds)")
         return False
 
     def _fail(self, request_id: str, why: str) -> None:
@@ -169,7 +167,7 @@ class RequestItems:
         for mm_hash in mm_hashes:
             dropped[mm_hash] = None
             dropped.move_to_end(mm_hash)
-        while len(dropped) > MAX_DROPPED:
+        while len(dropped) > MAX_DROPPED_ITEMS:
             dropped.popitem(last=False)
 
     def take_stats(self) -> dict[str, int]:

@@ -49,7 +49,7 @@ COUNTERS = {
                  "Items a request was deferred for: asked whether another engine or the "
                  "second tier makes them"),
     "defer_timeouts": ("vllm:ec_daemon_defer_timeouts",
-                       "Deferrals given up (ec_daemon_max_defer_s): the engine encoded"),
+                       "Deferrals given up (ec_daemon_max_defer_seconds): the engine encoded"),
     "answer_waits": ("vllm:ec_daemon_answer_waits",
                      "Times the scheduler waited for the daemon's answer to a cold miss"),
     "answer_wait_us": ("vllm:ec_daemon_answer_wait_microseconds",

@@ -84,7 +84,7 @@ class StepMetadata:
     inline: list[InlineLoad] = field(default_factory=list)
     # Steps the workers run, counted by the scheduler (0: not counted). A
     # worker drops a staged output no step adopted within
-    # ec_client.common.contract.STAGED_STEPS of its staging.
+    # ec_client.common.limits.STAGED_STEPS of its staging.
     step: int = 0
     regions: dict[int, RegionInfo] = field(default_factory=dict)
     # The region generations this scheduler may still have a rank load from:
@@ -101,11 +101,6 @@ class StepMetadata:
     engine_token: str = ""
 
 
-# A staged output no step adopted this many worker steps after the step that
-# staged it is dropped by the worker. The scheduler drops its own record of it
-# earlier (`ADOPT_STEPS`), so it never names one a worker dropped.
-STAGED_STEPS = 64
-ADOPT_STEPS = STAGED_STEPS // 2
 
 # Why a rank could not stage a load (`WorkerMetadata`): the entry's bytes are
 # not what its writer saved (reported to the daemon, which checks and hides

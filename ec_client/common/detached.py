@@ -19,13 +19,11 @@ import stat
 import time
 from collections.abc import Callable
 
+from ec_client.common.limits import DETACHED_WARNING_SECONDS
 from ec_protocol.protocol import SOCKET_ENV, default_socket_uri, unix_path
 
 log = logging.getLogger("ec_client.common.session")
 
-# While detached, the warning comes back this often (one line a minute: an
-# operator tailing the log sees it, a long outage does not flood it).
-DETACHED_WARNING_SECONDS = 60.0
 
 
 def socket_problem(uri: str) -> str:

@@ -34,7 +34,7 @@ from ec_protocol.dtypes import entry_problem
 from ec_protocol.stamps import FREE, StampTable
 
 
-class Refused(Exception):
+class LoadRefused(Exception):
     """A load whose bytes cannot be used: `kind` is one of the contract's
     failure kinds, the message says why."""
 
@@ -78,14 +78,14 @@ class RegionReader:
         """The entry's bytes, copied out of its region and verified: its
         stamps, its checksum with `verify_checksum` (where its writer
         recorded one), and its dtype and size (what a loader can make).
-        Raises Refused (STAMP_MISMATCH, CHECKSUM_MISMATCH, UNUSABLE)."""
+        Raises LoadRefused (STAMP_MISMATCH, CHECKSUM_MISMATCH, UNUSABLE)."""
         problem = entry_problem(spec.nbytes, spec.shape, spec.dtype)
         if problem is not None:
-            raise Refused(UNUSABLE, problem)
+            raise LoadRefused(UNUSABLE, problem)
         if info is None or info.generation != spec.generation:
-            raise Refused(UNUSABLE, f"no region of generation {spec.generation:016x}")
+            raise LoadRefused(UNUSABLE, f"no region of generation {spec.generation:016x}")
         if spec.entry_id == FREE:
-            raise Refused(UNUSABLE, "entry id 0 names no entry (it is the stamp of free pages)")
+            raise LoadRefused(UNUSABLE, "entry id 0 names no entry (it is the stamp of free pages)")
         try:
             mapping = self._mapped.get(spec.generation)
             if mapping is None:
@@ -95,19 +95,19 @@ class RegionReader:
             for offset, length in spec.extents:
                 if offset < info.data_offset or length < 0 or offset + length > info.size \
                         or done + length > spec.nbytes:
-                    raise Refused(UNUSABLE, f"extent {offset}+{length} is outside the region "
+                    raise LoadRefused(UNUSABLE, f"extent {offset}+{length} is outside the region "
                                             "or the entry")
                 payload[done:done + length] = mapping.view[offset:offset + length]
                 done += length
             if done != spec.nbytes:
-                raise Refused(UNUSABLE, f"extents hold {done} bytes, the entry {spec.nbytes}")
+                raise LoadRefused(UNUSABLE, f"extents hold {done} bytes, the entry {spec.nbytes}")
         except OSError as exc:
-            raise Refused(UNUSABLE, f"{type(exc).__name__}: {exc}") from None
+            raise LoadRefused(UNUSABLE, f"{type(exc).__name__}: {exc}") from None
         if not mapping.stamps.holds(spec.extents, spec.entry_id):  # after the copy
-            raise Refused(STAMP_MISMATCH, "its pages were reused (stamp mismatch): the bytes "
+            raise LoadRefused(STAMP_MISMATCH, "its pages were reused (stamp mismatch): the bytes "
                                           "are not the entry's")
         if verify_checksum and spec.checksum and checksum((payload,)) != spec.checksum:
-            raise Refused(CHECKSUM_MISMATCH, "its bytes do not match the checksum its writer "
+            raise LoadRefused(CHECKSUM_MISMATCH, "its bytes do not match the checksum its writer "
                                              "recorded: another process rewrote them")
         return payload
 

@@ -48,36 +48,22 @@ import grpc
 
 from ec_client.common.contract import RegionInfo
 from ec_client.common.detached import DetachedNotice
+from ec_client.common.limits import (
+    BACKOFF_MAX_SECONDS,
+    BACKOFF_START_SECONDS,
+    EARLY_BEAT_SECONDS,
+    FRESH_FRACTION,
+    MAX_BEATS_IN_FLIGHT,
+    MIN_BEAT_SECONDS,
+    RECONNECT_MAX_SECONDS,
+    SILENT_LEASES,
+    STOP_SECONDS,
+)
 from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, Role, pb
 
 log = logging.getLogger(__name__)
 
 _NOTHING = object()
-BACKOFF_START_SECONDS = 0.05
-# Attach attempts while the daemon is down: a refused connection costs
-# nothing, and a restarted daemon (warm: its cache adopted) is worth hitting
-# again at once.
-RECONNECT_MAX_SECONDS = 0.25
-# After an attachment this client could not use (a callback failed).
-BACKOFF_MAX_SECONDS = 2.0
-# A view answers hits until this fraction of the lease after the send time
-# of the newest heartbeat the daemon echoed; the rest of the lease is the
-# margin for a dispatched load to land.
-FRESH_FRACTION = 0.5
-# A stream silent this many leases (heartbeats sent, nothing heard) is given up.
-SILENT_LEASES = 2.0
-# Heartbeats remembered until echoed: at one per EARLY_BEAT_SECONDS, 1,024
-# cover 100 s, past any useful echo of a lease up to 200 s (an echo counts
-# only until its send time + lease * FRESH_FRACTION; one forgotten makes
-# freshness conservative, never longer).
-MAX_BEATS_IN_FLIGHT = 1024
-# A heartbeat goes out this soon (not a whole interval later) when the owner
-# has something for it (`LinkListener.beat_due`: loads to touch), so the
-# daemon's LRU hears of hits within this: with a heartbeat only every
-# lease/10, entries hit every step were evicted from a cache turning over
-# faster than that (docs/performance.md 6).
-EARLY_BEAT_SECONDS = 0.1
-MIN_BEAT_SECONDS = 0.01  # whatever interval a daemon asks for (ours: 50 ms at least)
 
 Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 
@@ -232,7 +218,7 @@ class SessionLink:
             ok = self.send(_Acks(acks[start:start + MAX_BATCH])) and ok
         return ok
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
         """Detach (the daemon releases everything the session held: this
         client loads nothing more), then flush the last heartbeat and
         half-close the stream. Cancels the stream if the daemon does not

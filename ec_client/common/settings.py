@@ -4,6 +4,11 @@ it means. The connector parses them from here, and docs/vllm.md's table of them
 is `markdown_table()` (a test keeps the two equal), so a key cannot be parsed
 with one default and documented with another. An unknown `ec_daemon_*` key
 is refused: a misspelt setting would otherwise be ignored without a word.
+The table's shape is the daemon's (`ec_protocol.settings_table`): times are
+seconds and say so (`ec_daemon_max_defer_seconds`), sizes take `256MiB` as
+the daemon's flags do, a renamed key keeps its old name as a deprecated
+alias (one warning naming the new), every number among the defaults is
+`common.limits`'s, and `ConnectorSettings` is held to the table by a test.
 
 No vLLM import: the table and the parsing are testable without it.
 """
@@ -15,29 +20,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ec_client.common.limits import (
+    DEFAULT_ANSWER_WAIT_SECONDS,
+    DEFAULT_MAX_DEFER_SECONDS,
+    DEFAULT_SAVE_QUEUE_BYTES,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_VERIFY_CHECKSUM,
+    MAX_WEIGHTS_ID_CHARS,
+)
 from ec_protocol.protocol import SOCKET_ENV, default_socket_uri
+from ec_protocol.settings_table import Alias, Setting, deprecated
+from ec_protocol.sizes import format_size, parse_size
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS
 
 PREFIX = "ec_daemon_"
-MAX_WEIGHTS_ID_CHARS = 128
-DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
-# Loads staged a step before their use, per worker rank (on its device,
-# outside vLLM's encoder budget): docs/architecture.md, "Staged loads".
-DEFAULT_STAGING_BYTES = 256 << 20
-# Each load checked against its entry's checksum: off, since it costs more
-# than 5% of a load (docs/performance.md, 2b: the cpu backend's load of 1-64
-# MiB takes 1.3-1.5x as long with it; a CUDA worker reads the pages on the
-# host after its copy: benchmarks/gpu.py's `verify_cost`). Turn it on where
-# other processes that map the region (any engine's workers, a --group) are
-# not trusted.
-DEFAULT_VERIFY_CHECKSUM = False
-# How long a request is deferred at most for another engine's encode or a
-# promotion.
-DEFAULT_MAX_DEFER_SECONDS = 10.0
-# How long `ensure` may wait in all, per step, for the answers to the items it
-# just wanted: an answer takes a fraction of a millisecond; an unanswered want
-# defers its request a step.
-DEFAULT_ANSWER_WAIT_SECONDS = 0.005
 
 
 def _socket(value: Any) -> str:
@@ -78,84 +74,114 @@ def _optional_path(value: Any) -> str | None:
     return str(value) if value else None
 
 
-@dataclass(frozen=True)
-class Key:
-    name: str  # in the extra config
-    attribute: str  # of ConnectorSettings
-    parse: Callable[[Any], Any]
-    default: Any  # handed to `parse` when the key is absent
-    shown: str  # the default as docs/vllm.md shows it
-    meaning: str
+def _size(value: Any) -> int:
+    """Bytes as a number, or a size as the daemon's flags take it: `256MiB`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"invalid size {value!r}: must be zero or more")
+        return value
+    return parse_size(str(value))
 
 
-KEYS: tuple[Key, ...] = (
-    Key("ec_daemon_socket", "socket", _socket, None,
-        "`$EC_DAEMON_SOCKET`, else the daemon's default socket", "where the daemon serves"),
-    Key("ec_daemon_copy_backend", "copy_backend", str, "auto", "`auto`",
-        "`torch` (CUDA via torch), `cupy`, `cpu` (memcpy); `auto` = torch with CUDA, else cpu; "
-        "or your own class as `package.module:ClassName` (the interface is "
-        "`ec_client.copy.CopyBackend`, checked when the worker starts). It must copy the "
-        "worker's device: `cpu` on a CUDA worker (or a CUDA backend on a CPU one) is refused "
-        "at start"),
-    Key("ec_daemon_rpc_deadline_s", "deadline_seconds",
-        _non_negative("ec_daemon_rpc_deadline_s"), DEFAULT_DEADLINE_SECONDS,
-        f"`{DEFAULT_DEADLINE_SECONDS:g}`", "deadline of the worker's calls to the daemon"),
-    Key("ec_daemon_namespace", "namespace", str, "", '`""`',
-        "extra text in the layout fingerprint, to keep otherwise identical models apart"),
-    Key("ec_daemon_save_queue_bytes", "save_queue_bytes", int, DEFAULT_SAVE_QUEUE_BYTES,
-        f"`{DEFAULT_SAVE_QUEUE_BYTES}` ({DEFAULT_SAVE_QUEUE_BYTES >> 20} MiB)",
-        "memory held by encoder outputs waiting to be saved (outside vLLM's encoder budget); "
-        "a full queue skips the save"),
-    Key("ec_daemon_staging_bytes", "staging_bytes", int, DEFAULT_STAGING_BYTES,
-        f"`{DEFAULT_STAGING_BYTES}` ({DEFAULT_STAGING_BYTES >> 20} MiB)",
-        "memory each worker rank holds for loads copied and verified a step before the step "
-        "that uses them (on its device, outside vLLM's encoder budget); a hit that finds it "
-        "full is encoded instead"),
-    Key("ec_daemon_verify_checksum", "verify_checksum", _flag("ec_daemon_verify_checksum"),
-        DEFAULT_VERIFY_CHECKSUM, f"`{str(DEFAULT_VERIFY_CHECKSUM).lower()}`",
-        "check each load against the checksum its writer recorded: a load whose bytes another "
-        "process of the region rewrote is then refused (its request encodes the item), "
-        "counted (`loads_checksum_mismatch`) and reported to the daemon, which hides the "
-        "entry. Costs the loads more than 5% (docs/performance.md), so it is off; turn it on "
-        "where processes that map the region are not trusted"),
-    Key("ec_daemon_max_defer_s", "max_defer_seconds", _non_negative("ec_daemon_max_defer_s"),
-        DEFAULT_MAX_DEFER_SECONDS, f"`{DEFAULT_MAX_DEFER_SECONDS:g}`",
-        "how long a request is deferred at most while another engine of this host encodes "
-        "the same image, or the daemon promotes it from the second tier; then this engine "
-        "encodes it"),
-    Key("ec_daemon_answer_wait_ms", "answer_wait_seconds",
-        _non_negative("ec_daemon_answer_wait_ms", 1e-3), DEFAULT_ANSWER_WAIT_SECONDS * 1000,
-        f"`{DEFAULT_ANSWER_WAIT_SECONDS * 1000:g}`",
-        "how long one scheduler step waits in all for the daemon's answers about images it "
-        "misses (wanted only where another engine shares the namespace or a second tier is "
-        "on); an answer takes a fraction of a millisecond, and a request whose answer comes "
-        "later is deferred one step. `0` never waits"),
-    Key("ec_daemon_weights_id", "weights_id", _weights_id, "", '`""` (read from the model\'s '
-        "files)",
-        "names the weights in the namespace instead of reading the model's files: up to 128 "
-        "printable characters (a release tag, an image digest). Engines with the same value "
-        "share entries, so change it with every new checkpoint. Set it where file mtimes are "
-        "pinned (Nix store, `SOURCE_DATE_EPOCH` builds) or differ between hosts that should "
-        "share"),
-    Key("embedding_model_identity", "store_model_identity", str, "",
-        '`""` (the model, with its weights\' identity and a digest of its layout)',
-        "vLLM's own key, read the same way: the model's name in the keys of a Mooncake "
-        "second tier shared with vLLM's `MooncakeECConnector` (`cross_encoder_cache`). Set "
-        "the same value on both to share entries with it; unset, the keys also name the "
-        "weights' identity and a digest of everything else the local layout tells apart "
-        "(quantization, `ec_daemon_namespace`, processor and media options, `hf_overrides`, "
-        "config path, code revision, model implementation, load format), and are shared "
-        "among ec-daemon hosts with the same layout only. Set, the keys are vLLM's, which "
-        "name none of those nor the weights: you vouch that every engine given the same "
-        "value encodes alike (same checkpoint and all of the above), so change it with "
-        "every new checkpoint or any of those"),
-    Key("embedding_cache_prefix", "store_prefix", str, "", '`""`',
-        "vLLM's own key, read the same way: a prefix of those keys"),
-    Key("ec_daemon_token_file", "token_file", _optional_path, None, "`$EC_DAEMON_TOKEN_FILE`",
-        "a TCP daemon's client token, read from this file"),
-    Key("ec_daemon_tls_ca", "tls_ca", _optional_path, None, "`$EC_DAEMON_TLS_CA`",
-        "a TLS daemon's CA certificate (PEM)"),
+def _shown_size(n: int) -> str:
+    return f"`{format_size(n).replace(' ', '')}`"
+
+
+def key_of(setting: Setting) -> str:
+    """The setting's extra-config key: `ec_daemon_` and its attribute, or vLLM's own."""
+    return setting.key or PREFIX + setting.name
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("socket", _socket, lambda: None, "where the daemon serves",
+            shown="`$EC_DAEMON_SOCKET`, else the daemon's default socket"),
+    Setting("copy_backend", str, lambda: "auto",
+            "`torch` (CUDA via torch), `cupy`, `cpu` (memcpy); `auto` = torch with CUDA, else "
+            "cpu; or your own class as `package.module:ClassName` (the interface is "
+            "`ec_client.copy.CopyBackend`, checked when the worker starts). It must copy the "
+            "worker's device: `cpu` on a CUDA worker (or a CUDA backend on a CPU one) is "
+            "refused at start"),
+    Setting("deadline_seconds", _non_negative("ec_daemon_rpc_deadline_seconds"),
+            lambda: DEFAULT_DEADLINE_SECONDS, "deadline of the worker's calls to the daemon",
+            key="ec_daemon_rpc_deadline_seconds", aliases=(Alias("ec_daemon_rpc_deadline_s"),)),
+    Setting("namespace", str, lambda: "",
+            "extra text in the layout fingerprint, to keep otherwise identical models apart",
+            shown='`""`'),
+    Setting("save_queue_bytes", _size, lambda: DEFAULT_SAVE_QUEUE_BYTES,
+            "memory held by encoder outputs waiting to be saved (outside vLLM's encoder "
+            "budget); a full queue skips the save. A size: bytes, or `512MiB`, `1GiB`",
+            shown=_shown_size(DEFAULT_SAVE_QUEUE_BYTES)),
+    Setting("staging_bytes", _size, lambda: DEFAULT_STAGING_BYTES,
+            "memory each worker rank holds for loads copied and verified a step before the "
+            "step that uses them (on its device, outside vLLM's encoder budget); a hit that "
+            "finds it full is encoded instead. A size: bytes, or `512MiB`, `1GiB`",
+            shown=_shown_size(DEFAULT_STAGING_BYTES)),
+    Setting("verify_checksum", _flag("ec_daemon_verify_checksum"),
+            lambda: DEFAULT_VERIFY_CHECKSUM,
+            "check each load against the checksum its writer recorded: a load whose bytes "
+            "another process of the region rewrote is then refused (its request encodes the "
+            "item), counted (`loads_checksum_mismatch`) and reported to the daemon, which "
+            "hides the entry. Costs the loads more than 5% (docs/performance.md), so it is "
+            "off; turn it on where processes that map the region are not trusted"),
+    Setting("max_defer_seconds", _non_negative("ec_daemon_max_defer_seconds"),
+            lambda: DEFAULT_MAX_DEFER_SECONDS,
+            "how long a request is deferred at most while another engine of this host "
+            "encodes the same image, or the daemon promotes it from the second tier; then "
+            "this engine encodes it", aliases=(Alias("ec_daemon_max_defer_s"),)),
+    Setting("answer_wait_seconds", _non_negative("ec_daemon_answer_wait_seconds"),
+            lambda: DEFAULT_ANSWER_WAIT_SECONDS,
+            "how long one scheduler step waits in all for the daemon's answers about images "
+            "it misses (wanted only where another engine shares the namespace or a second "
+            "tier is on); an answer takes a fraction of a millisecond, and a request whose "
+            "answer comes later is deferred one step. `0` never waits",
+            aliases=(Alias("ec_daemon_answer_wait_ms",
+                           _non_negative("ec_daemon_answer_wait_ms", 1e-3)),)),
+    Setting("weights_id", _weights_id, lambda: "",
+            "names the weights in the namespace instead of reading the model's files: up to "
+            f"{MAX_WEIGHTS_ID_CHARS} printable characters (a release tag, an image digest). "
+            "Engines with the same value share entries, so change it with every new "
+            "checkpoint. Set it where file mtimes are pinned (Nix store, `SOURCE_DATE_EPOCH` "
+            "builds) or differ between hosts that should share",
+            shown='`""` (read from the model\'s files)'),
+    Setting("store_model_identity", str, lambda: "",
+            "vLLM's own key, read the same way: the model's name in the keys of a Mooncake "
+            "second tier shared with vLLM's `MooncakeECConnector` (`cross_encoder_cache`). Set "
+            "the same value on both to share entries with it; unset, the keys also name the "
+            "weights' identity and a digest of everything else the local layout tells apart "
+            "(quantization, `ec_daemon_namespace`, processor and media options, "
+            "`hf_overrides`, config path, code revision, model implementation, load format), "
+            "and are shared among ec-daemon hosts with the same layout only. Set, the keys "
+            "are vLLM's, which name none of those nor the weights: you vouch that every "
+            "engine given the same value encodes alike (same checkpoint and all of the "
+            "above), so change it with every new checkpoint or any of those",
+            shown='`""` (the model, with its weights\' identity and a digest of its layout)',
+            key="embedding_model_identity"),
+    Setting("store_prefix", str, lambda: "",
+            "vLLM's own key, read the same way: a prefix of those keys", shown='`""`',
+            key="embedding_cache_prefix"),
+    Setting("token_file", _optional_path, lambda: None,
+            "a TCP daemon's client token, read from this file", shown="`$EC_DAEMON_TOKEN_FILE`"),
+    Setting("tls_ca", _optional_path, lambda: None, "a TLS daemon's CA certificate (PEM)",
+            shown="`$EC_DAEMON_TLS_CA`"),
 )
+
+
+def _given(setting: Setting, extra: dict[str, Any]) -> tuple[str, Any]:
+    """The key the extra config gives the setting by ("" for none), and its
+    value (an old key's converted to the new key's unit, with one warning
+    naming the new key)."""
+    given = [name for name in (key_of(setting), *(a.name for a in setting.aliases))
+             if name in extra]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} are one setting: give only "
+                         f"{key_of(setting)}")
+    if not given:
+        return "", setting.default()
+    if given[0] == key_of(setting):
+        return given[0], extra[given[0]]
+    alias = next(a for a in setting.aliases if a.name == given[0])
+    deprecated(alias.name, key_of(setting))
+    return alias.name, alias.convert(extra[alias.name]) if alias.convert else extra[alias.name]
 
 
 @dataclass(frozen=True)
@@ -178,21 +204,24 @@ class ConnectorSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         """Raises ValueError naming the key for a value that does not parse
-        and for an `ec_daemon_*` key that is not one of `KEYS`."""
-        known = {key.name for key in KEYS}
-        unknown = sorted(k for k in extra if k.startswith(PREFIX) and k not in known)
+        and for an `ec_daemon_*` key that is not one of `SETTINGS` (nor an old name of one)."""
+        known = {key_of(setting) for setting in SETTINGS}
+        old = {alias.name for setting in SETTINGS for alias in setting.aliases}
+        unknown = sorted(k for k in extra if k.startswith(PREFIX) and k not in known | old)
         if unknown:
             raise ValueError(f"unknown ec-daemon extra-config key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
         values = {}
-        for key in KEYS:
-            raw = extra.get(key.name, key.default)
+        for setting in SETTINGS:
+            name = key_of(setting)
             try:
-                values[key.attribute] = key.parse(raw)
+                name, raw = _given(setting, extra)
+                name = name or key_of(setting)
+                values[setting.name] = setting.parse(raw)
             except (TypeError, ValueError) as exc:
-                if key.name in str(exc):
+                if str(exc).startswith((f"{name} ", f"{name}:")):
                     raise
-                raise ValueError(f"{key.name}: {exc}") from exc
+                raise ValueError(f"{name}: {exc}") from exc
         return cls(**values)
 
     @property
@@ -204,7 +233,14 @@ class ConnectorSettings:
 def markdown_table() -> str:
     """docs/vllm.md's table of the keys."""
     rows = ["| extra-config key | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{key.name}` | {key.shown} | {key.meaning} |" for key in KEYS]
+    for setting in SETTINGS:
+        value = setting.default()
+        default = setting.shown or (f"`{str(value).lower()}`" if isinstance(value, bool)
+                                    else f"`{value:g}`" if isinstance(value, float)
+                                    else f"`{value}`")
+        was = ", ".join(f"`{alias.name}`" for alias in setting.aliases)
+        was = f" (was {was}: still read, with a warning)" if was else ""
+        rows.append(f"| `{key_of(setting)}` | {default} | {setting.help}{was} |")
     return "\n".join(rows) + "\n"
 
 

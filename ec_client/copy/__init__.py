@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
+from ec_client.common.limits import HOST_ALIGN
 from ec_client.copy.mapping import RegionMapping
 from ec_protocol.dtypes import ELEMENT_BYTES
 
@@ -193,11 +194,6 @@ def describe(obj: Any) -> tuple[int, tuple[int, ...], str]:
     return nbytes, shape, dtype
 
 
-# Where `empty_host` puts an output: the kernel copies a pread into a buffer
-# less aligned than this several times slower on some CPUs (x86 "rep movsb":
-# 2 GB/s into an address 8 or 16 bytes past a 32-byte boundary, 14 GB/s at
-# one; malloc's large blocks, numpy's among them, start 16 bytes past one).
-HOST_ALIGN = 64
 
 
 def empty_host(shape: tuple[int, ...], dtype: str) -> Any:

@@ -22,14 +22,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ec_client.common.limits import BOUNCE_BYTES
 from ec_client.copy.mapping import RegionDamaged, RegionMapping
 
 # One copy: (dst, dst_offset, src, src_offset, length); one side is host memory.
 Copy = tuple[Any, int, Any, int, int]
-# Page-locked memory per copy stream for the copies of chunks that are not
-# registered: pinned memory is scarce (two buffers per worker process), and
-# a larger copy only waits for its stream once per this many bytes.
-BOUNCE_BYTES = 16 << 20
 
 
 class Copier(Protocol):

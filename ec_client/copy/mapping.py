@@ -40,11 +40,9 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ec_client.common.limits import READ_CHUNK_BYTES
 from ec_client.common.trust import open_region
 from ec_protocol.stamps import read_canary, whole
-
-# What `chunks` reads at a time (a buffer of the caller's thread, reused).
-READ_CHUNK_BYTES = 1 << 20
 
 
 class RegionDamaged(OSError):

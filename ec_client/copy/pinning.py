@@ -27,9 +27,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from ec_client.common.limits import REGISTER_CHUNK_BYTES
+
 log = logging.getLogger(__name__)
 
-REGISTER_CHUNK_BYTES = 1 << 30
 _refusal_logged = False
 
 

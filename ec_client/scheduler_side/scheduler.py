@@ -63,13 +63,14 @@ from collections.abc import Container, Iterable
 from typing import Any, NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
-from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import (
+from ec_client.common.limits import (
     DEFAULT_ANSWER_WAIT_SECONDS,
     DEFAULT_MAX_DEFER_SECONDS,
     DEFAULT_STAGING_BYTES,
     DEFAULT_VERIFY_CHECKSUM,
+    UNMAPPED_WARNING_SECONDS,
 )
+from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner, open_region
 from ec_client.scheduler_side.staging import Stage, Staging
 from ec_client.scheduler_side.view import ReadyView, Refs
@@ -86,10 +87,6 @@ from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
 
-# Ranks still not all mapped this long after an attach or a rank's loss is
-# worth a warning (engines start their scheduler before their workers, and
-# stop their workers first).
-UNMAPPED_WARNING_SECONDS = 30.0
 
 
 class _Current(NamedTuple):
@@ -180,7 +177,7 @@ class SchedulerDelegate(LinkListener):
         # publishes the new one, so an entry is never paired with another
         # region. The other way round (a re-attach after `current` was read,
         # then the new view's entry) the epoch has moved by the time the
-        # claim returns: not staged, since entry ids restart with the daemon
+        # hit returns: not staged, since entry ids restart with the daemon
         # and the old region may carry the same stamp on other bytes.
         current = self._current
         if current is None or not self.can_load or not self.link.fresh():
@@ -190,12 +187,11 @@ class SchedulerDelegate(LinkListener):
         if not self.staging.room(entry.nbytes):
             return Stage.ABSENT
         # A ready entry is not staged while the ranks map.
-        claimed = self.view.claim(mm_hash, current.epoch, self._ranks_mapped)
-        if claimed is None:
+        hit = self.view.hit(mm_hash, current.epoch, self._ranks_mapped)
+        if hit is None:
             return Stage.ABSENT
-        spec = LoadSpec(mm_hash, next(self._ids), claimed.entry_id, current.region.generation,
-                        claimed.nbytes, claimed.shape, claimed.dtype, claimed.extents,
-                        claimed.checksum)
+        spec = LoadSpec(mm_hash, next(self._ids), hit.entry_id, current.region.generation,
+                        hit.nbytes, hit.shape, hit.dtype, hit.extents, hit.checksum)
         self.staging.plan(spec, current.region, current.lineage, request_id)
         return Stage.WAIT
 

@@ -14,7 +14,7 @@ with media before it schedules it (`Scheduler.schedule`, 0.32-0.34): that
 is where a request can be deferred, or failed through
 `take_unavailable_requests`. So:
 
-- `plan` (from `ensure`): an item ready in the view is claimed and its load
+- `plan` (from `ensure`): an item ready in the view is hit and its load
   planned; the request is deferred (vLLM asks again next step).
 - `end_step` sends the step's planned loads in its metadata (`loads`); every
   rank copies each into memory it keeps aside, checks the stamps (and the
@@ -61,7 +61,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ec_client.common.contract import (
-    ADOPT_STEPS,
     CHECKSUM_MISMATCH,
     STAMP_MISMATCH,
     UNUSABLE,
@@ -71,20 +70,12 @@ from ec_client.common.contract import (
     RegionInfo,
     StepMetadata,
 )
-from ec_client.common.readback import Refused, RegionReader
+from ec_client.common.limits import ADOPT_STEPS, INFLIGHT_TTL_SECONDS, MAX_REFUSED, UNUSABLE_SECONDS
+from ec_client.common.readback import LoadRefused, RegionReader
 from ec_client.scheduler_side.view import ReadyView, Ref, Refs, Send
 
 log = logging.getLogger(__name__)
 
-# A staged load whose ranks never all reported is given up after this (a
-# backstop: vLLM returns every step's worker output, and a copy takes
-# milliseconds). Its eviction is then acknowledged, logged.
-INFLIGHT_TTL_SECONDS = 120.0
-# An entry a rank could not use for a reason other than its bytes is not
-# staged again by this engine for this long (its requests encode it).
-UNUSABLE_SECONDS = 10.0
-# Entries remembered as not to be staged again, at most.
-MAX_REFUSED = 4096
 
 
 class Stage(enum.Enum):
@@ -193,7 +184,7 @@ class Staging:
 
     def plan(self, spec: LoadSpec, region: RegionInfo, lineage: int,
              request_id: str) -> None:
-        """Stage `spec` (claimed in the view this step) with this step."""
+        """Stage `spec` (hit in the view this step) with this step."""
         staged = _Staged(spec, (spec.mm_hash, spec.entry_id), lineage, region, {request_id})
         self._items[spec.mm_hash] = staged
         self._planned.append(staged)
@@ -244,7 +235,7 @@ class Staging:
         """Fill the step's staging part of `metadata`: adoptions, drops, and
         the loads planned this step (sent to the workers when they run this
         step, `visible`, else staged here). Marks the sent loads in flight
-        in the view (whose claims the step's end releases)."""
+        in the view (whose hits the step's end releases)."""
         if visible:
             self.step += 1
             metadata.step = self.step
@@ -264,7 +255,7 @@ class Staging:
                     self._send_load(staged, metadata, in_view, view_lineage)
                 elif self._stage_here(staged) and staged.lineage == view_lineage:
                     loaded.append(staged.ref)
-        # After the copies made here: until now the claims kept their pages.
+        # After the copies made here: until now the hits kept their pages.
         self.view.end_step(in_view, view_lineage, self._send, loaded)
 
     def _adopt_into(self, metadata: StepMetadata) -> None:
@@ -305,7 +296,7 @@ class Staging:
         try:
             staged.payload = self.reader.read(spec, staged.region, self.region_owner,
                                               self.verify_checksum)
-        except Refused as refused:
+        except LoadRefused as refused:
             self._failed(staged, refused.kind, str(refused))
             return False
         staged.state = _STAGED

@@ -8,9 +8,9 @@ acknowledged the eviction. So the view acknowledges an eviction only when
 engine dispatched is still in flight: that is what keeps the bytes under
 a running copy, without any pin message.
 
-- Claims: between the scheduler choosing an entry to load (`claim`, from
+- Hits: between the scheduler choosing an entry to load (`hit`, from
   `SchedulerDelegate.stage`) and the step's end, when the load goes out, an
-  eviction must not be acknowledged. Entries claimed since the last step
+  eviction must not be acknowledged. Entries hit since the last step
   boundary stay loadable; `end_step` turns the dispatched ones into loads in
   flight and releases the rest.
 - Loads in flight: counted per (mm_hash, entry_id) from `end_step` until
@@ -20,11 +20,11 @@ a running copy, without any pin message.
   it: same generation, same entry ids): `clear(keep_loads=True)` keeps them
   under the same `lineage`, and the new session is told (`holds`).
 
-`claim` is on the engine's hot path and takes no lock. It marks the hash
-claimed, then reads the entry; `apply` hides an evicted entry, then checks
-for a claim. Each of those is one dict or set operation, which CPython
+`hit` is on the engine's hot path and takes no lock. It marks the hash
+hit, then reads the entry; `apply` hides an evicted entry, then checks
+for a hit. Each of those is one dict or set operation, which CPython
 performs atomically and in program order, so one of the two threads sees the
-other's first write: either the claim misses, or the acknowledgement is
+other's first write: either the hit misses, or the acknowledgement is
 deferred to the step boundary. Everything else takes the view's lock.
 
 A large daemon message (a snapshot after a warm restart, a burst of
@@ -45,15 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ec_client.common.limits import APPLY_SLICE, MAX_PENDING_TOUCHES
 from ec_protocol.protocol import MAX_BATCH
 
 Ref = tuple[str, int]  # (mm_hash, entry_id)
-# Distinct entries whose loads wait for a heartbeat; beyond, recency and load
-# counts of further entries are dropped until the next one.
-MAX_PENDING_TOUCHES = 1 << 16
-# Events of one daemon message applied per hold of the view's lock (a few
-# microseconds each); between slices the engine's thread may take the lock.
-APPLY_SLICE = 256
 Refs = list[Ref]
 # Send(acks) -> False when the link is down.
 Send = Callable[[Refs], bool]
@@ -74,8 +69,8 @@ class ReadyView:
         """`lock`: a stand-in for the view's lock (a context manager; tests
         count what one hold does)."""
         self._entries: dict[str, ViewEntry] = {}
-        self._claimed: set[str] = set()  # written by the engine's thread only
-        self._deferred: Refs = []  # evicted while claimed: decided at end_step
+        self._hits: set[str] = set()  # written by the engine's thread only
+        self._deferred: Refs = []  # evicted while hit: decided at end_step
         self._inflight: dict[Ref, int] = {}  # loads dispatched and not finished
         self._withheld: set[Ref] = set()  # evicted while in flight
         self._touches: dict[Ref, int] = {}  # loads dispatched since the last heartbeat
@@ -89,14 +84,14 @@ class ReadyView:
 
     # ------------------------------------------------- engine thread
 
-    def claim(self, mm_hash: str, epoch: int | None = None,
+    def hit(self, mm_hash: str, epoch: int | None = None,
               serve: bool = True) -> ViewEntry | None:
         """The entry if it is ready, `serve` and the view is still at `epoch`
         (None: any); it then stays loadable until `end_step`. Otherwise None
         (a ready entry not served: the ranks still map). Lock-free (see the
         module docstring); the epoch is read after the entry (see
         `SchedulerDelegate.stage`)."""
-        self._claimed.add(mm_hash)
+        self._hits.add(mm_hash)
         entry = self._entries.get(mm_hash)
         if entry is None or not serve or (epoch is not None and self.epoch != epoch):
             return None
@@ -114,10 +109,10 @@ class ReadyView:
         in flight; `loaded` ones (copied by the scheduler's process) are done
         already; both are touched. Acknowledge the deferred evictions of the
         others. Returns False when the acknowledgements could not be sent."""
-        if not self._claimed and not dispatched and not loaded:
-            return True  # nothing claimed or dispatched since the last boundary
+        if not self._hits and not dispatched and not loaded:
+            return True  # nothing hit or dispatched since the last boundary
         with self._lock:
-            self._claimed.clear()
+            self._hits.clear()
             if (dispatched or loaded) and lineage == self.lineage:
                 inflight, touches = self._inflight, self._touches
                 for ref in dispatched:
@@ -163,7 +158,7 @@ class ReadyView:
         """Apply a DaemonMessage, APPLY_SLICE events per lock hold: its ready
         events, then its evictions (an eviction names an entry id, so one of
         an entry the same message replaced leaves the newer entry). Evictions
-        of entries neither claimed nor in flight are acknowledged through
+        of entries neither hit nor in flight are acknowledged through
         `send` once the whole message is applied, under the lock."""
         acks: Refs = []
         ready, evicted = message.ready, message.evicted
@@ -197,11 +192,11 @@ class ReadyView:
             key = (ref.mm_hash, ref.entry_id)
             entry = self._entries.get(ref.mm_hash)
             if entry is not None and entry.entry_id == ref.entry_id:
-                del self._entries[ref.mm_hash]  # hidden first, then the claim check
-            # Claimed by mm_hash whatever the view holds now: a claim this
+                del self._entries[ref.mm_hash]  # hidden first, then the hit check
+            # Hit by mm_hash whatever the view holds now: a hit this
             # step may have read this entry id before a ready of the same
             # key (earlier in this message) replaced it.
-            if ref.mm_hash in self._claimed:
+            if ref.mm_hash in self._hits:
                 self._deferred.append(key)
                 continue
             if key in self._inflight:
@@ -244,7 +239,7 @@ class ReadyView:
         same region, whose daemon must then hear of them (`loading`)."""
         with self._lock:
             self._entries.clear()
-            self._claimed.clear()
+            self._hits.clear()
             self._deferred.clear()
             self._withheld.clear()  # owed to the old session only
             if not keep_loads:

@@ -44,15 +44,12 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ec_client.common.limits import ANSWER_SECONDS, MAX_WANTS
 from ec_client.scheduler_side.view import ReadyView
 from ec_protocol.protocol import pb
 
 log = logging.getLogger(__name__)
 
-# A want unanswered this long (a daemon that dropped it) is encoded.
-ANSWER_SECONDS = 1.0
-# Items wanted and remembered at once; beyond, items are encoded without asking.
-MAX_WANTS = 1 << 14
 WAITS = (pb.VERDICT_PROMOTING, pb.VERDICT_ENCODING)
 # What tells an engine without the media that nobody will make an item:
 # encode it (nobody holds it, pending or claimed), or ready but gone again.

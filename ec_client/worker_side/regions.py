@@ -50,15 +50,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ec_client.common.contract import RegionInfo
+from ec_client.common.limits import RETIRE_SECONDS
 from ec_client.copy.mapping import RegionDamaged, RegionMapping
 from ec_protocol.stamps import StampReader
 
 log = logging.getLogger(__name__)
 
-# A retired mapping stays at least this long after it was retired (and
-# while any copy uses it), for loads dispatched before the scheduler saw the
-# daemon change.
-RETIRE_SECONDS = 5.0
 
 
 class _Mapped:

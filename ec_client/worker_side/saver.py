@@ -55,6 +55,7 @@ from typing import Any
 
 import grpc
 
+from ec_client.common.limits import CUT_LOG_SECONDS, MAX_DROPPED_SAVES, PRUNE_SECONDS, SAVE_BATCH
 from ec_client.common.session import Attachment, SessionLink
 from ec_client.copy import CopyBackend, describe, storage_of
 from ec_client.copy.mapping import RegionDamaged
@@ -66,17 +67,8 @@ from ec_protocol.transport import Transport
 
 log = logging.getLogger(__name__)
 
-# How often the idle saver thread unmaps retired regions.
-PRUNE_SECONDS = 1.0
-# Saves given up for a cut region are logged at most this often (counted each).
-CUT_LOG_SECONDS = 10.0
 # On the save queue: report the saves skipped so far (the queue was too full).
 _REPORT_SKIPS: Any = object()
-# Dropped saves remembered until taken (`take_dropped`: every engine step).
-MAX_DROPPED = 4096
-# The most saves asked for in one stream message: their copies are reported
-# together, so the first one's entry is ready only after the last one's copy.
-SAVE_BATCH = 16
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 QueuedSave = tuple[str, Any, Any, Hashable]  # mm_hash, output, its ready event, its storage
@@ -177,7 +169,7 @@ class Saver:
             self._drop_locked(mm_hash)
 
     def _drop_locked(self, mm_hash: str) -> None:
-        if len(self._dropped) < MAX_DROPPED:
+        if len(self._dropped) < MAX_DROPPED_SAVES:
             self._dropped.append(mm_hash)
 
     def take_dropped(self) -> list[str]:

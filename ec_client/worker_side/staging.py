@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ec_client.common.contract import STAGED_STEPS
+from ec_client.common.limits import STAGED_STEPS
 
 
 @dataclass(slots=True)

@@ -49,12 +49,12 @@ from ec_client.common.contract import (
     LoadSpec,
     RegionInfo,
 )
-from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.settings import (
+from ec_client.common.limits import (
     DEFAULT_SAVE_QUEUE_BYTES,
     DEFAULT_STAGING_BYTES,
     DEFAULT_VERIFY_CHECKSUM,
 )
+from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner
 from ec_client.copy import CopyBackend, get_backend
 from ec_client.copy.mapping import RegionDamaged, RegionMapping

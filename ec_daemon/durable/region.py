@@ -61,7 +61,7 @@ from ec_daemon.core.limits import (
 from ec_daemon.durable.index import Index, index_path
 from ec_daemon.durable.journal import Header
 from ec_daemon.durable.stamp_file import StampFile
-from ec_daemon.sizes import format_size
+from ec_protocol.sizes import format_size
 from ec_protocol.stamps import file_bytes, read_canary, write_canary
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,6 @@ asked for each wanted key, bytes moved between the region and the store).
 `values` is ec-daemon's verified value format (Redis's values, the checksum
 beside Mooncake's), `breaker` the circuit breakers, `budget` the promotion
 budget. Nothing here imports the daemon above the core (`core.events` and
-`core.limits`, and `sizes` to parse a URL's sizes), and the daemon imports
+`core.limits`, and `ec_protocol.sizes` to parse a URL's sizes), and the daemon imports
 this package only when --remote is set.
 """

@@ -58,7 +58,7 @@ from ec_daemon.durable.index import Index, index_path, read_index
 from ec_daemon.durable.journal import FORMAT_VERSION, Header, IndexUnreadable, Record
 from ec_daemon.durable.region import Region, region_path
 from ec_daemon.errors import InvalidArgument
-from ec_daemon.sizes import format_size
+from ec_protocol.sizes import format_size
 from ec_protocol.stamps import file_bytes, whole
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from ec_daemon import __version__
 from ec_daemon.durable.dead import clean_stale
 from ec_daemon.serving import config
 from ec_daemon.serving.server import SERVICE_NAME, StartupError, serve, socket_identity
-from ec_daemon.sizes import format_size
 from ec_protocol.protocol import ROLE_NAMES, default_socket_uri, pb, rpc
+from ec_protocol.sizes import format_size
 from ec_protocol.transport import Transport
 
 COMMANDS = ("serve", "health", "stats", "events", "clean")

@@ -6,7 +6,11 @@ the CLI builds its flags and env-var fallbacks from this table, `stats`
 reports the values, and docs/running.md's flag table is `markdown_table()`
 (`python -m ec_daemon.serving.config` prints it; a test keeps the two equal), so a flag
 cannot be parsed with one default and documented with another. Sizes accept
-binary and decimal units (`512MiB`, `64GiB`, `1G`, plain bytes).
+binary and decimal units (`512MiB`, `64GiB`, `1G`, plain bytes); times are
+seconds, and a flag says so (`--remote-ttl-seconds`). A renamed flag keeps
+its old name and variable as a deprecated alias (one warning naming the
+new). The table's shape is the client's too (`ec_protocol.settings_table`),
+and `DaemonConfig` is held to the table by a test.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ec_daemon.core import limits
-from ec_daemon.sizes import format_size, parse_size
 from ec_protocol.protocol import default_socket_uri, grpc_target
+from ec_protocol.settings_table import Alias, Setting, deprecated
+from ec_protocol.sizes import format_size, parse_size
 
 
 def _size(n: int) -> Callable[[], str]:
@@ -121,26 +126,16 @@ def _bool(text: str) -> bool:
     return value in ("true", "1", "yes")
 
 
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    parse: Callable[[str], Any]
-    default: Callable[[], str]
-    help: str
-    metavar: str = ""
-    env: str = field(default="")
-    # A switch: the bare flag means "true" (`--fresh-start`); a value still works.
-    switch: bool = False
-    # The default as the docs show it, where `default()` depends on the host.
-    shown: str = ""
+def flag(setting: Setting, name: str = "") -> str:
+    """`--lease-seconds`: the flag of a setting (or of its old `name`)."""
+    return "--" + (name or setting.name).replace("_", "-")
 
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
 
-    @property
-    def env_var(self) -> str:
-        return self.env or "EC_DAEMON_" + self.name.upper()
+def env_var(setting: Setting, name: str = "") -> str:
+    """`EC_DAEMON_LEASE_SECONDS`: the environment variable of a setting (or of its old `name`)."""
+    if setting.env and not name:
+        return setting.env
+    return "EC_DAEMON_" + (name or setting.name).upper()
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -237,9 +232,9 @@ SETTINGS: tuple[Setting, ...] = (
             "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata (Mooncake Store; "
             "options: protocol=tcp|rdma, device=, segment=SIZE, buffer=SIZE) (empty: off)",
             "URL"),
-    Setting("remote_ttl", _positive_float, _number(limits.DEFAULT_REMOTE_TTL_SECONDS),
+    Setting("remote_ttl_seconds", _positive_float, _number(limits.DEFAULT_REMOTE_TTL_SECONDS),
             "how long an entry published to the second tier stays there (Redis; Mooncake "
-            "keeps entries until it evicts them)", "S"),
+            "keeps entries until it evicts them)", "S", aliases=(Alias("remote_ttl"),)),
     Setting("remote_claim_seconds", _nonnegative_float,
             _number(limits.DEFAULT_REMOTE_CLAIM_SECONDS),
             "a new item missed here and in the second tier is claimed across hosts for this "
@@ -271,23 +266,54 @@ def markdown_table() -> str:
     """docs/running.md's table of every setting: flag, env var, default, meaning."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for setting in SETTINGS:
-        flag = setting.flag if setting.switch else f"{setting.flag} {setting.metavar}".rstrip()
+        shown = flag(setting) if setting.switch else f"{flag(setting)} {setting.metavar}".rstrip()
         default = setting.shown or (f"`{setting.default()}`" if setting.default() else "none")
-        meaning = setting.help.replace("|", "\\|")
-        rows.append(f"| `{flag}` | `{setting.env_var}` | {default} | {meaning} |")
+        meaning = setting.help.replace("|", "\\|") + _was(setting)
+        rows.append(f"| `{shown}` | `{env_var(setting)}` | {default} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
+def _was(setting: Setting) -> str:
+    """What the docs and --help add for a renamed setting: its old names."""
+    if not setting.aliases:
+        return ""
+    old = ", ".join(f"`{flag(setting, a.name)}` (`{env_var(setting, a.name)}`)"
+                    for a in setting.aliases)
+    return f" (was {old}: still read, with a warning)"
+
+
+class _Flag(argparse.Action):
+    """Stores a flag's value; given by an old name, says the new one once."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string is not None and option_string != self.option_strings[0]:
+            deprecated(option_string, self.option_strings[0])
+        setattr(namespace, self.dest, values)
+
+
+def _from_environment(setting: Setting) -> str | None:
+    value = os.environ.get(env_var(setting))
+    for alias in setting.aliases:
+        if not value and os.environ.get(env_var(setting, alias.name)):
+            deprecated(env_var(setting, alias.name), env_var(setting))
+            value = os.environ[env_var(setting, alias.name)]
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """Add the flags of SETTINGS (or of `names`) with env-var defaults."""
+    """Add the flags of SETTINGS (or of `names`) with env-var defaults; a
+    renamed setting's old flag and variable still work, with a warning."""
     for setting in SETTINGS:
         if names is not None and setting.name not in names:
             continue
-        default = os.environ.get(setting.env_var) or setting.default()
+        default = _from_environment(setting) or setting.default()
         switch: dict[str, Any] = {"nargs": "?", "const": "true"} if setting.switch else {}
         parser.add_argument(
-            setting.flag, dest=setting.name, default=default, metavar=setting.metavar or None,
-            help=f"{setting.help} (env {setting.env_var}; default {default})", **switch,
+            flag(setting), *(flag(setting, alias.name) for alias in setting.aliases),
+            dest=setting.name, default=default, metavar=setting.metavar or None,
+            action=_Flag, help=f"{setting.help} (env {env_var(setting)}; default {default})"
+            f"{_was(setting).replace('`', '')}", **switch,
         )
 
 
@@ -322,7 +348,7 @@ class DaemonConfig:
     metrics_port: int
     metrics_address: str
     remote: str
-    remote_ttl: float
+    remote_ttl_seconds: float
     remote_claim_seconds: float
     remote_token_file: str
     remote_queue_bytes: int
@@ -340,7 +366,7 @@ def from_namespace(args: argparse.Namespace) -> DaemonConfig:
         try:
             values[setting.name] = setting.parse(raw) if isinstance(raw, str) else raw
         except ValueError as exc:
-            raise ValueError(f"{setting.flag}: {exc}") from None
+            raise ValueError(f"{flag(setting)}: {exc}") from None
     # Defaults that scale with the cache (`core.quotas`) or the lease (`core.limits`).
     if not values["session_pending_bytes"]:
         values["session_pending_bytes"] = min(values["cpu_bytes"] // limits.SESSION_PENDING_SHARE,

@@ -48,9 +48,9 @@ from ec_daemon.serving.config import DaemonConfig
 from ec_daemon.serving.metrics import start_exporter
 from ec_daemon.serving.service import ECDaemonService
 from ec_daemon.serving.startup import StartupError, prepare_socket
-from ec_daemon.sizes import format_size
 from ec_protocol import stamps
 from ec_protocol.protocol import default_socket_uri, pb, rpc, unix_path
+from ec_protocol.sizes import format_size
 
 if TYPE_CHECKING:  # (imported only when --remote is set: `_start_tier`)
     from ec_daemon.remote.tier import RemoteTier
@@ -199,7 +199,8 @@ def _start_tier(config: DaemonConfig) -> RemoteTier | None:
 
     try:
         tier = open_tier(config.remote, token_file=config.remote_token_file,
-                         ttl_s=config.remote_ttl, publish_queue_bytes=config.remote_queue_bytes,
+                         ttl_s=config.remote_ttl_seconds,
+                         publish_queue_bytes=config.remote_queue_bytes,
                          index_bytes=config.remote_index_bytes,
                          promotion_bytes=config.remote_promotion_bytes,
                          claim_s=config.remote_claim_seconds)

@@ -129,7 +129,7 @@ def test_a_claimant_killed_mid_encode_passes_its_claim_on(daemon):
 
 # Protects: an engine told to encode an item whose request then does not run
 # (no KV room this step, or aborted) gives the claim back at once: the engine
-# waiting for it encodes now, not after ec_daemon_max_defer_s (30 s here).
+# waiting for it encodes now, not after ec_daemon_max_defer_seconds (30 s here).
 def test_a_claim_whose_request_does_not_run_passes_on_at_once(daemon):
     a = scheduler(daemon, "A")
     b = scheduler(daemon, "B")
@@ -315,7 +315,7 @@ def test_a_producer_claims_what_it_encodes_and_a_consumer_waits_for_its_save(dae
 # Protects: a consumer given an item without its media (vLLM's metadata-only
 # items) cannot encode it; when the producer's save is dropped after it
 # announced the item, the consumer learns it at once from the daemon, not
-# after ec_daemon_max_defer_s (120 s here).
+# after ec_daemon_max_defer_seconds (120 s here).
 @pytest.mark.parametrize("how", ["skipped", "producer gone"])
 def test_a_consumer_without_the_media_learns_at_once_that_nobody_will_make_it(daemon, how):
     e = scheduler(daemon, "E", role=PRODUCER, save_queue_bytes=DATA.nbytes)

@@ -42,8 +42,8 @@ class Host:
                  max_defer: float = 30.0, extra: tuple[str, ...] = (),
                  layout: Any = LAYOUT) -> None:
         self.name = name
-        self.daemon = Daemon(cpu_bytes="32MiB",
-                             extra=("--remote", url, "--remote-ttl", str(ttl), *extra)).start()
+        self.daemon = Daemon(cpu_bytes="32MiB", extra=(
+            "--remote", url, "--remote-ttl-seconds", str(ttl), *extra)).start()
         self.scheduler = SchedulerDelegate(self.daemon.socket, engine_id=name, layout=layout,
                                            max_defer_seconds=max_defer)
         self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=layout)

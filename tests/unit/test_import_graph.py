@@ -3,9 +3,10 @@ TYPE_CHECKING and inside functions count too): no module imports one that
 imports it back, benchmarks included; the daemon never imports the client;
 and each layer folder never imports the folders above it. And what the
 source declares where: one name per idea, every bound of the daemon in
-`core.limits`, seams typed and wired at construction.
+`core.limits` and of the client in `common.limits`, seams typed and wired
+at construction, and every top-level folder one kind of room.
 
-The daemon's layers, bottom up: the vocabulary (`errors`, `sizes`), durable
+The daemon's layers, bottom up: the vocabulary (`errors`; sizes are the protocol's), durable
 state, the cache core, then the data plane and the second tier side by side
 (neither imports the other: the server hands the tier to the plane), and
 serving on top. Each folder's `__init__` says why it sits where it does."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +27,7 @@ REDIS, MOONCAKE = f"{REMOTE}.redis", f"{REMOTE}.mooncake"  # the second tier's b
 LIMITS = f"{CORE}.limits"  # every bound, declared once: a leaf every layer reads
 # The daemon's modules outside its layer folders: each imports nothing of the
 # daemon (`__main__` only starts `serving.cli`).
-DAEMON_ROOT = {"ec_daemon", "ec_daemon.errors", "ec_daemon.sizes", "ec_daemon.__main__"}
+DAEMON_ROOT = {"ec_daemon", "ec_daemon.errors", "ec_daemon.__main__"}
 # The client's layers: what both processes share, the two sides, the worker's
 # copy backends; the vLLM shell is every module at ec_client's root.
 COMMON, SCHEDULER_SIDE = "ec_client.common", "ec_client.scheduler_side"
@@ -308,6 +310,41 @@ def test_a_class_name_means_one_thing_in_the_daemon_and_the_protocol():
     assert repeated == DECLARED_BY_CALLER
 
 
+# A class name the client repeats from the daemon: each copy backend's module
+# names its class `Backend`, as `ec_client.copy.get_backend` finds it (and as
+# users' own backends are documented), beside the daemon's second-tier Backend.
+CLIENT_REPEATS = {"Backend"}
+
+
+def client_classes() -> dict[str, list[str]]:
+    """Each public class name of the client -> where, beside the daemon's and protocol's."""
+    found = {name: list(where) for name, where in defined_classes().items()}
+    for module, path in modules().items():
+        if within(module, "ec_client"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_a_class_name_means_one_thing_across_the_client_the_daemon_and_the_protocol():
+    """(The client's readback refusal was `Refused`, as the daemon's breaker's is.)"""
+    repeated = {name for name, where in client_classes().items()
+                if len(where) > 1 and any(within(m, "ec_client") for m in where)}
+    assert repeated == CLIENT_REPEATS
+
+
+def test_a_claim_is_the_right_to_encode_and_nothing_else_in_the_client():
+    """The glossary's claim is the right to encode an item (`Wants.claim`,
+    a producer's); a view protecting the entry of a hit until the step's
+    end is a hit (`ReadyView.hit`: it was `claim` too)."""
+    named = sorted(f"{module}.{node.name}" for module, path in modules().items()
+                   if within(module, "ec_client")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.FunctionDef) and "claim" in node.name)
+    assert named == ["ec_client.scheduler_side.wants.claim"]
+
+
 # ------------------------------------------------------------------ every bound in core.limits
 
 # The numbers a daemon module may declare itself, each set with why none of
@@ -351,14 +388,32 @@ def _number(node: ast.AST | None) -> float | None:
     return None
 
 
+# The client's counterpart: numbers that are formats or APIs, not bounds.
+CLIENT_NOT_BOUNDS = {
+    "ec_client/copy/batch.py": (
+        {"SRC_ACCESS_ORDER_STREAM", "FIRST_VERSION", "NO_FAIL_INDEX"},
+        "CUDA's batched-copy API: an enum value, the driver version it came in, its no-failure"),
+    "ec_client/copy/cupy_backend.py": ({"_H2D", "_D2H"}, "CUDA's cudaMemcpyKind values"),
+    "ec_client/copy/torch_backend.py": ({"_HOST_REGISTER_DEFAULT"}, "cudaHostRegisterDefault"),
+    "ec_client/identity.py": (
+        {"ID_CHARS", "CONTENT_MAX_BYTES", "SAMPLES", "SAMPLE_BYTES"},
+        "the weights identity's format: every engine of every host computes it alike"),
+    "ec_client/engine_token.py": ({"SECRET_BYTES"}, "the engine secret file's format"),
+}
+CLIENT_LIMITS = "ec_client/common/limits.py"
+
+
 def declared_numbers(root: Path,
-                     not_bounds: dict[str, tuple[set[str], str]] = NOT_BOUNDS) -> list[str]:
-    """Each number a daemon module declares itself, outside core.limits and
-    `not_bounds`, as 'path: name' ('path: Class.field', 'path: function(parameter)')."""
+                     not_bounds: dict[str, tuple[set[str], str]] = NOT_BOUNDS,
+                     package: str = "ec_daemon",
+                     limits: str = "ec_daemon/core/limits.py") -> list[str]:
+    """Each number a module of `package` declares itself, outside its
+    `limits` and `not_bounds`, as 'path: name' ('path: Class.field',
+    'path: function(parameter)')."""
     found = []
-    for path in sorted((root / "ec_daemon").rglob("*.py")):
+    for path in sorted((root / package).rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if "_proto" in path.parts or relative == "ec_daemon/core/limits.py":
+        if "_proto" in path.parts or relative == limits:
             continue
         allowed = not_bounds.get(relative, (set(), ""))[0]
         tree = ast.parse(path.read_text())
@@ -415,6 +470,52 @@ def test_the_bound_finder_sees_a_bound_declared_elsewhere(tmp_path: Path):
                                           "ec_daemon/plane/saves.py: SHIFTED",
                                           "ec_daemon/plane/saves.py: Box.size",
                                           "ec_daemon/plane/saves.py: wait(seconds)"]
+
+
+def test_every_bound_of_the_client_is_declared_in_its_limits():
+    """(MAX_WANTS, MAX_PENDING_TOUCHES, INFLIGHT_TTL_SECONDS, ANSWER_SECONDS,
+    the saver's, the session's: 36 numbers in 16 modules before issue 41)"""
+    assert declared_numbers(ROOT, CLIENT_NOT_BOUNDS, "ec_client", CLIENT_LIMITS) == []
+
+
+def test_what_is_no_bound_of_the_client_is_listed_only_where_it_is():
+    everything = set(declared_numbers(ROOT, {}, "ec_client", CLIENT_LIMITS))
+    listed = {f"{path}: {name}" for path, (names, _) in CLIENT_NOT_BOUNDS.items()
+              for name in names}
+    assert listed - everything == set()
+
+
+def test_the_clients_limits_and_the_settings_shape_are_leaves():
+    graph = import_graph()
+    assert graph["ec_client.common.limits"] == graph["ec_protocol.settings_table"] == set()
+
+
+def test_every_default_of_a_client_setting_is_the_limits_and_declared_nowhere_else():
+    """The connector's table writes no number of its own among its defaults,
+    and each DEFAULT_ of the client's limits is one of its settings'."""
+    source = (ROOT / "ec_client" / "common" / "settings.py").read_text()
+    table = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.AnnAssign)
+                 and getattr(node.target, "id", "") == "SETTINGS")
+    written = [ast.unparse(call) for call in ast.walk(table)
+               if isinstance(call, ast.Lambda) and _number(call.body) is not None]
+    assert written == []
+    from ec_client.common import limits
+
+    defaults = {name for name in vars(limits) if name.startswith("DEFAULT_")}
+    assert defaults and {name for name in defaults if name not in source} == set()
+
+
+def test_every_top_level_folder_is_product_tests_benchmarks_deployment_or_the_protocol():
+    """(scripts/, a one-time migration, was a fourth kind of room until issue 41.)"""
+    folders = {path.name for path in ROOT.iterdir() if path.is_dir()
+               and not path.name.startswith(".") and path.name != "__pycache__"}
+    kinds = {"ec_daemon": "product", "ec_client": "product", "ec_protocol": "protocol",
+             "proto": "protocol", "tests": "tests", "benchmarks": "benchmarks",
+             "deploy": "deployment", "docs": "product"}
+    git = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    tracked = {name.split("/", 1)[0] for name in git if "/" in name}
+    assert folders & tracked <= kinds.keys(), sorted((folders & tracked) - kinds.keys())
 
 
 def test_every_default_of_a_setting_is_the_limits_and_declared_nowhere_else():

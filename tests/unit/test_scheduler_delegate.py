@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 import ec_client.scheduler_side.staging as staging
-from ec_client.common.contract import ADOPT_STEPS, CHECKSUM_MISMATCH, UNUSABLE, RegionInfo
+from ec_client.common.contract import CHECKSUM_MISMATCH, UNUSABLE, RegionInfo
+from ec_client.common.limits import ADOPT_STEPS
 from ec_client.common.session import Attachment
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.scheduler_side.staging import Stage

@@ -1,6 +1,6 @@
 import pytest
 
-from ec_daemon.sizes import format_size, parse_size
+from ec_protocol.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [

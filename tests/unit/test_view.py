@@ -1,6 +1,6 @@
 """The scheduler's ReadyView: an eviction is acknowledged only when the entry
 can no longer be looked up and no load of it is in flight, wherever the
-eviction lands relative to the engine's claim and step boundary."""
+eviction lands relative to the engine's hit and step boundary."""
 
 from __future__ import annotations
 
@@ -56,24 +56,24 @@ def test_an_eviction_before_the_claim_is_acknowledged_at_once_and_the_claim_miss
     link = Link()
     view.apply(evicted("a", 1), link)
     assert link.acks == [A]
-    assert view.claim("a") is None
+    assert view.hit("a") is None
     assert view.end_step((), view.epoch, link)
     assert link.acks == [A]  # not twice
 
 
 def test_an_eviction_between_claim_and_step_end_waits_for_the_step_end(view):
     link = Link()
-    assert view.claim("a") is not None
+    assert view.hit("a") is not None
     view.apply(evicted("a", 1), link)
     assert link.acks == []  # the engine may still dispatch this hit
-    assert view.claim("a") is None  # but nobody else gets it
+    assert view.hit("a") is None  # but nobody else gets it
     view.end_step((), view.epoch, link)  # it did not dispatch it after all
     assert link.acks == [A]
 
 
 def test_an_eviction_between_claim_and_step_end_of_a_dispatched_load_waits_for_the_load(view):
     link = Link()
-    assert view.claim("a") is not None
+    assert view.hit("a") is not None
     view.apply(evicted("a", 1), link)
     view.end_step([A], view.epoch, link)
     assert link.acks == [] and view.inflight() == 1
@@ -83,11 +83,11 @@ def test_an_eviction_between_claim_and_step_end_of_a_dispatched_load_waits_for_t
 
 def test_an_eviction_after_the_step_end_waits_for_the_load_in_flight(view):
     link = Link()
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], view.epoch, link)
     view.apply(evicted("a", 1), link)
     assert link.acks == []
-    assert view.claim("a") is None
+    assert view.hit("a") is None
     view.end_step((), view.epoch, link)  # a later step boundary releases nothing
     assert link.acks == []
     view.finish([A], view.epoch, link)
@@ -96,7 +96,7 @@ def test_an_eviction_after_the_step_end_waits_for_the_load_in_flight(view):
 
 def test_an_eviction_after_the_load_finished_is_acknowledged_at_once(view):
     link = Link()
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], view.epoch, link)
     view.finish([A], view.epoch, link)
     assert link.acks == []  # nothing was evicted
@@ -104,11 +104,11 @@ def test_an_eviction_after_the_load_finished_is_acknowledged_at_once(view):
     assert link.acks == [A]
 
 
-@pytest.mark.parametrize("moment", ["before the claim", "between claim and read",
+@pytest.mark.parametrize("moment", ["before the hit", "between hit and read",
                                     "after the read"])
 def test_an_eviction_racing_a_lock_free_claim_is_a_miss_or_waits(view, moment):
-    """`claim` takes no lock, so the link thread's eviction can land between
-    any two of its operations: either the claim misses, or the ack waits for
+    """`hit` takes no lock, so the link thread's eviction can land between
+    any two of its operations: either the hit misses, or the ack waits for
     the step end (and for the load, if it was dispatched)."""
     link = Link()
     pending = [evicted("a", 1)]
@@ -117,12 +117,12 @@ def test_an_eviction_racing_a_lock_free_claim_is_a_miss_or_waits(view, moment):
         if pending:
             view.apply(pending.pop(), link)
 
-    class Claims(set):
+    class Hits(set):
         def add(self, item):
-            if moment == "before the claim":
+            if moment == "before the hit":
                 evict()
             super().add(item)
-            if moment == "between claim and read":
+            if moment == "between hit and read":
                 evict()
 
     class Entries(dict):
@@ -132,10 +132,10 @@ def test_an_eviction_racing_a_lock_free_claim_is_a_miss_or_waits(view, moment):
                 evict()
             return value
 
-    view._claimed, view._entries = Claims(), Entries(view._entries)
-    hit = view.claim("a") is not None
+    view._hits, view._entries = Hits(), Entries(view._entries)
+    hit = view.hit("a") is not None
     assert hit == (moment == "after the read")
-    assert link.acks == ([A] if moment == "before the claim" else [])
+    assert link.acks == ([A] if moment == "before the hit" else [])
     view.end_step([A] if hit else (), view.epoch, link)
     assert link.acks == ([] if hit else [A])
     view.finish([A] if hit else (), view.epoch, link)
@@ -144,9 +144,9 @@ def test_an_eviction_racing_a_lock_free_claim_is_a_miss_or_waits(view, moment):
 
 def test_the_ack_waits_for_the_last_of_several_loads_in_flight(view):
     link = Link()
-    view.claim("a")
+    view.hit("a")
     view.end_step([A, A], view.epoch, link)  # two dispatches in one step
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], view.epoch, link)  # and one more the next step
     view.apply(evicted("a", 1), link)
     assert view.inflight() == 3
@@ -160,8 +160,8 @@ def test_the_ack_waits_for_the_last_of_several_loads_in_flight(view):
 def test_loads_of_other_entries_do_not_hold_an_ack(view):
     link = Link()
     view.apply(ready("b", 2), link)
-    view.claim("a")
-    view.claim("b")
+    view.hit("a")
+    view.hit("b")
     view.end_step([A], view.epoch, link)  # only a dispatched
     view.apply(evicted("b", 2), link)
     assert link.acks == [("b", 2)]
@@ -170,9 +170,9 @@ def test_loads_of_other_entries_do_not_hold_an_ack(view):
 def test_an_eviction_of_a_replaced_entry_id_leaves_the_newer_entry(view):
     link = Link()
     view.apply(ready("a", 5), link)  # the key was saved again under a new entry
-    view.claim("a")
+    view.hit("a")
     view.apply(evicted("a", 1), link)
-    # The claim is by key: the view cannot tell whether it read entry 1
+    # The hit is by key: the view cannot tell whether it read entry 1
     # before the replacement, so the ack waits for the step end.
     assert link.acks == []
     view.end_step([], view.lineage, link)
@@ -184,7 +184,7 @@ def test_an_eviction_of_a_replaced_entry_id_leaves_the_newer_entry(view):
 def test_after_clear_an_older_lineages_step_end_and_finish_do_nothing(view):
     link = Link()
     old = view.lineage
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], old, link)
     view.apply(evicted("a", 1), link)
     assert link.acks == [] and view.inflight() == 1
@@ -195,7 +195,7 @@ def test_after_clear_an_older_lineages_step_end_and_finish_do_nothing(view):
     assert link.acks == []  # nothing for the new session's view
 
     view.apply(ready("a", 1), link)  # the new daemon's entry ids restart
-    assert view.claim("a") is not None
+    assert view.hit("a") is not None
     view.end_step([A], old, link)  # a load planned in the old view
     assert view.inflight() == 0 and view.take_touches() == []
     view.apply(evicted("a", 1), link)
@@ -207,10 +207,10 @@ def test_after_clear_an_older_lineages_step_end_and_finish_do_nothing(view):
 def test_touches_accumulate_per_dispatched_load_until_taken(view):
     link = Link()
     view.apply(ready("b", 2), link)
-    view.claim("a")
-    view.claim("b")
+    view.hit("a")
+    view.hit("b")
     view.end_step([A, ("b", 2), A], view.epoch, link)
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], view.epoch, link)
     assert sorted(view.take_touches()) == [(*A, 3), ("b", 2, 1)]
     assert view.take_touches() == []
@@ -229,15 +229,15 @@ def test_counts_are_lookups_and_hits_since_the_view_was_made(view):
 
 def test_a_claim_serves_only_a_ready_entry_of_its_epoch_while_allowed(view):
     view.apply(ready("b", 2), Link())
-    assert view.claim("b", serve=False) is None  # found, not served (the ranks still map)
-    assert view.claim("b", epoch=view.epoch - 1) is None  # the view moved on since
-    assert view.claim("b", epoch=view.epoch) is not None
-    assert view.claim("x") is None
-    assert view.counts() == (0, 0)  # claims are not lookups: vLLM's are (`count`)
+    assert view.hit("b", serve=False) is None  # found, not served (the ranks still map)
+    assert view.hit("b", epoch=view.epoch - 1) is None  # the view moved on since
+    assert view.hit("b", epoch=view.epoch) is not None
+    assert view.hit("x") is None
+    assert view.counts() == (0, 0)  # hits are not lookups: vLLM's are (`count`)
 
 
 def test_a_failed_send_is_reported_by_the_step_end(view):
-    view.claim("a")
+    view.hit("a")
     view.apply(evicted("a", 1), Link())
     assert view.end_step((), view.epoch, lambda acks: False) is False
 
@@ -250,7 +250,7 @@ def test_a_heartbeat_takes_a_bounded_batch_of_touches_and_leaves_the_rest(view):
     refs = [(f"k{i}", i + 1) for i in range(10)]
     for mm_hash, entry_id in refs:
         view.apply(ready(mm_hash, entry_id), link)
-        view.claim(mm_hash)
+        view.hit(mm_hash)
     view.end_step(refs, view.epoch, link)
     first = view.take_touches(limit=4)
     second = view.take_touches(limit=4)
@@ -268,7 +268,7 @@ def test_touches_of_too_many_distinct_entries_are_dropped_not_grown(view, monkey
     refs = [(f"k{i}", i + 1) for i in range(5)]
     for mm_hash, entry_id in refs:
         view.apply(ready(mm_hash, entry_id), link)
-        view.claim(mm_hash)
+        view.hit(mm_hash)
     view.end_step(refs + refs[:1], view.epoch, link)
     touches = view.take_touches()
     assert len(touches) == 3 and ("k0", 1, 2) in touches  # a known entry still counts
@@ -279,7 +279,7 @@ def test_loads_in_flight_outlive_a_reattach_to_the_same_region(view):
     loads dispatched before still count, and a later eviction of their entry
     waits for them; the next session hears of them (`loading`)."""
     link = Link()
-    view.claim("a")
+    view.hit("a")
     view.end_step([A], view.lineage, link)
     lineage = view.lineage
     view.clear(keep_loads=True)
@@ -293,10 +293,10 @@ def test_loads_in_flight_outlive_a_reattach_to_the_same_region(view):
 
 def test_a_hit_dispatched_across_a_reattach_to_the_same_region_is_counted(view):
     """The daemon restarted between a hit and the step's end: the re-attach
-    dropped the step's claims, but the load is dispatched all the same, so
+    dropped the step's hits, but the load is dispatched all the same, so
     it must count (else the new daemon could reuse its pages under it)."""
     link = Link()
-    assert view.claim("a") is not None
+    assert view.hit("a") is not None
     view.clear(keep_loads=True)  # the link re-attached mid-step
     view.end_step([A], view.lineage, link)
     assert view.inflight() == 1

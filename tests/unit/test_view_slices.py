@@ -83,9 +83,9 @@ def test_evicting_4096_entries_holds_the_lock_per_slice_and_acknowledges_once_al
     assert sorted(acked) == sorted((f"h{i}", i + 1) for i in range(ENTRIES))
 
 
-def test_an_eviction_that_follows_a_ready_of_the_same_key_in_one_message_waits_for_the_claim():
+def test_an_eviction_that_follows_a_ready_of_the_same_key_in_one_message_waits_for_the_hit():
     """The daemon evicted entry 1 of `k`, then saved `k` again as entry 2; one
-    message carries both (ready events are applied first). A claim of this
+    message carries both (ready events are applied first). A hit of this
     step read entry 1 before the message: its eviction waits for the step
     end, and then for the load dispatched from it."""
     view = ReadyView()
@@ -96,8 +96,8 @@ def test_an_eviction_that_follows_a_ready_of_the_same_key_in_one_message_waits_f
         return True
 
     view.apply(pb.DaemonMessage(ready=[info("k", 1)]), send)
-    claimed = view.claim("k")
-    assert claimed is not None and claimed.entry_id == 1
+    hit = view.hit("k")
+    assert hit is not None and hit.entry_id == 1
     view.apply(pb.DaemonMessage(ready=[info("k", 2)],
                                 evicted=[pb.EntryRef(mm_hash="k", entry_id=1)]), send)
     assert acked == []  # entry 1 may be dispatched at this step's end
@@ -142,7 +142,7 @@ def test_an_engine_thread_stepping_while_large_messages_apply_never_loads_acknow
         while not done.is_set():
             dispatched = []
             for k in rng.sample(keys, 8):
-                entry = view.claim(k)
+                entry = view.hit(k)
                 if entry is not None:
                     dispatched.append((k, entry.entry_id))
             with acked_lock:

@@ -19,12 +19,12 @@ import torch
 
 from ec_client.common.contract import (
     CHECKSUM_MISMATCH,
-    STAGED_STEPS,
     STAMP_MISMATCH,
     UNUSABLE,
     LoadSpec,
     RegionInfo,
 )
+from ec_client.common.limits import STAGED_STEPS
 from ec_client.common.session import Attachment
 from ec_client.copy import empty_host, get_backend
 from ec_client.worker_side.worker import WorkerDelegate

@@ -71,7 +71,7 @@ def main() -> int:
                                           "ec_daemon_copy_backend": args.copy_backend}}
         if args.max_defer_seconds:
             extra["ec_transfer_config"]["ec_connector_extra_config"][
-                "ec_daemon_max_defer_s"] = args.max_defer_seconds
+                "ec_daemon_max_defer_seconds"] = args.max_defer_seconds
         if args.extra_config:
             extra["ec_transfer_config"]["ec_connector_extra_config"].update(
                 json.loads(args.extra_config))

@@ -119,7 +119,8 @@ def epd(tiny_qwen2vl: Path, vllm_proxy_script: Path,
     encoder = Engine(0, setup, ec_args("ec_producer", daemon.uri,
                                        ec_daemon_save_queue_bytes=SAVE_QUEUE_BYTES)
                      + ENCODER_FLAGS, trigger_env, folder / "encoder.log")
-    pd = Engine(1, setup, ec_args("ec_consumer", daemon.uri, ec_daemon_max_defer_s=MAX_DEFER_S),
+    pd = Engine(1, setup,
+                ec_args("ec_consumer", daemon.uri, ec_daemon_max_defer_seconds=MAX_DEFER_S),
                 {}, folder / "pd.log")
     try:
         start_engines([encoder, pd], setup)

@@ -155,7 +155,7 @@ def test_a_producer_reports_vllms_ec_transfer_params_and_a_consumer_loads_metada
 
 
 def test_a_metadata_only_item_the_cache_never_gets_fails_its_request_not_the_engine(engines):
-    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_s=0.5)
+    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_seconds=0.5)
     params = {"img-never": {"item_indices": [0], "metadata": {}}}
     consumer.scheduler.add_request(sh.request("p1", "img-never", MultiModalKwargsItem({}),
                                               params))
@@ -176,8 +176,8 @@ def test_a_metadata_only_request_fails_at_once_when_the_producers_save_was_dropp
     announced the item without knowing. It had claimed the item, and its
     worker reports the dropped save to the daemon at once: the consumer,
     which has no media to encode from, fails the request at once, not after
-    ec_daemon_max_defer_s (120 s here)."""
-    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_s=120)
+    ec_daemon_max_defer_seconds (120 s here)."""
+    consumer = engines("ec_consumer", "pd", ec_daemon_max_defer_seconds=120)
     producer = engines("ec_producer", "encoder", ec_daemon_save_queue_bytes=1)
     h.wait_until(lambda: producer.connector.scheduler_delegate.wanting
                  and consumer.connector.scheduler_delegate.wanting)

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-from ec_client.common.settings import MAX_WEIGHTS_ID_CHARS, ConnectorSettings
+from ec_client.common.limits import MAX_WEIGHTS_ID_CHARS
+from ec_client.common.settings import ConnectorSettings
 from ec_client.identity import files_identity
 from ec_client.vllm_connector import layout_of
 from tests.vllm import vllm_harness as h

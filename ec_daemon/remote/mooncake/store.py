@@ -29,7 +29,7 @@ into cost a fault per page, about 0.6 ms per MiB, more than the read.)
 A transfer from a host that died fails after about 1 s until the master
 forgets its segment: RemotePeerError, which does not count against the
 master's circuit breaker. Objects have no TTL in Mooncake (they stay until
-evicted), so --remote-ttl does not apply.
+evicted), so --remote-ttl-seconds does not apply.
 """
 
 from __future__ import annotations

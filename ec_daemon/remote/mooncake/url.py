@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ec_daemon.sizes import parse_size
+from ec_protocol.sizes import parse_size
 
 ACCEPTED_URLS = ("mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata"
                  "|P2PHANDSHAKE&protocol=tcp|rdma&device=NAME&segment=SIZE&buffer=SIZE"

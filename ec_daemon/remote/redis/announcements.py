@@ -77,7 +77,7 @@ class Announcements:
 
     def __init__(self, *, max_bytes: int, ttl_ms: int, clock: ServerClock | None = None) -> None:
         """`ttl_ms` caps every announcement's TTL (an entry never outlives
-        this daemon's --remote-ttl) and stands in for one that carries none."""
+        this daemon's --remote-ttl-seconds) and stands in for one that carries none."""
         if max_bytes <= 0 or ttl_ms <= 0:
             raise ValueError("max_bytes and ttl_ms must be positive")
         self.max_bytes = max_bytes

@@ -1,9 +1,9 @@
 """Byte sizes as people write and read them: `parse_size` for flags and
 settings, `format_size` for logs and errors.
 
-A leaf module: the settings (`config`), the region files (`region`), adoption
-and the CLI all speak sizes, and none of them should import another's
-concern (the region no longer pulls in the whole settings table) to do so.
+A leaf module of the protocol: the daemon's settings, region files, adoption
+and CLI, and the connector's extra-config keys all speak sizes, and none of
+them should import another's concern to do so (one size syntax for both).
 """
 
 from __future__ import annotations
