@@ -60,7 +60,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
 from ec_client.common.session import Attachment, LinkListener, SessionLink
@@ -71,6 +71,7 @@ from ec_client.common.settings import (
     DEFAULT_VERIFY_CHECKSUM,
 )
 from ec_client.common.trust import attached_socket_owner, open_region
+from ec_client.common.wire import DaemonNews, EntryRef, Heartbeat, Outgoing, Touch
 from ec_client.scheduler_side.staging import Stage, Staging
 from ec_client.scheduler_side.view import ReadyView, Refs
 from ec_client.scheduler_side.wants import Wants
@@ -80,7 +81,6 @@ from ec_protocol.protocol import (
     MAX_BATCH,
     Layout,
     Role,
-    pb,
 )
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
@@ -287,7 +287,7 @@ class SchedulerDelegate(LinkListener):
     def _send_items(self, field_name: str, mm_hashes: list[str]) -> None:
         """`mm_hashes` as the repeated `field_name` of stream messages."""
         for start in range(0, len(mm_hashes), MAX_BATCH):
-            message = pb.ClientMessage()
+            message = Outgoing()
             getattr(message, field_name).extend(mm_hashes[start:start + MAX_BATCH])
             self.link.send(message)
 
@@ -338,8 +338,8 @@ class SchedulerDelegate(LinkListener):
                     "to the daemon): %s", len(refs), "y" if len(refs) == 1 else "ies",
                     ", ".join(f"{h} (entry {e})" for h, e in refs[:8]))
         for start in range(0, len(refs), MAX_BATCH):
-            self.link.send(pb.ClientMessage(mismatches=[
-                pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs[start:start + MAX_BATCH]]))
+            self.link.send(Outgoing(mismatches=[
+                EntryRef(h, e) for h, e in refs[start:start + MAX_BATCH]]))
 
     def apply_worker_output(self, done: Iterable[int] = (),
                             failed: Iterable[tuple[int, str]] = ()) -> None:
@@ -375,7 +375,7 @@ class SchedulerDelegate(LinkListener):
 
     # ------------------------------------------------- link callbacks
 
-    def opening_message(self, attachment: Attachment) -> Any:
+    def opening_message(self, attachment: Attachment) -> Outgoing | None:
         """The new session's first message: when its region is the one this
         view loaded from (a restarted daemon adopted it), the loads still in
         flight (`holds`), so the daemon keeps their pages for this session
@@ -387,8 +387,7 @@ class SchedulerDelegate(LinkListener):
         if len(loading) > MAX_BATCH:
             log.warning("ec-daemon: %d entries loading across the restart; %d declared",
                         len(loading), MAX_BATCH)
-        return pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
-                                       for h, e in loading[:MAX_BATCH]])
+        return Outgoing(holds=[EntryRef(h, e) for h, e in loading[:MAX_BATCH]])
 
     def on_attached(self, attachment: Attachment) -> None:
         """A new session: the view starts over. When the region is the one
@@ -422,19 +421,19 @@ class SchedulerDelegate(LinkListener):
         # its region is the same one.
         self.view.clear(keep_loads=True)
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: DaemonNews) -> None:
         self.view.apply(message, self._send)  # ready events before the answers
         if message.answers:
             self.wants.answered(message.answers)
-        if message.HasField("namespace_info"):
-            info = message.namespace_info
+        info = message.namespace_info
+        if info is not None:
             wanting = info.engines > 1 or info.remote_tier
             if wanting != self._wanting:
                 log.info("ec-daemon: %d engine(s) share this namespace%s: misses %s asked about",
                          info.engines, ", a second tier is on" if info.remote_tier else "",
                          "are" if wanting else "are no longer")
             self._wanting = wanting
-        if message.HasField("ranks"):
+        if message.ranks is not None:
             self._ranks_changed(message.ranks.mapped, message.ranks.world_size)
 
     def _ranks_changed(self, mapped: int, world_size: int) -> None:
@@ -465,7 +464,7 @@ class SchedulerDelegate(LinkListener):
         EARLY_BEAT_SECONDS, not a whole heartbeat interval later."""
         return self.view.has_touches()
 
-    def heartbeat_message(self) -> Any:
+    def heartbeat_message(self) -> Outgoing:
         since = self._unmapped_since
         if since is not None and not self._ranks_mapped \
                 and time.monotonic() - since > UNMAPPED_WARNING_SECONDS:
@@ -473,6 +472,5 @@ class SchedulerDelegate(LinkListener):
             self._unmapped_warning()
         lookups, hits = self._counts_since("heartbeat")
         touches = self.view.take_touches()
-        return pb.ClientMessage(
-            heartbeat=pb.Heartbeat(lookups=lookups, hits=hits),
-            touches=[pb.Touch(mm_hash=h, entry_id=e, loads=n) for h, e, n in touches])
+        return Outgoing(heartbeat=Heartbeat(lookups=lookups, hits=hits),
+                        touches=[Touch(h, e, n) for h, e, n in touches])
