@@ -700,14 +700,14 @@ def test_a_finished_request_releases_what_no_other_request_needs(delegate):
 
 def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, monkeypatch,
                                                                    caplog):
-    import ec_client.scheduler_side.scheduler as scheduler
+    import ec_client.scheduler_side.rank_mapping as rank_mapping
 
-    caplog.set_level(logging.INFO, logger="ec_client.scheduler_side.scheduler")
+    caplog.set_level(logging.INFO, logger="ec_client.scheduler_side.rank_mapping")
     d = two_ranks
     d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     d.heartbeat_message()
     assert "worker ranks mapped" not in caplog.text  # engines start workers after schedulers
-    monkeypatch.setattr(scheduler, "UNMAPPED_WARNING_SECONDS", 0.0)
+    monkeypatch.setattr(rank_mapping, "UNMAPPED_WARNING_SECONDS", 0.0)
     d.heartbeat_message()
     d.heartbeat_message()
     assert caplog.text.count("1 of 2 worker ranks mapped the region; every lookup misses") == 1
