@@ -112,7 +112,8 @@ from vllm.v1.request import Request
 from benchmarks.scheduler_step import count_sends
 from ec_client.common.contract import StepMetadata
 from ec_client.engine_token import derived_engine_token
-from ec_client.vllm_connector import ECDaemonWorkerMetadata, engine_identity, layout_of
+from ec_client.vllm_connector import ECDaemonWorkerMetadata
+from ec_client.vllm_namespace import engine_identity, layout_of
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import Layout
 from tests.integration.daemon import Daemon

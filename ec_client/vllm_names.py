@@ -1,6 +1,6 @@
 """Every vLLM name ec_client uses, listed once, and the check of a release.
 
-The vLLM connector (`vllm_connector`, `vllm_items`, `vllm_metrics`,
+The vLLM connector (`vllm_connector`, `vllm_namespace`, `vllm_items`, `vllm_metrics`,
 `vllm_plugin`) reaches into vLLM well beyond `ECConnectorBase`: config
 fields it builds its namespace from, vLLM's helpers for `ec_transfer_params`,
 its metrics base classes, its executor and process groups. A release that

@@ -12,6 +12,20 @@ client saves by Allocate and Report calls against a daemon of protocol 3
 that would drop them unread (proto3 ignores unknown fields), and an older
 client's calls still work against a new daemon. A bump would instead have
 cut both off from each other at Attach for a change that breaks neither.
+
+So the unary save path (Allocate and Report) stays, on both sides, for
+exactly these, and goes with them:
+- the daemon's handlers: clients of protocol 3 released before stream saves
+  (a host's daemon upgraded before its engines keeps taking their saves), and
+  the tools that save without a session stream (the fuzz suite's calls,
+  the integration tests' raw clients); they go when protocol 3 is no longer
+  accepted at Attach;
+- the client's: a newer client against a daemon of protocol 3 that does not
+  take stream saves (engines upgraded before their host's daemon: a rolling
+  upgrade), its only use in production. `WorkerDelegate(stream_saves=False)`
+  forces it so the tests keep that fallback working and the save benchmark
+  has its baseline; it goes with the next protocol version, whose daemons all
+  take saves on the stream.
 Producers' claims (wants and releases from a producer's scheduler session)
 came the same way: AttachReply.producer_claims.
 """

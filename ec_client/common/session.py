@@ -41,12 +41,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
 
-from ec_client.common.contract import RegionInfo
 from ec_client.common.detached import DetachedNotice
 from ec_client.common.limits import (
     BACKOFF_MAX_SECONDS,
@@ -59,7 +57,20 @@ from ec_client.common.limits import (
     SILENT_LEASES,
     STOP_SECONDS,
 )
-from ec_protocol.protocol import MAX_BATCH, PROTOCOL_VERSION, RETRYABLE, ROLES, Layout, Role, pb
+from ec_client.common.wire import (
+    Attachment,
+    DaemonNews,
+    EntryRef,
+    Heartbeat,
+    Outgoing,
+    attach_request,
+    attachment_of,
+    client_message,
+    daemon_news,
+    detach_request,
+    with_engine_token,
+)
+from ec_protocol.protocol import MAX_BATCH, RETRYABLE, ROLES, Layout, Role
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +82,8 @@ Refs = list[tuple[str, int]]  # (mm_hash, entry_id)
 class _Acks(NamedTuple):
     acks: Refs
 
-    def to_message(self) -> Any:
-        return pb.ClientMessage(acks=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in self.acks])
-
-
-@dataclass(frozen=True)
-class Attachment:
-    session_id: str
-    index: int
-    namespace: str
-    region: RegionInfo
-    lease_ms: int
-    heartbeat_ms: int
-    # the daemon takes saves on the stream (`ec_client.worker_side.stream_saves`)
-    stream_saves: bool = False
-    # the daemon takes a producer's wants and releases (its claims)
-    producer_claims: bool = False
+    def to_message(self) -> Outgoing:
+        return Outgoing(acks=[EntryRef(h, e) for h, e in self.acks])
 
 
 def default_client_name() -> str:
@@ -99,7 +96,7 @@ class LinkListener:
     daemon message, `on_detached`; `heartbeat_message` builds each heartbeat.
     These do nothing; an owner overrides what it needs."""
 
-    def opening_message(self, attachment: Attachment) -> Any:
+    def opening_message(self, attachment: Attachment) -> Outgoing | None:
         """A ClientMessage merged into the stream's first message, or None."""
         return None
 
@@ -107,15 +104,15 @@ class LinkListener:
         """Before the stream opens; raising gives this attachment up, and the
         link attaches again later."""
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: DaemonNews) -> None:
         """One DaemonMessage."""
 
     def on_detached(self) -> None:
         """The attachment is lost (or the link stopped)."""
 
-    def heartbeat_message(self) -> Any:
+    def heartbeat_message(self) -> Outgoing:
         """The ClientMessage of the next heartbeat (counters, batched touches)."""
-        return pb.ClientMessage(heartbeat=pb.Heartbeat())
+        return Outgoing(heartbeat=Heartbeat())
 
     def beat_due(self) -> bool:
         """Whether the next heartbeat should go out early (after
@@ -135,17 +132,10 @@ class SessionLink:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.transport = transport
-        request = pb.AttachRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id,
-                                   role=ROLES[role], layout=layout.to_pb(),
-                                   client_name=client_name or default_client_name(),
-                                   store_namespace=layout.store_namespace)
-        if rank is None:
-            request.scheduler.engine_token = engine_token
-        else:
-            request.worker.rank = rank
-            request.worker.world_size = world_size
-            request.worker.engine_token = engine_token
-        self._request = request
+        self._request = attach_request(
+            engine_id=engine_id, role=role, layout=layout,
+            client_name=client_name or default_client_name(), rank=rank,
+            world_size=world_size, engine_token=engine_token)
         self.listener = listener or LinkListener()
         self._clock = clock
         self._attachment: Attachment | None = None
@@ -185,20 +175,20 @@ class SessionLink:
     def present_engine_token(self, token: str) -> None:
         """A worker's later attaches present `token` (any thread: the request
         is replaced whole, never changed under the link's thread)."""
-        request = pb.AttachRequest()
-        request.CopyFrom(self._request)
-        request.worker.engine_token = token
-        self._request = request
+        self._request = with_engine_token(self._request, token)
 
-    def send(self, message: Any) -> bool:
+    def send(self, message: Outgoing) -> bool:
         """Queue a ClientMessage on the stream; False (dropped) while detached."""
+        return self._queue(message)
+
+    def _queue(self, message: Outgoing | _Acks) -> bool:
         outbox = self._outbox
         if outbox is None:
             return False
         outbox.put(message)
         return True
 
-    def send_on(self, attachment: Attachment, message: Any) -> bool:
+    def send_on(self, attachment: Attachment, message: Outgoing) -> bool:
         """`send`, only while `attachment` is the current one (a message
         that names what it learnt from that session, such as a save's
         extents, must not reach a later one). False: dropped."""
@@ -215,7 +205,7 @@ class SessionLink:
         heartbeats, built by the `heartbeat` callback.)"""
         ok = True
         for start in range(0, len(acks), MAX_BATCH):
-            ok = self.send(_Acks(acks[start:start + MAX_BATCH])) and ok
+            ok = self._queue(_Acks(acks[start:start + MAX_BATCH])) and ok
         return ok
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
@@ -228,10 +218,11 @@ class SessionLink:
         if attachment is not None and outbox is not None:
             final = self._beat()  # the last counters and touches; its echo says applied
             outbox.put(final)
+            seq = final.heartbeat.seq if final.heartbeat is not None else 0  # (always set)
             with self._echoed:
-                self._echoed.wait_for(lambda: self._last_echo >= final.heartbeat.seq, timeout)
+                self._echoed.wait_for(lambda: self._last_echo >= seq, timeout)
             try:
-                self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
+                self.transport.call("Detach", detach_request(attachment.session_id),
                                     timeout=timeout)
             except grpc.RpcError as exc:  # gone already: its stream ending does the rest
                 log.debug("ec-daemon detach: %s", exc.code().name)
@@ -265,23 +256,17 @@ class SessionLink:
 
     def _serve(self, reply: Any, asked: float) -> bool:
         """Serve one attachment until it is lost; False if a callback raised."""
-        region = reply.region
-        attachment = Attachment(
-            session_id=reply.session_id, index=reply.session_index, namespace=reply.namespace,
-            region=RegionInfo(region.path, region.size_bytes, region.generation,
-                              region.page_bytes, region.data_offset, region.canary),
-            lease_ms=reply.lease_ms, heartbeat_ms=reply.heartbeat_ms,
-            stream_saves=reply.stream_saves, producer_claims=reply.producer_claims)
+        attachment = attachment_of(reply)
         lease = attachment.lease_ms / 1000
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        first = pb.ClientMessage(open_session_id=attachment.session_id)
+        first = Outgoing(open_session_id=attachment.session_id)
         try:
             extra = self.listener.opening_message(attachment)
         except Exception:
             log.exception("ec-daemon opening callback failed; opening without it")
             extra = None
         if extra is not None:
-            first.MergeFrom(extra)
+            first.merge(extra)
         outbox.put(first)
         # Before the stream opens: the daemon counts a worker whose stream is
         # open as having mapped the region, and tells a view nothing before.
@@ -307,8 +292,9 @@ class SessionLink:
         self._notice.now_attached()
         healthy = True
         try:
-            for message in responses:
+            for received in responses:
                 self._heard = time.monotonic()
+                message = daemon_news(received)
                 if message.heartbeat_seq:
                     self._renewed(message.heartbeat_seq, lease)
                 self.listener.on_message(message)
@@ -334,8 +320,7 @@ class SessionLink:
         """An attachment this client cannot use: detach it at once, so the
         daemon holds nothing for it (best effort: else its lease ends it)."""
         try:
-            self.transport.call("Detach", pb.DetachRequest(session_id=attachment.session_id),
-                                timeout=1.0)
+            self.transport.call("Detach", detach_request(attachment.session_id), timeout=1.0)
         except grpc.RpcError as exc:
             log.debug("ec-daemon detach of an unusable attachment: %s", exc.code().name)
 
@@ -359,7 +344,7 @@ class SessionLink:
                 del self._beats[old]
             self.fresh_until = max(self.fresh_until, sent + lease * FRESH_FRACTION)
 
-    def _beat(self) -> Any:
+    def _beat(self) -> Outgoing:
         with self._echoed:
             self._seq += 1
             seq = self._seq
@@ -367,6 +352,8 @@ class SessionLink:
                 del self._beats[min(self._beats)]
             self._beats[seq] = self._clock()  # before it leaves: a conservative send time
         message = self.listener.heartbeat_message()
+        if message.heartbeat is None:
+            message.heartbeat = Heartbeat()
         message.heartbeat.seq = seq
         return message
 
@@ -389,8 +376,8 @@ class SessionLink:
         (asked every EARLY_BEAT_SECONDS, by listeners that can say so). The
         stream is cancelled once nothing came from the daemon for `silent`
         seconds (the read loop then attaches again)."""
-        yield outbox.get()  # the open message
-        yield self._beat()  # renews the lease at once: fresh from the first step
+        yield client_message(outbox.get())  # the open message
+        yield client_message(self._beat())  # renews the lease at once: fresh from the first step
         interval = max(interval, MIN_BEAT_SECONDS)
         early = min(interval, EARLY_BEAT_SECONDS)
         asks = type(self.listener).beat_due is not LinkListener.beat_due
@@ -407,9 +394,9 @@ class SessionLink:
             if message is None:
                 return
             if isinstance(message, _Acks):
-                yield message.to_message()
+                yield client_message(message.to_message())
             elif message is not _NOTHING:
-                yield message
+                yield client_message(message)
             now = time.monotonic()
             if now >= last_beat + interval or (asks and now >= last_beat + early and due()):
                 if now - self._heard > silent:
@@ -417,7 +404,7 @@ class SessionLink:
                                 "attaching again", self.transport.uri, now - self._heard)
                     self._end_stream()
                     return
-                yield self._beat()
+                yield client_message(self._beat())
                 last_beat = time.monotonic()
 
     def _end_stream(self) -> None:

@@ -32,11 +32,8 @@ never wait. Wants are sent only where they help: another engine shares the
 namespace, or a second tier is on (the daemon says which).
 
 Hits are answered only once every worker rank of the engine has mapped the
-daemon's region (the daemon counts their open session streams and says so on
-this stream): a rank that cannot map it (another container's /dev/shm,
-another node) would fail the load, so the engine misses instead. Every rank
-means `world_size` (vLLM: tp x pcp), whatever the ranks attached with, and
-only ranks of this engine instance: the daemon counts only the ranks that
+daemon's region (`ec_client.scheduler_side.rank_mapping` says why), and
+only ranks of this engine instance count: the daemon counts only the ranks that
 present the delegate's `engine_token` (`ec_client.engine_token`: derived
 alike in the engine's processes, and in each step's metadata for workers
 that could not derive it).
@@ -60,7 +57,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
 from ec_client.common.limits import (
@@ -68,10 +65,11 @@ from ec_client.common.limits import (
     DEFAULT_MAX_DEFER_SECONDS,
     DEFAULT_STAGING_BYTES,
     DEFAULT_VERIFY_CHECKSUM,
-    UNMAPPED_WARNING_SECONDS,
 )
 from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner, open_region
+from ec_client.common.wire import DaemonNews, EntryRef, Heartbeat, Outgoing, Touch
+from ec_client.scheduler_side.rank_mapping import RankMapping
 from ec_client.scheduler_side.staging import Stage, Staging
 from ec_client.scheduler_side.view import ReadyView, Refs
 from ec_client.scheduler_side.wants import Wants
@@ -81,7 +79,6 @@ from ec_protocol.protocol import (
     MAX_BATCH,
     Layout,
     Role,
-    pb,
 )
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
@@ -131,13 +128,11 @@ class SchedulerDelegate(LinkListener):
         self.max_defer_seconds = max_defer_seconds
         self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
         self._producer_claims = False  # the daemon takes a producer's wants (at attach)
-        # Every worker rank mapped the session's region (EngineRanks, link thread).
-        self._ranks_mapped = False
-        self._ranks_seen = (0, 1)  # (mapped, needed), as last told
-        self._unmapped_since: float | None = None  # warned about on a heartbeat past a bound
         self.can_load = role in LOADING_ROLES
         self.ranks = ranks
         self.world_size = world_size or ranks
+        # Every worker rank mapped the session's region (EngineRanks, link thread).
+        self.rank_mapping = RankMapping(self.world_size)
         self.engine_token = engine_token
         self.workers_run_idle_steps = workers_run_idle_steps
         self._metadata_type = metadata_type
@@ -187,7 +182,7 @@ class SchedulerDelegate(LinkListener):
         if not self.staging.room(entry.nbytes):
             return Stage.ABSENT
         # A ready entry is not staged while the ranks map.
-        hit = self.view.hit(mm_hash, current.epoch, self._ranks_mapped)
+        hit = self.view.hit(mm_hash, current.epoch, self.rank_mapping.ready)
         if hit is None:
             return Stage.ABSENT
         spec = LoadSpec(mm_hash, next(self._ids), hit.entry_id, current.region.generation,
@@ -212,7 +207,7 @@ class SchedulerDelegate(LinkListener):
     def mapped_ranks(self) -> tuple[int, int]:
         """(worker ranks of this engine instance the daemon counted with the
         region mapped, how many hits need), as last told."""
-        return self._ranks_seen
+        return self.rank_mapping.seen
 
     def holds(self, mm_hash: str) -> bool:
         """Is `mm_hash` ready in the daemon, as far as this view knows (any
@@ -222,7 +217,7 @@ class SchedulerDelegate(LinkListener):
     def serving(self) -> bool:
         """Would a ready item be staged now? Attached and fresh, the
         snapshot in, and every worker rank mapped the region."""
-        return self._current is not None and self._ranks_mapped and self.view.synced \
+        return self._current is not None and self.rank_mapping.ready and self.view.synced \
             and self.link.fresh()
 
     def ensure(self, mm_hashes: Iterable[str], request_id: str = "") -> bool:
@@ -248,7 +243,7 @@ class SchedulerDelegate(LinkListener):
                 ready = False
             elif state is Stage.ABSENT:
                 misses.append(mm_hash)
-        if misses and self._wanting and self._ranks_mapped and self.link.fresh():
+        if misses and self._wanting and self.rank_mapping.ready and self.link.fresh():
             view = self.view
             if not self.wants.ensure(misses, request_id):
                 ready = False
@@ -283,7 +278,7 @@ class SchedulerDelegate(LinkListener):
     def _send_items(self, field_name: str, mm_hashes: list[str]) -> None:
         """`mm_hashes` as the repeated `field_name` of stream messages."""
         for start in range(0, len(mm_hashes), MAX_BATCH):
-            message = pb.ClientMessage()
+            message = Outgoing()
             getattr(message, field_name).extend(mm_hashes[start:start + MAX_BATCH])
             self.link.send(message)
 
@@ -334,8 +329,8 @@ class SchedulerDelegate(LinkListener):
                     "to the daemon): %s", len(refs), "y" if len(refs) == 1 else "ies",
                     ", ".join(f"{h} (entry {e})" for h, e in refs[:8]))
         for start in range(0, len(refs), MAX_BATCH):
-            self.link.send(pb.ClientMessage(mismatches=[
-                pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs[start:start + MAX_BATCH]]))
+            self.link.send(Outgoing(mismatches=[
+                EntryRef(h, e) for h, e in refs[start:start + MAX_BATCH]]))
 
     def apply_worker_output(self, done: Iterable[int] = (),
                             failed: Iterable[tuple[int, str]] = ()) -> None:
@@ -371,7 +366,7 @@ class SchedulerDelegate(LinkListener):
 
     # ------------------------------------------------- link callbacks
 
-    def opening_message(self, attachment: Attachment) -> Any:
+    def opening_message(self, attachment: Attachment) -> Outgoing | None:
         """The new session's first message: when its region is the one this
         view loaded from (a restarted daemon adopted it), the loads still in
         flight (`holds`), so the daemon keeps their pages for this session
@@ -383,8 +378,7 @@ class SchedulerDelegate(LinkListener):
         if len(loading) > MAX_BATCH:
             log.warning("ec-daemon: %d entries loading across the restart; %d declared",
                         len(loading), MAX_BATCH)
-        return pb.ClientMessage(holds=[pb.EntryRef(mm_hash=h, entry_id=e)
-                                       for h, e in loading[:MAX_BATCH]])
+        return Outgoing(holds=[EntryRef(h, e) for h, e in loading[:MAX_BATCH]])
 
     def on_attached(self, attachment: Attachment) -> None:
         """A new session: the view starts over. When the region is the one
@@ -398,8 +392,7 @@ class SchedulerDelegate(LinkListener):
         self.staging.region_owner = owner
         self._wanting = False  # until the new session's NamespaceInfo
         self._producer_claims = attachment.producer_claims
-        self._ranks_mapped = False  # until the new session's EngineRanks
-        self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
+        self.rank_mapping.attached()  # not ready until the new session's EngineRanks
         self.wants.clear()
         same_region = attachment.region.generation == self._generation
         self._generation = attachment.region.generation
@@ -413,45 +406,25 @@ class SchedulerDelegate(LinkListener):
     def on_detached(self) -> None:
         self._current = None
         self._wanting = False
-        self._ranks_mapped = False
+        self.rank_mapping.detached()
         # Loads in flight stay counted until the next attachment says whether
         # its region is the same one.
         self.view.clear(keep_loads=True)
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: DaemonNews) -> None:
         self.view.apply(message, self._send)  # ready events before the answers
         if message.answers:
             self.wants.answered(message.answers)
-        if message.HasField("namespace_info"):
-            info = message.namespace_info
+        info = message.namespace_info
+        if info is not None:
             wanting = info.engines > 1 or info.remote_tier
             if wanting != self._wanting:
                 log.info("ec-daemon: %d engine(s) share this namespace%s: misses %s asked about",
                          info.engines, ", a second tier is on" if info.remote_tier else "",
                          "are" if wanting else "are no longer")
             self._wanting = wanting
-        if message.HasField("ranks"):
-            self._ranks_changed(message.ranks.mapped, message.ranks.world_size)
-
-    def _ranks_changed(self, mapped: int, world_size: int) -> None:
-        """The daemon counted `mapped` distinct worker ranks of this engine
-        instance (of a world of `world_size`, as they attached) with the
-        region mapped; this engine needs its own `world_size` of them."""
-        needed = max(self.world_size, world_size, 1)
-        ready = mapped >= needed
-        self._ranks_seen = (mapped, needed)
-        if ready and not self._ranks_mapped:
-            log.info("ec-daemon: all %d worker ranks mapped the region; hits are answered", mapped)
-            self._unmapped_since = None
-        elif not ready and self._ranks_mapped:  # a rank went away (or the engine stops)
-            self._unmapped_since = time.monotonic()  # said on a heartbeat if it lasts
-        self._ranks_mapped = ready
-
-    def _unmapped_warning(self) -> None:
-        mapped, needed = self._ranks_seen
-        log.warning("ec-daemon: %d of %d worker ranks mapped the region; every lookup misses "
-                    "until all have (a rank in another /dev/shm, container or node cannot load "
-                    "from this daemon)", mapped, needed)
+        if message.ranks is not None:
+            self.rank_mapping.changed(message.ranks.mapped, message.ranks.world_size)
 
     def _send(self, acks: Refs) -> bool:
         return self.link.send_acks(acks)
@@ -461,14 +434,9 @@ class SchedulerDelegate(LinkListener):
         EARLY_BEAT_SECONDS, not a whole heartbeat interval later."""
         return self.view.has_touches()
 
-    def heartbeat_message(self) -> Any:
-        since = self._unmapped_since
-        if since is not None and not self._ranks_mapped \
-                and time.monotonic() - since > UNMAPPED_WARNING_SECONDS:
-            self._unmapped_since = None  # once per attachment (or per rank lost)
-            self._unmapped_warning()
+    def heartbeat_message(self) -> Outgoing:
+        self.rank_mapping.warn_if_overdue()
         lookups, hits = self._counts_since("heartbeat")
         touches = self.view.take_touches()
-        return pb.ClientMessage(
-            heartbeat=pb.Heartbeat(lookups=lookups, hits=hits),
-            touches=[pb.Touch(mm_hash=h, entry_id=e, loads=n) for h, e, n in touches])
+        return Outgoing(heartbeat=Heartbeat(lookups=lookups, hits=hits),
+                        touches=[Touch(h, e, n) for h, e, n in touches])

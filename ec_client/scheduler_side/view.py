@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ec_client.common.limits import APPLY_SLICE, MAX_PENDING_TOUCHES
+from ec_client.common.wire import DaemonNews, EntryInfo, EntryRef
 from ec_protocol.protocol import MAX_BATCH
 
 Ref = tuple[str, int]  # (mm_hash, entry_id)
@@ -154,7 +155,7 @@ class ReadyView:
 
     # --------------------------------------------------- link thread
 
-    def apply(self, message: Any, send: Send) -> None:
+    def apply(self, message: DaemonNews, send: Send) -> None:
         """Apply a DaemonMessage, APPLY_SLICE events per lock hold: its ready
         events, then its evictions (an eviction names an entry id, so one of
         an entry the same message replaced leaves the newer entry). Evictions
@@ -162,7 +163,8 @@ class ReadyView:
         `send` once the whole message is applied, under the lock."""
         acks: Refs = []
         ready, evicted = message.ready, message.evicted
-        slices = [(ready, start) for start in range(0, len(ready), APPLY_SLICE)]
+        slices: list[tuple[Sequence[EntryInfo] | Sequence[EntryRef], int]] = [
+            (ready, start) for start in range(0, len(ready), APPLY_SLICE)]
         slices += [(evicted, start) for start in range(0, len(evicted), APPLY_SLICE)]
         last = len(slices) - 1
         for n, (events, start) in enumerate(slices):
@@ -171,23 +173,22 @@ class ReadyView:
             with self._lock:
                 chunk = events[start:start + APPLY_SLICE]
                 if events is ready:
-                    self._apply_ready(chunk)
+                    self._apply_ready(chunk)  # type: ignore[arg-type]
                 else:
-                    self._apply_evicted(chunk, acks)
+                    self._apply_evicted(chunk, acks)  # type: ignore[arg-type]
                 if n == last:
                     self._applied(message, acks, send)
         if not slices and message.snapshot_done:  # (most messages carry no events)
             with self._lock:
                 self._applied(message, acks, send)
 
-    def _apply_ready(self, infos: Any) -> None:
+    def _apply_ready(self, infos: Sequence[EntryInfo]) -> None:
         entries = self._entries
         for info in infos:
-            entries[info.mm_hash] = ViewEntry(
-                info.entry_id, info.nbytes, tuple(info.shape), info.dtype,
-                tuple((e.offset, e.length) for e in info.extents), info.checksum)
+            entries[info.mm_hash] = ViewEntry(info.entry_id, info.nbytes, info.shape,
+                                              info.dtype, info.extents, info.checksum)
 
-    def _apply_evicted(self, refs: Any, acks: Refs) -> None:
+    def _apply_evicted(self, refs: Sequence[EntryRef], acks: Refs) -> None:
         for ref in refs:
             key = (ref.mm_hash, ref.entry_id)
             entry = self._entries.get(ref.mm_hash)
@@ -204,7 +205,7 @@ class ReadyView:
                 continue
             acks.append(key)
 
-    def _applied(self, message: Any, acks: Refs, send: Send) -> None:
+    def _applied(self, message: DaemonNews, acks: Refs, send: Send) -> None:
         """The whole of `message` is in (under the lock)."""
         if message.snapshot_done:
             self.synced = True

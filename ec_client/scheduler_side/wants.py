@@ -42,25 +42,24 @@ import threading
 import time
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ec_client.common.limits import ANSWER_SECONDS, MAX_WANTS
+from ec_client.common.wire import Answer, Verdict, verdict_name
 from ec_client.scheduler_side.view import ReadyView
-from ec_protocol.protocol import pb
 
 log = logging.getLogger(__name__)
 
-WAITS = (pb.VERDICT_PROMOTING, pb.VERDICT_ENCODING)
+WAITS = (Verdict.PROMOTING, Verdict.ENCODING)
 # What tells an engine without the media that nobody will make an item:
 # encode it (nobody holds it, pending or claimed), or ready but gone again.
-NEVER = (pb.VERDICT_ENCODE, pb.VERDICT_READY)
+NEVER = (Verdict.ENCODE, Verdict.READY)
 
 
 @dataclass(slots=True)
 class Want:
     asked: float
     deadline: float  # defer no longer than this
-    verdict: int = 0  # pb.Verdict; 0 until answered (written by the link thread)
+    verdict: int = Verdict.UNANSWERED  # until answered (written by the link thread)
     gave_up: bool = False
     computing: bool = False  # vLLM allocated its encoder output: this engine encodes it
     requests: set[str] = field(default_factory=set)  # of this engine that need it
@@ -137,7 +136,7 @@ class Wants:
             # Told to encode it, or not answered yet (a producer's claim, asked
             # and encoded in one step): the daemon, which reads the stream in
             # order, takes it only from the claim's holder.
-            if not want.computing and want.verdict in (0, pb.VERDICT_ENCODE):
+            if not want.computing and want.verdict in (Verdict.UNANSWERED, Verdict.ENCODE):
                 self._encoding.append(mm_hash)
             want.computing = True
             self._claimed.pop(mm_hash, None)
@@ -158,7 +157,7 @@ class Wants:
                 continue  # another request of this engine still needs it
             del self._wants[mm_hash]
             self._claimed.pop(mm_hash, None)
-            if not want.computing and want.verdict != pb.VERDICT_READY:
+            if not want.computing and want.verdict != Verdict.READY:
                 released.append(mm_hash)
         self.send("releases", released)
 
@@ -199,8 +198,8 @@ class Wants:
 
     # ------------------------------------------------------ the link's thread
 
-    def answered(self, answers: Iterable[Any]) -> None:
-        """The daemon's answers (pb.Answer each)."""
+    def answered(self, answers: Iterable[Answer]) -> None:
+        """The daemon's answers."""
         wants, patience = self._wants, self.max_defer_seconds
         for answer in answers:
             want = wants.get(answer.mm_hash)
@@ -241,7 +240,7 @@ class Wants:
         deferral is over."""
         verdict = want.verdict
         if verdict and verdict not in WAITS:
-            if verdict == pb.VERDICT_ENCODE and not want.computing:
+            if verdict == Verdict.ENCODE and not want.computing:
                 self._claimed.setdefault(mm_hash, set()).add(request_id)
             return True
         now = time.monotonic()
@@ -252,7 +251,7 @@ class Wants:
             self.defer_timeouts += 1
             log.warning("ec-daemon: %s still not ready after %.1fs (%s); encoding it here",
                         mm_hash, now - want.asked,
-                        pb.Verdict.Name(verdict) if verdict else "no answer")
+                        verdict_name(verdict) if verdict else "no answer")
         return True
 
     def _await(self, fresh: list[str]) -> None:

@@ -57,12 +57,21 @@ import grpc
 
 from ec_client.common.limits import CUT_LOG_SECONDS, MAX_DROPPED_SAVES, PRUNE_SECONDS, SAVE_BATCH
 from ec_client.common.session import Attachment, SessionLink
+from ec_client.common.wire import (
+    AllocStatus,
+    ReportStatus,
+    SaveAllocation,
+    allocate_request,
+    allocated,
+    report_request,
+    report_statuses,
+)
 from ec_client.copy import CopyBackend, describe, storage_of
 from ec_client.copy.mapping import RegionDamaged
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.stream_saves import Report, StreamSaves
 from ec_protocol.checksums import checksum
-from ec_protocol.protocol import MAX_BATCH, RETRYABLE, pb
+from ec_protocol.protocol import MAX_BATCH, RETRYABLE
 from ec_protocol.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -286,8 +295,8 @@ class Saver:
         """A stream report's answer (None: none came): the save is done.
         Called on the link's thread as well as this one: counted under the lock."""
         with self._idle:
-            self.stats["saves_done" if status == pb.ACCEPTED else "saves_lost"] += 1
-            if status != pb.ACCEPTED:
+            self.stats["saves_done" if status == ReportStatus.ACCEPTED else "saves_lost"] += 1
+            if status != ReportStatus.ACCEPTED:
                 self._drop_locked(mm_hash)
             self._unfinished -= 1
             self._idle.notify_all()
@@ -326,9 +335,10 @@ class Saver:
             answer = self.stream.wait(request_id, self.transport.deadline_seconds)
             copied = False
             try:
-                if self._take_answer(mm_hash, answer) is not None:
-                    sums = self._copy(attachment, output, ready, answer.entry_id,
-                                      [(e.offset, e.length) for e in answer.extents])
+                taken = self._take_answer(mm_hash, answer)
+                if taken is not None:
+                    sums = self._copy(attachment, output, ready, taken.entry_id,
+                                      list(taken.extents))
                     copied = sums is not None
                     (reports.saved if copied else reports.aborted).append(mm_hash)
                     if sums is not None:
@@ -344,7 +354,8 @@ class Saver:
                 del output, ready
                 self._finished([storage], 0 if copied else 1)  # a copy is done once reported
 
-    def _take_answer(self, mm_hash: str, answer: Any) -> Any:
+    def _take_answer(self, mm_hash: str,
+                     answer: SaveAllocation | None) -> SaveAllocation | None:
         """The answer if it allocated pages to copy into; else None, counted
         (and listed as dropped unless the key is cached or being saved)."""
         if answer is None:  # the stream was lost, or the deadline passed
@@ -358,7 +369,7 @@ class Saver:
             self.drop(mm_hash)
             log.debug("ec-daemon did not take %s: %s", mm_hash, answer.error)
             return None
-        if answer.status != pb.ALLOCATED:
+        if answer.status != AllocStatus.ALLOCATED:
             self.stats["saves_already_cached"] += 1
             return None
         return answer
@@ -402,10 +413,9 @@ class Saver:
             self.drop(mm_hash)
             return
         nbytes, shape, dtype = describe(output)
-        request = pb.AllocateRequest(session_id=attachment.session_id, mm_hash=mm_hash,
-                                     nbytes=nbytes, shape=shape, dtype=dtype)
+        request = allocate_request(attachment.session_id, mm_hash, nbytes, shape, dtype)
         try:
-            reply = self.transport.call("Allocate", request)
+            reply = allocated(self.transport.call("Allocate", request))
         except grpc.RpcError as exc:
             self.stats["saves_refused" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                        else "saves_failed"] += 1
@@ -414,10 +424,10 @@ class Saver:
             if exc.code() in RETRYABLE:  # it may have been applied: do not leave it pending
                 self._report(attachment, aborted=[mm_hash])
             return
-        if reply.status != pb.ALLOCATED:
+        if reply.status != AllocStatus.ALLOCATED:
             self.stats["saves_already_cached"] += 1
             return
-        extents = [(e.offset, e.length) for e in reply.extents]
+        extents = list(reply.extents)
         try:
             sums = self._copy(attachment, output, ready, reply.entry_id, extents)
             if sums is None:
@@ -427,19 +437,21 @@ class Saver:
         except Exception:
             self._report(attachment, aborted=[mm_hash])
             raise
-        reply = self._report(attachment, saved=[mm_hash], saved_checksums=[sums], retries=2)
-        if reply is None:  # the entry would stay pending for this session's life
+        statuses = self._report(attachment, saved=[mm_hash], saved_checksums=[sums], retries=2)
+        if statuses is None:  # the entry would stay pending for this session's life
             self._report(attachment, aborted=[mm_hash])
-        accepted = reply is not None and reply.saved[0] == pb.ACCEPTED
+        accepted = statuses is not None and statuses[0] == ReportStatus.ACCEPTED
         self.stats["saves_done" if accepted else "saves_lost"] += 1
         if not accepted:
             self.drop(mm_hash)
 
-    def _report(self, attachment: Attachment, retries: int = 0, **lists: list[Any]) -> Any:
-        request = pb.ReportRequest(session_id=attachment.session_id, **lists)
+    def _report(self, attachment: Attachment, retries: int = 0,
+                **lists: list[Any]) -> list[int] | None:
+        """A Report call: the status of each `saved` key, None if it failed."""
+        request = report_request(attachment.session_id, **lists)
         for attempt in range(retries + 1):
             try:
-                return self.transport.call("Report", request)
+                return report_statuses(self.transport.call("Report", request))
             except grpc.RpcError as exc:
                 if attempt == retries or exc.code() not in RETRYABLE:
                     log.warning("ec-daemon report failed: %s %s", exc.code().name,

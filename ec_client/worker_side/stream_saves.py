@@ -25,14 +25,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ec_client.common.session import Attachment
-from ec_protocol.protocol import pb
+from ec_client.common.wire import (
+    AllocStatus,
+    DaemonNews,
+    Outgoing,
+    SaveAllocate,
+    SaveAllocation,
+    SaveReport,
+)
 
 # (mm_hash, nbytes, shape, dtype)
 SaveAsk = tuple[str, int, Sequence[int], str]
-# The status of a report (pb.ReportStatus), None: no answer came.
+# The status of a report (a ReportStatus), None: no answer came.
 OnReported = Callable[[str, int | None], None]
 
 
@@ -52,7 +58,7 @@ class Report:
 
 
 class StreamSaves:
-    def __init__(self, send_on: Callable[[Attachment, Any], bool],
+    def __init__(self, send_on: Callable[[Attachment, Outgoing], bool],
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`send_on(attachment, message)` queues a ClientMessage on that
         attachment's stream, False when it is not the current one."""
@@ -63,7 +69,7 @@ class StreamSaves:
         self._next_id = 0
         # Allocations: request id -> (attachment, mm_hash, sent at).
         self._asked: dict[int, tuple[Attachment, str, float]] = {}
-        self._answers: dict[int, Any] = {}  # request id -> pb.SaveAllocation, None: lost
+        self._answers: dict[int, SaveAllocation | None] = {}  # request id -> answer, None: lost
         self._abandoned: dict[int, tuple[Attachment, str]] = {}
         # Reports: request id -> (mm_hash, sent at, callback).
         self._reports: dict[int, tuple[str, float, OnReported]] = {}
@@ -80,7 +86,7 @@ class StreamSaves:
         """Ask for `saves` in one message (with `reports`, applied first:
         see `report`); their request ids, or None when `attachment` is no
         longer the link's (nothing was asked or reported)."""
-        message = pb.ClientMessage()
+        message = Outgoing()
         now = self._clock()
         with self._lock:
             ids = []
@@ -88,8 +94,7 @@ class StreamSaves:
                 request_id = self._take_id()
                 ids.append(request_id)
                 self._asked[request_id] = (attachment, mm_hash, now)
-                message.allocations.add(request_id=request_id, mm_hash=mm_hash, nbytes=nbytes,
-                                        shape=shape, dtype=dtype)
+                message.allocations.append(SaveAllocate(request_id, mm_hash, nbytes, shape, dtype))
             reported = self._add_reports(message, reports, now) if reports else []
         if self._send_on(attachment, message):
             self.messages += 1
@@ -102,8 +107,8 @@ class StreamSaves:
                 self._reports.pop(request_id, None)
         return None
 
-    def wait(self, request_id: int, deadline_seconds: float) -> Any:
-        """The answer (a pb.SaveAllocation) to allocation `request_id`, or
+    def wait(self, request_id: int, deadline_seconds: float) -> SaveAllocation | None:
+        """The answer to allocation `request_id`, or
         None when the stream was lost or none came within `deadline_seconds`
         of its sending (given up: aborted if it comes and allocated)."""
         with self._lock:
@@ -134,16 +139,16 @@ class StreamSaves:
         reported; the daemon ended that session)."""
         return self.allocate(attachment, (), reports) is not None
 
-    def _add_reports(self, message: Any, reports: Report, now: float) -> list[int]:
+    def _add_reports(self, message: Outgoing, reports: Report, now: float) -> list[int]:
         ids = []
         for mm_hash in reports.saved:
             request_id = self._take_id()
             ids.append(request_id)
             self._reports[request_id] = (mm_hash, now, reports.on_reported)
-            message.reports.add(request_id=request_id, mm_hash=mm_hash, saved=True,
-                                checksum=reports.checksums.get(mm_hash, 0))
+            message.reports.append(SaveReport(mm_hash, True, request_id,
+                                              reports.checksums.get(mm_hash, 0)))
         for mm_hash in reports.aborted:
-            message.reports.add(mm_hash=mm_hash, saved=False)
+            message.reports.append(SaveReport(mm_hash, False))
         return ids
 
     def expire(self, deadline_seconds: float) -> int:
@@ -158,7 +163,7 @@ class StreamSaves:
             on_reported(mm_hash, None)
         return len(gone)
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: DaemonNews) -> None:
         """A DaemonMessage's answers (on the link's thread)."""
         aborts: list[tuple[Attachment, str]] = []
         reported: list[tuple[OnReported, str, int]] = []
@@ -169,16 +174,15 @@ class StreamSaves:
                     self._answers[request_id] = answer
                     continue
                 abandoned = self._abandoned.pop(request_id, None)
-                if abandoned is not None and answer.status == pb.ALLOCATED:
+                if abandoned is not None and answer.status == AllocStatus.ALLOCATED:
                     aborts.append(abandoned)
-            for answer in message.reported:
-                waiting = self._reports.pop(answer.request_id, None)
+            for report in message.reported:
+                waiting = self._reports.pop(report.request_id, None)
                 if waiting is not None:
-                    reported.append((waiting[2], waiting[0], answer.status))
+                    reported.append((waiting[2], waiting[0], report.status))
             self._lock.notify_all()
         for attachment, mm_hash in aborts:  # answered too late: nobody copies into it
-            self._send_on(attachment, pb.ClientMessage(
-                reports=[pb.SaveReport(mm_hash=mm_hash, saved=False)]))
+            self._send_on(attachment, Outgoing(reports=[SaveReport(mm_hash, False)]))
         for on_reported, mm_hash, status in reported:
             on_reported(mm_hash, status)
 

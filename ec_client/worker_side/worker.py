@@ -56,13 +56,14 @@ from ec_client.common.limits import (
 )
 from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner
+from ec_client.common.wire import DaemonNews, Outgoing
 from ec_client.copy import CopyBackend, get_backend
 from ec_client.copy.mapping import RegionDamaged, RegionMapping
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.saver import Saver
 from ec_client.worker_side.staging import StagingArea
 from ec_protocol.checksums import checksum
-from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role, pb
+from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
@@ -191,7 +192,7 @@ class WorkerDelegate(LinkListener):
         if attachment is None or (joined is not None and joined[0] is attachment
                                   and joined[1] == engine_token):
             return
-        if self.link.send_on(attachment, pb.ClientMessage(engine_token=engine_token)):
+        if self.link.send_on(attachment, Outgoing(engine_token=engine_token)):
             self._joined = (attachment, engine_token)
 
     def _remember(self, engine_token: str) -> None:
@@ -380,7 +381,7 @@ class WorkerDelegate(LinkListener):
         if not token:
             return None
         self._joined = (attachment, token)
-        return pb.ClientMessage(engine_token=token)
+        return Outgoing(engine_token=token)
 
     def on_attached(self, attachment: Attachment) -> None:
         self._region_owner = attached_socket_owner(self.transport.uri)  # raises if untrusted
@@ -388,7 +389,7 @@ class WorkerDelegate(LinkListener):
         log.info("ec-daemon worker rank %d session %d attached (generation %016x)", self.rank,
                  attachment.index, attachment.region.generation)
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: DaemonNews) -> None:
         if message.allocations or message.reported:
             self.saver.stream.on_message(message)
 

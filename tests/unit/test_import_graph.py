@@ -225,7 +225,7 @@ def test_every_client_module_below_the_shell_sits_in_a_layer_folder():
     """The root holds the vLLM shell only: its modules name vLLM or serve only it."""
     shell = {"ec_client", "ec_client.vllm_connector", "ec_client.vllm_items",
              "ec_client.vllm_metrics", "ec_client.vllm_plugin", "ec_client.vllm_names",
-             "ec_client.identity",
+             "ec_client.identity", "ec_client.vllm_namespace",
              "ec_client.engine_token", "ec_client.ranks"}
     assert sorted(m for m in import_graph() if m.startswith("ec_client") and m not in shell
                   and not any(within(m, f) for f in CLIENT_FOLDERS)) == []
@@ -313,7 +313,11 @@ def test_a_class_name_means_one_thing_in_the_daemon_and_the_protocol():
 # A class name the client repeats from the daemon: each copy backend's module
 # names its class `Backend`, as `ec_client.copy.get_backend` finds it (and as
 # users' own backends are documented), beside the daemon's second-tier Backend.
-CLIENT_REPEATS = {"Backend"}
+# And the plain values of one protocol message at each side's edge (the
+# client's `common.wire`, the daemon's `core.events`), named as the message
+# is in the protocol: one idea, one name on both sides of the socket.
+WIRE_MESSAGES = {"Verdict", "ReportStatus", "SaveAllocate", "SaveReport", "Heartbeat"}
+CLIENT_REPEATS = {"Backend"} | WIRE_MESSAGES
 
 
 def client_classes() -> dict[str, list[str]]:
@@ -536,3 +540,43 @@ def test_every_default_of_a_setting_is_the_limits_and_declared_nowhere_else():
 
     defaults = {name for name in vars(limits) if name.startswith("DEFAULT_")}
     assert {name for name in defaults if f"limits.{name}" not in source} == set()
+
+
+# The client's edge: the one module that converts protobuf messages to and
+# from plain values, as `ec_daemon.serving.wire` is the daemon's.
+CLIENT_WIRE = "ec_client.common.wire"
+STUBS = {"pb", "rpc"}  # what ec_protocol.protocol re-exports of the generated modules
+
+
+def protobuf_users(root: Path = ROOT, package: str = "ec_client") -> list[str]:
+    """The modules of `package` that import the generated stubs (through
+    `ec_protocol.protocol`'s `pb`/`rpc`, or `ec_protocol._proto` itself)."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                    node.module.startswith("ec_protocol._proto") or (
+                        node.module == "ec_protocol.protocol"
+                        and STUBS & {alias.name for alias in node.names})):
+                found.append(name)
+                break
+            if isinstance(node, ast.Import) and any(
+                    alias.name.startswith("ec_protocol._proto") for alias in node.names):
+                found.append(name)
+                break
+    return found
+
+
+def test_protobuf_stays_at_the_clients_edge():
+    assert protobuf_users() == [CLIENT_WIRE]
+
+
+def test_the_edge_check_sees_protobuf_used_inside(tmp_path: Path):
+    inside = tmp_path / "ec_client" / "scheduler_side"
+    inside.mkdir(parents=True)
+    (inside / "wants.py").write_text("from ec_protocol.protocol import MAX_BATCH, pb\n")
+    (inside / "view.py").write_text("from ec_protocol.protocol import MAX_BATCH\n")
+    (tmp_path / "ec_client" / "stubs.py").write_text(
+        "import ec_protocol._proto.ec_daemon.v1.ec_daemon_pb2\n")
+    assert protobuf_users(tmp_path) == ["ec_client.scheduler_side.wants", "ec_client.stubs"]

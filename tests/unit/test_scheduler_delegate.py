@@ -19,10 +19,12 @@ import ec_client.scheduler_side.staging as staging
 from ec_client.common.contract import CHECKSUM_MISMATCH, UNUSABLE, RegionInfo
 from ec_client.common.limits import ADOPT_STEPS
 from ec_client.common.session import Attachment
+from ec_client.common.wire import DaemonNews, Outgoing
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
 from ec_client.scheduler_side.staging import Stage
 from ec_protocol.checksums import checksum
 from ec_protocol.protocol import Layout, pb
+from tests.unit.daemon_news import news
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
 # The scheduler answers hits only for a region file it can open: these exist.
@@ -50,15 +52,15 @@ ALL_MAPPED = pb.EngineRanks(mapped=2, world_size=2)
 
 
 def ready(mm_hash: str, entry_id: int, nbytes: int = 4096,
-          ranks: pb.EngineRanks = ALL_MAPPED, checksum: int = 0) -> pb.DaemonMessage:
-    return pb.DaemonMessage(ready=[pb.EntryInfo(
+          ranks: pb.EngineRanks = ALL_MAPPED, checksum: int = 0) -> DaemonNews:
+    return news(ready=[pb.EntryInfo(
         mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
         dtype="float32", extents=[pb.Extent(offset=4096 + entry_id * 4096, length=nbytes)],
         checksum=checksum)], snapshot_done=True, ranks=ranks)
 
 
-def evicted(*refs: tuple[str, int]) -> pb.DaemonMessage:
-    return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs])
+def evicted(*refs: tuple[str, int]) -> DaemonNews:
+    return news(evicted=[pb.EntryRef(mm_hash=h, entry_id=e) for h, e in refs])
 
 
 def make(role: str = "both", ranks: int = 1, **options: Any) -> SchedulerDelegate:
@@ -449,7 +451,7 @@ def test_steps_the_workers_do_not_run_stage_here_and_the_bytes_ride_the_step_tha
 
 def test_a_load_whose_bytes_were_rewritten_is_told_to_the_daemon_once(two_ranks):
     d = two_ranks
-    sent: list[pb.ClientMessage] = []
+    sent: list[Outgoing] = []
     d.link.send = lambda message: sent.append(message) or True
     d.on_message(ready("a", 1))
     ids = dispatch(d, "a")
@@ -469,7 +471,7 @@ def test_loads_staged_here_are_checked_against_their_checksum(tmp_path):
     Path(region.path).write_bytes(content)
     good = checksum([bytes([1]) * 4096])
     d = make(workers_run_idle_steps=False, verify_checksum=True)
-    sent: list[pb.ClientMessage] = []
+    sent: list[Outgoing] = []
     d.link.send = lambda message: sent.append(message) or True
     try:
         d.on_detached()
@@ -538,17 +540,17 @@ def test_nothing_is_staged_until_every_worker_rank_mapped_the_region(two_ranks):
     another node) would fail the load: until the daemon counts every rank's
     stream, items miss and nothing is deferred for other engines."""
     d = two_ranks
-    d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+    d.on_message(news(namespace_info=pb.NamespaceInfo(engines=2)))
     d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     sent = []
     d.link.send = lambda message: sent.append(message) or True
     assert d.ensure(["a"], "r") and d.ensure(["b"], "r") and sent == []  # nothing wanted
     assert not d.has_item("a")
     d.build_step_metadata()
-    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    d.on_message(news(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert not d.ensure(["a"], "r")
     assert len(d.build_step_metadata().loads) == 1
-    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    d.on_message(news(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
     d.on_message(ready("c", 3, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     assert d.stage("c", "r") is Stage.ABSENT
 
@@ -558,7 +560,7 @@ def test_a_rank_the_executor_does_not_count_must_map_the_region_too(delegate):
     workers' world size still says how many ranks load."""
     delegate.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     assert delegate.stage("a", "r") is Stage.ABSENT
-    delegate.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    delegate.on_message(news(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert delegate.stage("a", "r") is Stage.WAIT
 
 
@@ -582,28 +584,28 @@ def test_a_region_this_host_cannot_open_is_never_answered_for(delegate):
     assert delegate.stage("img", "r") is Stage.ABSENT
 
 
-def wanting(d: SchedulerDelegate) -> list[pb.ClientMessage]:
+def wanting(d: SchedulerDelegate) -> list[Outgoing]:
     """`d` shares its namespace (wants help); returns what it sends from now on."""
     d.on_message(ready("other", 9))
-    d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
-    sent: list[pb.ClientMessage] = []
+    d.on_message(news(namespace_info=pb.NamespaceInfo(engines=2)))
+    sent: list[Outgoing] = []
     d.link.send = lambda message: sent.append(message) or True
     return sent
 
 
 def answer(d: SchedulerDelegate, mm_hash: str, verdict: int) -> None:
-    d.on_message(pb.DaemonMessage(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
+    d.on_message(news(answers=[pb.Answer(mm_hash=mm_hash, verdict=verdict)]))
 
 
-def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[pb.ClientMessage]:
+def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[Outgoing]:
     """As `wanting`, and a daemon that answers each want from another
     thread (as the link thread hands answers over)."""
     sent = wanting(d)
 
-    def send(message: pb.ClientMessage) -> bool:
+    def send(message: Outgoing) -> bool:
         sent.append(message)
         if message.wants:
-            answers = pb.DaemonMessage(answers=[pb.Answer(mm_hash=h, verdict=verdicts[h])
+            answers = news(answers=[pb.Answer(mm_hash=h, verdict=verdicts[h])
                                                 for h in message.wants])
             threading.Thread(target=d.on_message, args=(answers,)).start()
         return True
@@ -612,11 +614,11 @@ def answering(d: SchedulerDelegate, verdicts: dict[str, int]) -> list[pb.ClientM
     return sent
 
 
-def released(sent: list[pb.ClientMessage]) -> list[str]:
+def released(sent: list[Outgoing]) -> list[str]:
     return [h for m in sent for h in m.releases]
 
 
-def yielded(sent: list[pb.ClientMessage]) -> list[str]:
+def yielded(sent: list[Outgoing]) -> list[str]:
     return [h for m in sent for h in m.yields]
 
 
@@ -699,20 +701,20 @@ def test_a_finished_request_releases_what_no_other_request_needs(delegate):
 
 def test_ranks_that_never_all_map_the_region_are_warned_about_once(two_ranks, monkeypatch,
                                                                    caplog):
-    import ec_client.scheduler_side.scheduler as scheduler
+    import ec_client.scheduler_side.rank_mapping as rank_mapping
 
-    caplog.set_level(logging.INFO, logger="ec_client.scheduler_side.scheduler")
+    caplog.set_level(logging.INFO, logger="ec_client.scheduler_side.rank_mapping")
     d = two_ranks
     d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=1, world_size=2)))
     d.heartbeat_message()
     assert "worker ranks mapped" not in caplog.text  # engines start workers after schedulers
-    monkeypatch.setattr(scheduler, "UNMAPPED_WARNING_SECONDS", 0.0)
+    monkeypatch.setattr(rank_mapping, "UNMAPPED_WARNING_SECONDS", 0.0)
     d.heartbeat_message()
     d.heartbeat_message()
     assert caplog.text.count("1 of 2 worker ranks mapped the region; every lookup misses") == 1
-    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=2, world_size=2)))
+    d.on_message(news(ranks=pb.EngineRanks(mapped=2, world_size=2)))
     assert "all 2 worker ranks mapped the region" in caplog.text
-    d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
+    d.on_message(news(ranks=pb.EngineRanks(mapped=1, world_size=2)))  # one died
     assert d.stage("a", "r") is Stage.ABSENT
     d.heartbeat_message()  # (said once it lasts: an engine that stops loses its workers first)
     assert caplog.text.count("1 of 2 worker ranks mapped the region") == 2
@@ -728,9 +730,9 @@ def test_every_loading_rank_of_tp_x_pcp_must_map_before_a_hit(ranks, world_size)
     try:
         d.on_message(ready("a", 1, ranks=pb.EngineRanks(mapped=2, world_size=2)))
         assert d.stage("a", "r") is Stage.ABSENT
-        d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=3, world_size=4)))
+        d.on_message(news(ranks=pb.EngineRanks(mapped=3, world_size=4)))
         assert d.stage("a", "r") is Stage.ABSENT
-        d.on_message(pb.DaemonMessage(ranks=pb.EngineRanks(mapped=4, world_size=4)))
+        d.on_message(news(ranks=pb.EngineRanks(mapped=4, world_size=4)))
         assert d.stage("a", "r") is Stage.WAIT
     finally:
         d.transport.close()
@@ -832,13 +834,13 @@ def test_a_producer_says_it_encodes_what_it_claimed_in_the_step_it_encodes_it():
 def test_a_producer_alone_in_its_namespace_or_on_an_older_daemon_asks_nothing():
     d = make(role="producer")
     try:
-        sent: list[pb.ClientMessage] = []
+        sent: list[Outgoing] = []
         d.link.send = lambda message: sent.append(message) or True
         assert d.ensure(["new"], "e1")  # alone: nobody would wait for its save
         wanting(d)
         d.link.send = lambda message: sent.append(message) or True
         d.on_attached(attachment(producer_claims=False))  # a daemon that refuses its wants
-        d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=2)))
+        d.on_message(news(namespace_info=pb.NamespaceInfo(engines=2)))
         assert d.ensure(["new"], "e1")
         assert sent == []
     finally:
@@ -855,7 +857,7 @@ def test_an_item_without_media_that_nobody_makes_is_unobtainable_at_once():
         verdicts = {"dropped": pb.VERDICT_ENCODE, "claimed": pb.VERDICT_ENCODING,
                     "gone": pb.VERDICT_READY}
         sent = answering(d, verdicts)
-        d.on_message(pb.DaemonMessage(namespace_info=pb.NamespaceInfo(engines=1)))
+        d.on_message(news(namespace_info=pb.NamespaceInfo(engines=1)))
         assert sorted(d.unobtainable(["dropped", "claimed", "gone", "other"], "p1")) == \
             ["dropped", "gone"]  # "other" is ready in the view: never asked about
         assert [list(m.wants) for m in sent if m.wants] == [["dropped", "claimed", "gone"]]

@@ -20,6 +20,7 @@ from ec_client.common.session import (
     LinkListener,
     SessionLink,
 )
+from ec_client.common.wire import Heartbeat, Outgoing, Touch
 from ec_protocol.protocol import Layout, pb
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
@@ -122,9 +123,8 @@ def test_only_the_newest_beats_are_remembered_when_the_daemon_stops_echoing():
 
 def test_heartbeats_carry_a_rising_seq_and_the_callers_message():
     clock = Clock()
-    link = link_on(clock, heartbeat_message=lambda: pb.ClientMessage(
-        heartbeat=pb.Heartbeat(lookups=5, hits=2),
-        touches=[pb.Touch(mm_hash="a", entry_id=1, loads=3)]))
+    link = link_on(clock, heartbeat_message=lambda: Outgoing(
+        heartbeat=Heartbeat(lookups=5, hits=2), touches=[Touch("a", 1, 3)]))
     beats = [link._beat() for _ in range(3)]
     assert [b.heartbeat.seq for b in beats] == [1, 2, 3]
     assert all((b.heartbeat.lookups, b.heartbeat.hits) == (5, 2) for b in beats)
@@ -322,15 +322,14 @@ class Touching(LinkListener):
 
     def heartbeat_message(self) -> Any:
         touched, self.pending = self.pending, False
-        return pb.ClientMessage(heartbeat=pb.Heartbeat(), touches=[
-            pb.Touch(mm_hash="hit", entry_id=1, loads=1)] if touched else [])
+        return Outgoing(heartbeat=Heartbeat(), touches=[Touch("hit", 1, 1)] if touched else [])
 
 
 def _stream_of(link: SessionLink, interval: float) -> tuple[queue.SimpleQueue[Any],
                                                              queue.Queue[Any]]:
     """Run the link's request generator on a thread: (its outbox, what it yields)."""
     outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    outbox.put(pb.ClientMessage())  # the open message
+    outbox.put(Outgoing())  # the open message
     sent: queue.Queue[Any] = queue.Queue()
     requests = link._requests(outbox, interval)
     threading.Thread(target=lambda: [sent.put(m) for m in requests], daemon=True).start()

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from ec_client.common.session import Attachment
+from ec_client.common.wire import daemon_news
 from ec_client.worker_side.stream_saves import Report, StreamSaves
 from ec_client.worker_side.worker import WorkerDelegate
 from ec_protocol.protocol import pb
 from tests import cuda_model
+from tests.unit.daemon_news import news
 from tests.unit.test_worker_load import LAYOUT, PAGE, Region, page
 
 
@@ -69,7 +71,7 @@ def test_a_batch_is_one_message_and_answers_match_their_requests_in_any_order():
     assert [x.mm_hash for x in message.allocations] == ["k0", "k1", "k2"]
     assert [x.request_id for x in message.allocations] == ids
     assert saves.outstanding == 3  # pipelined: all three asked at once
-    saves.on_message(pb.DaemonMessage(allocations=[allocated(i, entry_id=i + 100)
+    saves.on_message(news(allocations=[allocated(i, entry_id=i + 100)
                                                    for i in reversed(ids)]))
     assert [saves.wait(i, 5.0).entry_id for i in ids] == [i + 100 for i in ids]
     assert saves.outstanding == 0
@@ -89,7 +91,7 @@ def test_reports_ride_on_the_next_allocations_and_are_answered_by_id():
                                                                ("c", False)]
     assert message.reports[2].request_id == 0  # an abort is not answered
     report_ids = [r.request_id for r in message.reports[:2]]
-    saves.on_message(pb.DaemonMessage(reported=[
+    saves.on_message(news(reported=[
         pb.SaveReported(request_id=report_ids[1], status=pb.UNKNOWN),
         pb.SaveReported(request_id=report_ids[0], status=pb.ACCEPTED)]))
     assert sorted(answers) == [("a", pb.ACCEPTED), ("b", pb.UNKNOWN)]
@@ -105,7 +107,7 @@ def test_an_allocation_answered_after_its_deadline_is_aborted():
     clock.now += 5.0
     assert saves.wait(late, 5.0) is None and saves.wait(never, 5.0) is None
     assert saves.outstanding == 0
-    saves.on_message(pb.DaemonMessage(allocations=[allocated(late),
+    saves.on_message(news(allocations=[allocated(late),
                                                    allocated(never, status=pb.ALREADY_READY)]))
     abort = wire.sent[-1]
     assert [(r.mm_hash, r.saved, r.request_id) for r in abort.reports] == [("k0", False, 0)]
@@ -129,7 +131,7 @@ def test_a_waiting_save_ends_when_the_stream_is_lost():
     assert not waiter.is_alive() and got == [None]
     assert answers == [("r", None)] and saves.outstanding == 0
     # A later answer (another stream's ids never repeat these) changes nothing.
-    saves.on_message(pb.DaemonMessage(allocations=[allocated(request_id)]))
+    saves.on_message(news(allocations=[allocated(request_id)]))
     assert len(wire.sent) == 2
 
 
@@ -153,7 +155,7 @@ def test_reports_unanswered_past_the_deadline_are_given_up():
     clock.now += 5.0
     assert saves.expire(5.0) == 1 and answers == [("x", None)]
     (report_id,) = [r.request_id for r in wire.sent[0].reports]
-    saves.on_message(pb.DaemonMessage(reported=[pb.SaveReported(request_id=report_id,
+    saves.on_message(news(reported=[pb.SaveReported(request_id=report_id,
                                                                 status=pb.ACCEPTED)]))
     assert answers == [("x", None)]  # too late: counted once, as lost
 
@@ -202,7 +204,7 @@ class StandInDaemon:
             answer.allocations.add(request_id=asked.request_id, status=pb.ALLOCATED,
                                    entry_id=self.entry_id,
                                    extents=[pb.Extent(offset=o, length=n) for o, n in extents])
-        return answer
+        return daemon_news(answer)
 
     def stop(self) -> None:
         self.outbox.put(None)

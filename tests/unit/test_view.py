@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import pytest
 
+from ec_client.common.wire import DaemonNews
 from ec_client.scheduler_side.view import ReadyView, Refs
 from ec_protocol.protocol import pb
+from tests.unit.daemon_news import news
 
 A = ("a", 1)
 
 
-def ready(mm_hash: str, entry_id: int, nbytes: int = 4096) -> pb.DaemonMessage:
-    return pb.DaemonMessage(ready=[pb.EntryInfo(
+def ready(mm_hash: str, entry_id: int, nbytes: int = 4096) -> DaemonNews:
+    return news(ready=[pb.EntryInfo(
         mm_hash=mm_hash, entry_id=entry_id, nbytes=nbytes, shape=[nbytes // 4],
         dtype="float32", extents=[pb.Extent(offset=entry_id * 4096, length=nbytes)])])
 
 
-def evicted(mm_hash: str, entry_id: int) -> pb.DaemonMessage:
-    return pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=mm_hash, entry_id=entry_id)])
+def evicted(mm_hash: str, entry_id: int) -> DaemonNews:
+    return news(evicted=[pb.EntryRef(mm_hash=mm_hash, entry_id=entry_id)])
 
 
 class Link:
@@ -44,7 +46,7 @@ def test_the_snapshot_fills_the_view_and_marks_it_synced():
     view = ReadyView()
     view.apply(ready("a", 1), Link())
     assert not view.synced
-    view.apply(pb.DaemonMessage(ready=[], snapshot_done=True), Link())
+    view.apply(news(ready=[], snapshot_done=True), Link())
     assert view.synced and len(view) == 1
     entry = view.get("a")
     assert entry is not None

@@ -11,6 +11,7 @@ import time
 
 from ec_client.scheduler_side.view import APPLY_SLICE, ReadyView, Refs
 from ec_protocol.protocol import pb
+from tests.unit.daemon_news import news
 
 ENTRIES = 4096
 
@@ -52,7 +53,7 @@ def recorded_view() -> tuple[ReadyView, HoldRecorder]:
 def test_a_snapshot_of_4096_entries_holds_the_lock_for_at_most_one_slice_at_a_time():
     view, recorder = recorded_view()
     sent: list[tuple[int, Refs]] = []
-    view.apply(pb.DaemonMessage(ready=[info(f"h{i}", i + 1) for i in range(ENTRIES)],
+    view.apply(news(ready=[info(f"h{i}", i + 1) for i in range(ENTRIES)],
                                 snapshot_done=True), lambda acks: sent.append((0, acks)) or True)
     assert len(view) == ENTRIES and view.synced
     assert max(work for work, _ in recorder.holds) <= APPLY_SLICE
@@ -63,7 +64,7 @@ def test_a_snapshot_of_4096_entries_holds_the_lock_for_at_most_one_slice_at_a_ti
 
 def test_evicting_4096_entries_holds_the_lock_per_slice_and_acknowledges_once_all_are_out():
     view, recorder = recorded_view()
-    view.apply(pb.DaemonMessage(ready=[info(f"h{i}", i + 1) for i in range(ENTRIES)]),
+    view.apply(news(ready=[info(f"h{i}", i + 1) for i in range(ENTRIES)]),
                lambda acks: True)
     recorder.holds.clear()
     left_at_send: list[int] = []
@@ -74,7 +75,7 @@ def test_evicting_4096_entries_holds_the_lock_per_slice_and_acknowledges_once_al
         acked.extend(acks)
         return True
 
-    view.apply(pb.DaemonMessage(evicted=[pb.EntryRef(mm_hash=f"h{i}", entry_id=i + 1)
+    view.apply(news(evicted=[pb.EntryRef(mm_hash=f"h{i}", entry_id=i + 1)
                                          for i in range(ENTRIES)]), send)
     assert max(work for work, _ in recorder.holds) <= APPLY_SLICE
     assert len(recorder.holds) >= ENTRIES // APPLY_SLICE
@@ -95,10 +96,10 @@ def test_an_eviction_that_follows_a_ready_of_the_same_key_in_one_message_waits_f
         acked.extend(acks)
         return True
 
-    view.apply(pb.DaemonMessage(ready=[info("k", 1)]), send)
+    view.apply(news(ready=[info("k", 1)]), send)
     hit = view.hit("k")
     assert hit is not None and hit.entry_id == 1
-    view.apply(pb.DaemonMessage(ready=[info("k", 2)],
+    view.apply(news(ready=[info("k", 2)],
                                 evicted=[pb.EntryRef(mm_hash="k", entry_id=1)]), send)
     assert acked == []  # entry 1 may be dispatched at this step's end
     view.end_step([("k", 1)], view.lineage, send)
@@ -125,12 +126,12 @@ def test_an_engine_thread_stepping_while_large_messages_apply_never_loads_acknow
         return True
 
     rounds = 12
-    view.apply(pb.DaemonMessage(ready=[info(k, 1) for k in keys], snapshot_done=True), send)
+    view.apply(news(ready=[info(k, 1) for k in keys], snapshot_done=True), send)
     done = threading.Event()
 
     def link_thread() -> None:
         for generation in range(2, rounds + 2):
-            message = pb.DaemonMessage(
+            message = news(
                 ready=[info(k, generation) for k in keys],
                 evicted=[pb.EntryRef(mm_hash=k, entry_id=generation - 1) for k in keys])
             view.apply(message, send)

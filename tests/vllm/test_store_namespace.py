@@ -19,7 +19,7 @@ from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data imp
 
 from ec_client.common.settings import ConnectorSettings
 from ec_client.identity import files_identity
-from ec_client.vllm_connector import layout_of
+from ec_client.vllm_namespace import layout_of
 from ec_protocol.protocol import store_namespace_problem
 from tests.vllm import vllm_harness as h
 

@@ -15,7 +15,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from ec_client.common.limits import MAX_WEIGHTS_ID_CHARS
 from ec_client.common.settings import ConnectorSettings
 from ec_client.identity import files_identity
-from ec_client.vllm_connector import layout_of
+from ec_client.vllm_namespace import layout_of
 from tests.vllm import vllm_harness as h
 from tests.vllm.engine_proc import A, B, run_engine, same_output
 from tests.vllm.tiny_model import build_tiny_paligemma
@@ -111,7 +111,7 @@ def test_weights_that_cannot_be_identified_are_never_shared(tiny_model, monkeypa
     two = h.make_config(tiny_model, "unix:///nonexistent/ec.sock")
     for config in (one, two):
         config.model_config.model = config.model_config.model_weights = "org/not-cached"
-    monkeypatch.setattr("ec_client.vllm_connector.hub_caches", lambda: [str(tmp_path)])
+    monkeypatch.setattr("ec_client.vllm_namespace.hub_caches", lambda: [str(tmp_path)])
     first, second = layout_of(one).variant, layout_of(two).variant
     assert first == layout_of(one).variant  # the same in every process of one engine
     assert "w=unknown-" in first and first != second
