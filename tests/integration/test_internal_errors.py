@@ -4,7 +4,7 @@ unary calls and on the session stream alike, and the daemon keeps serving.
 Nothing a client sends can make the core raise anything but its own domain
 errors (that is what the fuzz tests check), so a bug is simulated: the
 daemon is served in this process (`server.serve`, on a real Unix socket and
-region, exactly as the CLI serves it) with two cache methods replaced by
+region, exactly as the CLI serves it) with two core methods replaced by
 ones that raise. The product has no test hook for this.
 """
 
@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from ec_daemon.core.cache import Cache
+from ec_daemon.core.views import Views
 from ec_daemon.serving import config
 from ec_daemon.serving.server import serve
 from ec_protocol.protocol import Layout, pb, rpc
@@ -81,7 +82,7 @@ def serve_while(socket: str, shm_dir: str, client: Any) -> None:
 # with a misleading status (or a clean end of stream), and its stack is in the log.
 def test_bugs_are_internal_and_logged_with_their_stack(monkeypatch, caplog, shm_folder):
     monkeypatch.setattr(Cache, "lookup", _raise_bug)
-    monkeypatch.setattr(Cache, "touch", _raise_bug)
+    monkeypatch.setattr(Views, "touch", _raise_bug)  # (a view's touches: the stream)
     caplog.set_level(logging.INFO, logger="ec_daemon")
     folder = short_tmpdir()
     seen: dict[str, Any] = {}
