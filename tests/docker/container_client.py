@@ -134,8 +134,9 @@ def lookup(scheduler: SchedulerDelegate, keys: list[str]) -> dict[str, Any]:
 def load(scheduler: SchedulerDelegate, worker: WorkerDelegate, keys: list[str],
          timeout: float) -> dict[str, Any]:
     """Step as an engine does until every key was loaded (or `timeout`):
-    look the missing ones up, plan loads of the hits, copy them out on the
-    worker, report back. Returns the loaded digests and the failures."""
+    stage the loads of the missing ones the cache holds (copied out and
+    verified on the worker, reported back), then look them up and adopt
+    them. Returns the loaded digests and the failures."""
     loaded: dict[str, Digest] = {}
     failed: list[str] = []
     steps = 0
@@ -143,21 +144,38 @@ def load(scheduler: SchedulerDelegate, worker: WorkerDelegate, keys: list[str],
     while len(loaded) < len(keys) and time.monotonic() < deadline:
         steps += 1
         missing = [k for k in keys if k not in loaded]
-        for k in missing:  # a request for each: the loads of those cached are staged
-            scheduler.stage(k, f"req-{k}-{steps}")
-        metadata = scheduler.build_step_metadata()
+        requests = {k: f"req-{k}-{steps}" for k in missing}
+        # Two steps, as vLLM's: the first stages the loads of the keys the
+        # cache holds (the worker copies and verifies them, and reports)...
         for k in missing:
-            scheduler.request_finished(f"req-{k}-{steps}", [k])
-        if metadata.loads:
-            result = worker.load(metadata.loads, metadata.regions)
-            scheduler.apply_worker_output(result.done,
-                                          [(t, result.kinds[t]) for t in result.failed])
-            for mm_hash, array in result.loaded.items():
-                loaded[mm_hash] = digest(array)
-            failed += [f"{spec.mm_hash}: {result.failed[spec.transfer_id]}"
-                       for spec in metadata.loads if spec.transfer_id in result.failed]
-        else:
+            scheduler.stage(k, requests[k])
+        metadata = scheduler.build_step_metadata()
+        if not metadata.loads:
+            for k in missing:
+                scheduler.request_finished(requests[k], [k])
             time.sleep(0.02)
+            continue
+        worker.regions.step(metadata.keep)
+        try:
+            result = worker.stage(metadata.loads, metadata.regions, metadata.step)
+        finally:
+            worker.regions.step_done()
+        scheduler.apply_worker_output(result.done, [(t, result.kinds[t]) for t in result.failed])
+        failed += [f"{spec.mm_hash}: {result.failed[spec.transfer_id]}"
+                   for spec in metadata.loads if spec.transfer_id in result.failed]
+        # ... and the next looks them up (hits, counted by the daemon) and
+        # adopts what was staged.
+        for k in missing:
+            if scheduler.has_item(k):
+                scheduler.after_alloc(requests[k], k)
+        used = scheduler.build_step_metadata()
+        for k in missing:
+            scheduler.request_finished(requests[k], [k])
+        worker.drop(used.drop)
+        for adopt in used.adopt:
+            array = worker.adopt(adopt.transfer_id)
+            if array is not None:
+                loaded[adopt.mm_hash] = digest(array)
     return {"loaded": loaded, "failed": failed, "missing": [k for k in keys if k not in loaded],
             "steps": steps, "generation": generation(scheduler)}
 
