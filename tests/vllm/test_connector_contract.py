@@ -50,13 +50,7 @@ def hit_cycle(scheduler: Any, worker: Any, mm_hash: str, seed: int) -> dict[str,
     """A miss whose output the engine computes and saves, then a hit that
     loads it (staged in the step before); returns the encoder cache of the
     hit's steps."""
-    tensor = h.encoder_output(seed)
-    _, hits = h.step(scheduler, worker, [h.request(f"r1-{mm_hash}", mm_hash)],
-                     {mm_hash: tensor})
-    assert hits == [False]
-    h.forget(scheduler, [mm_hash])
-    assert worker.worker_delegate.flush(20)
-    h.wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
+    h.save_and_publish(scheduler, worker, mm_hash, h.encoder_output(seed))
     cache, hits = h.serve(scheduler, worker, [h.request(f"r2-{mm_hash}", mm_hash)])
     assert hits == [True]
     return cache

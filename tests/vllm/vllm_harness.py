@@ -200,8 +200,20 @@ def use(scheduler: Any, requests: list[Request]) -> Any:
 
 def save_and_publish(scheduler: Any, worker: Any, mm_hash: str, tensor: torch.Tensor) -> None:
     """Engine computed `tensor` as `mm_hash`: save it and wait until the
-    scheduler's view offers it."""
-    step(scheduler, worker, [request(f"save-{mm_hash}", mm_hash)], {mm_hash: tensor})
+    scheduler's view offers it. The request is stepped until it is scheduled:
+    where misses are asked about (another engine shares the namespace, or a
+    second tier is on), a step whose answer is late defers it, and a deferred
+    request computes (and saves) nothing."""
+    req = request(f"save-{mm_hash}", mm_hash)
+    deadline = time.monotonic() + 30.0
+    while True:
+        _, hits = step(scheduler, worker, [req], {mm_hash: tensor})
+        if hits:
+            assert hits == [False], f"{mm_hash} was not computed here: {hits}"
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the request for {mm_hash} was still deferred after 30 s")
+        time.sleep(0.05)
     forget(scheduler, [mm_hash])
     assert worker.worker_delegate.flush(20)
     wait_until(lambda: scheduler.scheduler_delegate.view.get(mm_hash) is not None)
