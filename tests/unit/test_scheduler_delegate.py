@@ -6,6 +6,8 @@ for by the reports they would send (`apply_worker_output`)."""
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -27,14 +29,17 @@ from ec_protocol.protocol import Layout, pb
 from tests.unit.daemon_news import news
 
 LAYOUT = Layout("m", "float32", {"image": 4096})
-# The scheduler answers hits only for a region file it can open: these exist.
-FOLDER = Path(tempfile.mkdtemp(prefix="ecd-sched-"))
+# The scheduler answers hits only for a region file it can open: these exist
+# while the module's tests run (made by `region_files`, not at import: a run
+# that collects the module and runs none of its tests leaves nothing behind).
+FOLDER = Path(tempfile.gettempdir()) / f"ecd-sched-{os.getpid()}-{secrets.token_hex(4)}"
 REGION = RegionInfo(str(FOLDER / "ec-daemon-a.region"), 1 << 20, 0xA, 4096, 4096)
 NEW_REGION = RegionInfo(str(FOLDER / "ec-daemon-b.region"), 1 << 20, 0xB, 4096, 4096)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def region_files() -> Iterator[None]:
+    FOLDER.mkdir(mode=0o700)
     for region in (REGION, NEW_REGION):
         Path(region.path).write_bytes(b"")
     yield
