@@ -45,6 +45,25 @@ COUNTERS = {
     "saves_skipped_busy": ("vllm:ec_daemon_saves_skipped_busy",
                            "Saves dropped: the save queue held its byte limit"),
     "saves_refused": ("vllm:ec_daemon_saves_refused", "Saves refused: the cache was full"),
+    "saves_failed": ("vllm:ec_daemon_saves_failed",
+                     "Saves the daemon did not take: no answer in time (or the stream was "
+                     "lost), or refused for another reason than a full cache"),
+    "saves_lost": ("vllm:ec_daemon_saves_lost",
+                   "Saves copied whose report the daemon did not accept (their session "
+                   "ended first): not cached"),
+    "save_errors": ("vllm:ec_daemon_save_errors",
+                    "Saves that raised in the worker (its log has the error): not cached"),
+    "saves_stale": ("vllm:ec_daemon_saves_stale",
+                    "Saves given up before copying: the worker's session was no longer fresh, "
+                    "or its pages were given to another entry (a worker frozen past its lease)"),
+    "saves_region_cut": ("vllm:ec_daemon_saves_region_cut",
+                         "Saves given up: the region file was cut under the copy (another "
+                         "process truncated it)"),
+    "saves_skipped_detached": ("vllm:ec_daemon_saves_skipped_detached",
+                               "Saves dropped: the worker was not attached to its daemon"),
+    "saves_off_namespace": ("vllm:ec_daemon_saves_off_namespace",
+                            "Saves dropped: the worker identified other weights than its "
+                            "scheduler (it saves nothing from then on)"),
     "deferred": ("vllm:ec_daemon_deferred_items",
                  "Items a request was deferred for: asked whether another engine or the "
                  "second tier makes them"),
@@ -60,9 +79,23 @@ COUNTERS = {
     "metadata_only_failures": ("vllm:ec_daemon_metadata_only_failures",
                                "Requests failed: an item that came without its media was not "
                                "in the cache and nobody would make it, or not in time"),
+    "loads_staging_full": ("vllm:ec_daemon_loads_staging_full",
+                           "Loads a worker could not stage: its staging area "
+                           "(ec_daemon_staging_bytes) was full; their requests encoded"),
+    "staged_expired": ("vllm:ec_daemon_staged_expired",
+                       "Staged loads no step adopted in time: dropped"),
     "pin_refused": ("vllm:ec_daemon_pin_refused",
                     "Region mappings a CUDA worker could not pin (cudaHostRegister refused): "
                     "its copies run unpinned, slower and still correct"),
+}
+# stats keys on no metric of their own, and why (each key a connector's stats
+# can carry is in COUNTERS, GAUGES or here: tests/vllm/test_connector_contract.py)
+NOT_EXPORTED = {
+    "loads_done": "a worker's loads: the scheduler counts each load once (loads)",
+    "loads_failed": "a worker's failed loads: the scheduler counts them once (load_failures)",
+    "loads_adopted": "a worker's staged loads that a step used: the scheduler's hits",
+    "staged_dropped": "staged loads whose requests ended first: no loss",
+    "saves_held": "saves waiting for the first step to name the namespace: not an outcome",
 }
 # stats key -> (metric name, help): states, the latest value wins
 GAUGES = {

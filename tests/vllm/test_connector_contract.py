@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -286,7 +288,9 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     assert stats is not None
     # A CUDA worker whose region could not be pinned counts it (a CPU worker never does).
     assert "pin_refused" not in stats.data
-    data = dict(stats.data, pin_refused=1)
+    # And saves given up (here: a region file cut under the copy) reach it too.
+    assert "saves_region_cut" not in stats.data
+    data = dict(stats.data, pin_refused=1, saves_region_cut=1)
     config = h.make_config(tiny_model, "unix:///nonexistent.sock")
 
     # The console logger: rebuilds the stats from the plain dict, sums steps.
@@ -318,9 +322,32 @@ def test_vllms_logger_and_prometheus_take_the_stats(engine, tiny_model, promethe
     assert sample("vllm:ec_daemon_load_bytes_total") == 2 * data["load_bytes"]
     assert sample("vllm:ec_daemon_saves_total") == 2
     assert sample("vllm:ec_daemon_pin_refused_total") == 2
+    assert sample("vllm:ec_daemon_saves_region_cut_total") == 2
+    assert sample("vllm:ec_daemon_saves_lost_total") == 0  # (none lost)
     assert sample("vllm:ec_daemon_load_seconds_count") == 2
     assert sample("vllm:ec_daemon_load_seconds_sum") == pytest.approx(
         2 * sum(data["load_seconds"]))
+
+
+def test_every_counter_a_worker_keeps_reaches_metrics_or_says_why_not():
+    """A worker counts what became of each save and load (`stats[...]` in
+    ec_client.worker_side and ec_client.copy); each such counter is a
+    `vllm:ec_daemon_*` metric, or listed in NOT_EXPORTED with its reason: a
+    new way to lose a save is never invisible on /metrics."""
+    import ec_client.copy
+    import ec_client.worker_side
+    from ec_client import vllm_metrics
+
+    counted: set[str] = set()
+    for package in (ec_client.worker_side, ec_client.copy):
+        for source in Path(package.__file__).parent.glob("*.py"):
+            for index in re.findall(r"stats\[([^\]]+)\]", source.read_text()):
+                counted.update(re.findall(r'"(\w+)"', index))
+    assert {"saves_done", "saves_lost", "saves_region_cut", "pin_refused"} <= counted
+    known = vllm_metrics.COUNTERS.keys() | vllm_metrics.GAUGES.keys()
+    assert not counted - known - vllm_metrics.NOT_EXPORTED.keys()
+    assert not known & vllm_metrics.NOT_EXPORTED.keys()
+    assert vllm_metrics.NOT_EXPORTED.keys() <= counted  # (no reason kept for a gone counter)
 
 
 # -------------------------------------------------------- tensor parallel
