@@ -131,13 +131,3 @@ class RunnerV2:
         self.scheduler.shutdown()
         self.worker.shutdown()
 
-
-def run_to_end(runner: RunnerV2, *requests: Request, steps: int = 10) -> list[sh.Step]:
-    """Add `requests`, then step until the scheduler has none unfinished."""
-    for req in requests:
-        runner.scheduler.add_request(req)
-    done: list[sh.Step] = []
-    while runner.scheduler.has_unfinished_requests():
-        assert len(done) < steps, "requests did not finish"
-        done.append(runner.step())
-    return done

@@ -19,8 +19,11 @@ there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,3 +171,51 @@ class RunnerStandIn:
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.worker.shutdown()
+
+
+def encode(mm_hash: str, rows: int = h.IMAGE_TOKENS) -> torch.Tensor:
+    """What the stand-in encoders compute for an item: the same tensor for
+    the same key (and rows), in every process."""
+    generator = torch.Generator().manual_seed(sum(mm_hash.encode()))
+    return torch.randn(rows, h.HIDDEN, generator=generator)
+
+
+def run_to_end(runner: Any, *requests: Request, seconds: float = 60.0) -> list[Step]:
+    """Add `requests` to `runner`'s scheduler, then step until it has none
+    unfinished, within `seconds` (bounded by time: on a busy machine a
+    session not fresh for a moment defers a request a few steps more)."""
+    for req in requests:
+        runner.scheduler.add_request(req)
+    done: list[Step] = []
+    deadline = time.monotonic() + seconds
+    while runner.scheduler.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"requests did not finish in {len(done)} steps"
+        done.append(runner.step())
+        if len(done) > 10:
+            time.sleep(0.01)  # (waiting for something: do not spin)
+    return done
+
+
+@contextmanager
+def engines(model: Path, socket: str, runner: Callable[[Scheduler, VllmConfig], Any],
+            log_stats: bool = False) -> Iterator[Callable[..., Any]]:
+    """Engines on `socket`, each vLLM's Scheduler and `runner(scheduler,
+    config)` (a `RunnerStandIn`, or `runner_v2.RunnerV2`), attached and
+    serving when made, all shut down at the end: yields
+    `make(role, instance_id, encoder_cache_items=0, **extra)`."""
+    made: list[Any] = []
+
+    def make(role: str, instance_id: str, encoder_cache_items: int = 0, **extra: Any) -> Any:
+        config = h.make_config(Path(model), socket, role, instance_id=instance_id, **extra)
+        engine = runner(make_scheduler(config, encoder_cache_items, log_stats), config)
+        made.append(engine)
+        h.wait_attached(engine.connector)
+        h.wait_attached(engine.worker)
+        h.wait_until(lambda: engine.connector.scheduler_delegate.serving())
+        return engine
+
+    try:
+        yield make
+    finally:
+        for engine in made:
+            engine.shutdown()

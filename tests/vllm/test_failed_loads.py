@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,11 +31,6 @@ pytestmark = pytest.mark.writes_region
 RUNNERS = ["v1", "v2"]
 
 
-def encode(mm_hash: str, rows: int = h.IMAGE_TOKENS) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(sum(mm_hash.encode()))
-    return torch.randn(rows, h.HIDDEN, generator=generator)
-
-
 @pytest.fixture(params=RUNNERS)
 def engines(request, tiny_model, daemon, monkeypatch) -> Iterator[Any]:
     """Engines of one runner kind (`v1`: vLLM's V1 runner where vLLM has it;
@@ -44,38 +38,12 @@ def engines(request, tiny_model, daemon, monkeypatch) -> Iterator[Any]:
     `make(role, instance_id, **extra)`."""
     if request.param == "v2":
         monkeypatch.setattr(vllm_connector, "workers_run_idle_steps", lambda config: True)
-    made: list[Any] = []
-
-    def make(role: str, instance_id: str, **extra: Any) -> Any:
-        config = h.make_config(tiny_model, daemon.socket, role, instance_id=instance_id, **extra)
-        scheduler = sh.make_scheduler(config)
-        runner = (r2.RunnerV2(scheduler, config, encode) if request.param == "v2"
-                  else sh.RunnerStandIn(scheduler, config, lambda mm_hash: encode(mm_hash)))
-        made.append(runner)
-        h.wait_attached(runner.connector)
-        h.wait_attached(runner.worker)
-        h.wait_until(lambda: runner.connector.scheduler_delegate.serving())
-        return runner
-
-    yield make
-    for runner in made:
-        runner.shutdown()
-
-
-def run_to_end(runner: Any, *requests: Any, seconds: float = 60.0) -> list[sh.Step]:
-    """Step until the requests finished, within `seconds` (bounded by time:
-    on a busy machine a session not fresh for a moment defers a request a
-    few steps more)."""
-    for req in requests:
-        runner.scheduler.add_request(req)
-    done: list[sh.Step] = []
-    deadline = time.monotonic() + seconds
-    while runner.scheduler.has_unfinished_requests():
-        assert time.monotonic() < deadline, f"requests did not finish in {len(done)} steps"
-        done.append(runner.step())
-        if len(done) > 10:
-            time.sleep(0.01)  # (waiting for something: do not spin)
-    return done
+        runner: Any = r2.RunnerV2
+    else:
+        runner = sh.RunnerStandIn
+    with sh.engines(tiny_model, daemon.socket,
+                    lambda scheduler, config: runner(scheduler, config, sh.encode)) as make:
+        yield make
 
 
 def request(request_id: str, mm_hash: str, **options: Any) -> Any:
@@ -85,7 +53,7 @@ def request(request_id: str, mm_hash: str, **options: Any) -> Any:
 def produced(engines: Any, *mm_hashes: str) -> dict[str, Any]:
     """An encoder engine saved these items: the transfer params it reported."""
     producer = engines("ec_producer", "encoder")
-    steps = run_to_end(producer, *(request(f"e-{m}", m) for m in mm_hashes))
+    steps = sh.run_to_end(producer, *(request(f"e-{m}", m) for m in mm_hashes))
     assert producer.worker.worker_delegate.flush(20)
     return {m: out.ec_transfer_params[m] for s in steps for out in s.finished.values()
             for m in (out.ec_transfer_params or {})}
@@ -142,11 +110,11 @@ def test_an_entry_another_process_changed_is_refused_re_encoded_and_saved_again(
     cached(engine, "img-good", "img-bad")
     bad = (scribble if how == "bytes" else restamp)(engine, "img-bad")
 
-    steps = run_to_end(engine, request("r1", "img-good"), request("r2", "img-bad"))
+    steps = sh.run_to_end(engine, request("r1", "img-good"), request("r2", "img-bad"))
     assert sh.adopted(steps) == ["img-good"]  # the other load is refused
     assert [m for s in steps for m in s.encoded] == ["img-bad"]  # its request encodes it
     assert finish_reasons(steps) == {"r1": FinishReason.LENGTH, "r2": FinishReason.LENGTH}
-    assert torch.equal(engine.encoder_cache["img-bad"], encode("img-bad"))
+    assert torch.equal(engine.encoder_cache["img-bad"], sh.encode("img-bad"))
     if engine.connector.scheduler_delegate.workers_run_idle_steps:  # (else staged here)
         stats = engine.worker.worker_delegate.stats
         assert stats[f"loads_{'checksum' if how == 'bytes' else 'stamp'}_mismatch"] == 1
@@ -159,7 +127,7 @@ def test_an_entry_another_process_changed_is_refused_re_encoded_and_saved_again(
     daemon.wait_for(lambda: ready_entry(daemon, engine, "img-bad") != bad.entry_id,
                     what="hidden")
     again = engines("ec_producer", "encoder-2")
-    assert [m for s in run_to_end(again, request("e2", "img-bad")) for m in s.encoded] == [
+    assert [m for s in sh.run_to_end(again, request("e2", "img-bad")) for m in s.encoded] == [
         "img-bad"]
     assert again.worker.worker_delegate.flush(20)
     daemon.wait_for(lambda: ready_entry(daemon, engine, "img-bad") not in (0, bad.entry_id),
@@ -167,9 +135,9 @@ def test_an_entry_another_process_changed_is_refused_re_encoded_and_saved_again(
     other = engines("ec_consumer", "another", ec_daemon_verify_checksum=True)
     cached(other, "img-bad")
     assert other.connector.scheduler_delegate.view.get("img-bad").entry_id != bad.entry_id
-    steps = run_to_end(other, request("r3", "img-bad"))
+    steps = sh.run_to_end(other, request("r3", "img-bad"))
     assert sh.adopted(steps) == ["img-bad"] and [s.encoded for s in steps] == [[]] * len(steps)
-    assert torch.equal(other.encoder_cache["img-bad"], encode("img-bad"))
+    assert torch.equal(other.encoder_cache["img-bad"], sh.encode("img-bad"))
 
 
 def test_a_request_without_media_whose_load_was_refused_fails_and_the_engine_goes_on(engines):
@@ -177,12 +145,12 @@ def test_a_request_without_media_whose_load_was_refused_fails_and_the_engine_goe
     consumer = engines("ec_consumer", "pd", ec_daemon_verify_checksum=True)
     cached(consumer, "img-e")
     scribble(consumer, "img-e")
-    steps = run_to_end(consumer, request("p1", "img-e", data=MultiModalKwargsItem({}),
+    steps = sh.run_to_end(consumer, request("p1", "img-e", data=MultiModalKwargsItem({}),
                                          ec_transfer_params={"img-e": params["img-e"]}))
     assert finish_reasons(steps) == {"p1": FinishReason.ERROR}
     assert [m for s in steps for m in s.encoded] == [] and sh.adopted(steps) == []
     assert "img-e" not in consumer.encoder_cache
-    steps = run_to_end(consumer, request("p2", "img-other"))  # the engine goes on
+    steps = sh.run_to_end(consumer, request("p2", "img-other"))  # the engine goes on
     assert [m for s in steps for m in s.encoded] == ["img-other"]
     assert finish_reasons(steps) == {"p2": FinishReason.LENGTH}
 
@@ -198,10 +166,10 @@ def test_a_load_refused_for_any_other_reason_costs_its_request_only(engines, mon
     engine.scheduler.add_request(request("busy", "img-busy", max_tokens=8))
     engine.step()  # encodes img-busy; the request then decodes
     monkeypatch.setattr(FailingLoadBackend, "fail_next", 1)  # the first load of the step
-    steps = run_to_end(engine, request("r1", "img-a"), request("r2", "img-b"))
+    steps = sh.run_to_end(engine, request("r1", "img-a"), request("r2", "img-b"))
     assert sh.staged(steps) == ["img-a", "img-b"] and sh.adopted(steps) == ["img-b"]
     assert [m for s in steps for m in s.encoded] == ["img-a"]  # refused: encoded instead
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert torch.equal(engine.encoder_cache["img-a"], sh.encode("img-a"))
     assert finish_reasons(steps) == {"busy": FinishReason.LENGTH, "r1": FinishReason.LENGTH,
                                      "r2": FinishReason.LENGTH}
     assert engine.worker.worker_delegate.staging.bytes == 0

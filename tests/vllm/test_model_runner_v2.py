@@ -35,11 +35,6 @@ KINDS = [pytest.param("gpu"), pytest.param("cpu", marks=pytest.mark.skipif(
     reason=groups.VLLM_LATEST.reason("this vLLM has no CPU ActiveECConnector (0.34 added it)")))]
 
 
-def encode(mm_hash: str, rows: int = h.IMAGE_TOKENS) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(sum(mm_hash.encode()))
-    return torch.randn(rows, h.HIDDEN, generator=generator)
-
-
 @pytest.fixture(params=KINDS)
 def engines(request, tiny_model, daemon, monkeypatch) -> Iterator[Any]:
     """Engines (vLLM's Scheduler, logging stats, and MRv2's connector class
@@ -48,21 +43,11 @@ def engines(request, tiny_model, daemon, monkeypatch) -> Iterator[Any]:
     run Model Runner V2 (vLLM 0.32 and 0.33 choose it per engine where Triton
     is, which this CPU lacks)."""
     monkeypatch.setattr(vllm_connector, "workers_run_idle_steps", lambda config: True)
-    made: list[r2.RunnerV2] = []
-
-    def make(role: str, instance_id: str, **extra: Any) -> r2.RunnerV2:
-        config = h.make_config(tiny_model, daemon.socket, role, instance_id=instance_id, **extra)
-        runner = r2.RunnerV2(sh.make_scheduler(config, log_stats=True), config, encode,
-                             kind=request.param)
-        made.append(runner)
-        h.wait_attached(runner.connector)
-        h.wait_attached(runner.worker)
-        h.wait_until(lambda: runner.connector.scheduler_delegate.serving())
-        return runner
-
-    yield make
-    for runner in made:
-        runner.shutdown()
+    with sh.engines(tiny_model, daemon.socket,
+                    lambda scheduler, config: r2.RunnerV2(scheduler, config, sh.encode,
+                                                          kind=request.param),
+                    log_stats=True) as make:
+        yield make
 
 
 def calls(runner: r2.RunnerV2, method: str) -> list[Any]:
@@ -81,7 +66,7 @@ def published(runner: r2.RunnerV2, *mm_hashes: str) -> None:
 def produce(engines: Any, *mm_hashes: str) -> r2.RunnerV2:
     """An encoder engine that encoded and saved these items."""
     producer = engines("ec_producer", "encoder")
-    r2.run_to_end(producer, *(r2.request(f"e-{m}", m) for m in mm_hashes))
+    sh.run_to_end(producer, *(r2.request(f"e-{m}", m) for m in mm_hashes))
     assert producer.worker.worker_delegate.flush(20)
     return producer
 
@@ -92,10 +77,10 @@ def test_new_keys_are_saved_once_across_steps(engines, daemon):
     saved = calls(engine, "save_caches")
     finished = calls(engine, "get_finished")
 
-    steps = r2.run_to_end(engine, r2.request("r1", "img-a"))
+    steps = sh.run_to_end(engine, r2.request("r1", "img-a"))
     # img-a stays in MRv2's encoder cache: a later step finds it there and
     # neither encodes nor saves it again; img-b is new.
-    steps += r2.run_to_end(engine, r2.request("r2", "img-a"), r2.request("r3", "img-b"))
+    steps += sh.run_to_end(engine, r2.request("r2", "img-a"), r2.request("r3", "img-b"))
     assert [s.encoded for s in steps] == [["img-a"], ["img-b"]]
     assert [c.kwargs["mm_hash"] for c in saved] == ["img-a", "img-b"]
     assert engine.worker.worker_delegate.flush(20)
@@ -118,13 +103,13 @@ def test_a_consumer_loads_bit_exact_and_never_saves_back_what_it_loaded(engines)
     saved = calls(engine, "save_caches")
     published(engine, "img-a")
 
-    staging, using = r2.run_to_end(engine, r2.request("r1", "img-a"))
+    staging, using = sh.run_to_end(engine, r2.request("r1", "img-a"))
     # The request waits a step while its load is staged (MRv2 runs the
     # connector in the step that schedules nothing), then adopts it.
     assert staging.output.total_num_scheduled_tokens == 0 and staging.finished == {}
     assert sh.staged([staging]) == ["img-a"] and sh.adopted([using]) == ["img-a"]
     assert using.encoded == [] and "r1" in using.finished
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert torch.equal(engine.encoder_cache["img-a"], sh.encode("img-a"))
     # The load put img-a in the cache before MRv2 noted what was there: not new.
     assert saved == [] and engine.worker.worker_delegate.stats["saves_done"] == 0
     assert engine.connector.scheduler_delegate.view.inflight() == 0  # reported
@@ -156,7 +141,7 @@ def test_a_load_that_fails_costs_its_request_a_miss_and_the_engine_goes_on(engin
         steps.append(engine.step())
     assert sh.adopted(steps) == ["img-good"]
     assert [mm for s in steps for mm in s.encoded] == ["img-bad"]  # re-encoded here
-    assert torch.equal(engine.encoder_cache["img-bad"], encode("img-bad"))
+    assert torch.equal(engine.encoder_cache["img-bad"], sh.encode("img-bad"))
     finished = {r: out.finish_reason for s in steps for r, out in s.finished.items()}
     assert finished == {"r1": FinishReason.LENGTH, "r2": FinishReason.LENGTH}
     assert engine.worker.worker_delegate.stats["loads_stamp_mismatch"] == 1
@@ -165,7 +150,7 @@ def test_a_load_that_fails_costs_its_request_a_miss_and_the_engine_goes_on(engin
 @pytest.mark.writes_region
 def test_a_metadata_only_item_whose_load_fails_fails_its_request_not_the_engine(engines):
     producer = engines("ec_producer", "encoder")
-    (step,) = r2.run_to_end(producer, r2.request("e1", "img-e"))
+    (step,) = sh.run_to_end(producer, r2.request("e1", "img-e"))
     params = step.finished["e1"].ec_transfer_params
     assert producer.worker.worker_delegate.flush(20)
     consumer = engines("ec_consumer", "prefill-decode")
@@ -182,7 +167,7 @@ def test_a_metadata_only_item_whose_load_fails_fails_its_request_not_the_engine(
     assert steps[-1].finished["p1"].finish_reason == FinishReason.ERROR
     assert [mm for s in steps for mm in s.encoded] == [] and "img-e" not in consumer.encoder_cache
     # The engine goes on: a request with its media is served as usual.
-    (again,) = r2.run_to_end(consumer, r2.request("p2", "img-new"))
+    (again,) = sh.run_to_end(consumer, r2.request("p2", "img-new"))
     assert again.encoded == ["img-new"] and again.finished["p2"].finish_reason == \
         FinishReason.LENGTH
 
@@ -205,12 +190,12 @@ def test_a_request_finished_mid_load_keeps_its_entry_until_the_worker_reported(e
 
     # The engine goes on: the staged copy nobody uses is dropped, and the
     # next request for the item stages and loads it again.
-    steps = r2.run_to_end(engine, r2.request("r2", "img-a"))
+    steps = sh.run_to_end(engine, r2.request("r2", "img-a"))
     assert steps[0].output.ec_connector_metadata.drop == [output.ec_connector_metadata.loads[0]
                                                            .transfer_id]
     assert sh.adopted(steps) == ["img-a"] and [s.encoded for s in steps] == [[], []]
     assert steps[-1].finished["r2"].finish_reason == FinishReason.LENGTH
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert torch.equal(engine.encoder_cache["img-a"], sh.encode("img-a"))
     assert engine.worker.worker_delegate.staging.bytes == 0
 
 
@@ -225,7 +210,7 @@ def test_audio_and_video_items_are_saved_and_loaded_like_images(engines, modalit
     `ec_transfer_params` (with its modality from 0.33) and sent to the
     PD instance without media: loaded, bit-exact, never encoded there."""
     producer = engines("ec_producer", "encoder")
-    (step,) = r2.run_to_end(producer, r2.request("e1", "clip-1", modality, embeds=embeds))
+    (step,) = sh.run_to_end(producer, r2.request("e1", "clip-1", modality, embeds=embeds))
     assert step.encoded == ["clip-1"]
     assert producer.worker.worker_delegate.flush(20)
     assert producer.worker.worker_delegate.stats["saves_done"] == 1
@@ -236,12 +221,12 @@ def test_audio_and_video_items_are_saved_and_loaded_like_images(engines, modalit
 
     consumer = engines("ec_consumer", "prefill-decode")
     published(consumer, "clip-1")
-    steps = r2.run_to_end(consumer, r2.request("p1", "clip-1", modality,
+    steps = sh.run_to_end(consumer, r2.request("p1", "clip-1", modality,
                                                MultiModalKwargsItem({}), embeds, params))
     assert [s.encoded for s in steps] == [[]] * len(steps)
     assert sh.staged(steps) == sh.adopted(steps) == ["clip-1"]
     loaded = consumer.encoder_cache["clip-1"]
-    assert loaded.shape == (embeds, h.HIDDEN) and torch.equal(loaded, encode("clip-1", embeds))
+    assert loaded.shape == (embeds, h.HIDDEN) and torch.equal(loaded, sh.encode("clip-1", embeds))
     assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
 
 
@@ -265,11 +250,11 @@ def test_the_step_that_ends_activity_hands_vllm_every_count(engines, monkeypatch
     monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
 
     # (Each load is staged in a step that defers its request, then adopted.)
-    assert loads_reported(r2.run_to_end(engine, r2.request("r1", "img-a"))) == [1, 0]
+    assert loads_reported(sh.run_to_end(engine, r2.request("r1", "img-a"))) == [1, 0]
     # Within the interval, and the engine then idles: handed out all the same.
-    assert loads_reported(r2.run_to_end(engine, r2.request("r2", "img-b"))) == [0, 1]
+    assert loads_reported(sh.run_to_end(engine, r2.request("r2", "img-b"))) == [0, 1]
     # A request still decoding after its load: paced until the step it ends.
-    steps = r2.run_to_end(engine, r2.request("r3", "img-c", max_tokens=3))
+    steps = sh.run_to_end(engine, r2.request("r3", "img-c", max_tokens=3))
     assert loads_reported(steps) == [0, 0, 0, 1]
     assert steps[-1].ec_stats is not None and steps[-1].ec_stats["lookups"] == 1
 

@@ -18,39 +18,15 @@ from tests.vllm import scheduler_harness as sh
 from tests.vllm import vllm_harness as h
 
 
-def encode(mm_hash: str) -> torch.Tensor:
-    return h.encoder_output(sum(mm_hash.encode()))
-
-
 @pytest.fixture
 def engines(tiny_model, daemon) -> Iterator[Any]:
     """Engines (vLLM's Scheduler + the model runner's stand-in), all shut
-    down at the end: `make(role, instance_id, items, **extra)`."""
-    made: list[sh.RunnerStandIn] = []
+    down at the end: `make(role, instance_id, encoder_cache_items, **extra)`."""
+    def runner(scheduler: Any, config: Any) -> sh.RunnerStandIn:
+        return sh.RunnerStandIn(scheduler, config, sh.encode)
 
-    def make(role: str, instance_id: str, encoder_cache_items: int = 0,
-             **extra: Any) -> sh.RunnerStandIn:
-        config = h.make_config(tiny_model, daemon.socket, role, instance_id=instance_id, **extra)
-        runner = sh.RunnerStandIn(sh.make_scheduler(config, encoder_cache_items), config, encode)
-        made.append(runner)
-        h.wait_attached(runner.connector)
-        h.wait_attached(runner.worker)
-        h.wait_until(lambda: runner.connector.scheduler_delegate.serving())
-        return runner
-
-    yield make
-    for runner in made:
-        runner.shutdown()
-
-
-def run_to_end(runner: sh.RunnerStandIn, *requests: Any, steps: int = 10) -> list[sh.Step]:
-    for req in requests:
-        runner.scheduler.add_request(req)
-    done: list[sh.Step] = []
-    while runner.scheduler.has_unfinished_requests():
-        assert len(done) < steps, "requests did not finish"
-        done.append(runner.step())
-    return done
+    with sh.engines(tiny_model, daemon.socket, runner) as make:
+        yield make
 
 
 def test_an_item_vllm_evicts_and_allocates_again_in_one_pass_is_never_loaded_over(engines):
@@ -59,7 +35,7 @@ def test_an_item_vllm_evicts_and_allocates_again_in_one_pass_is_never_loaded_ove
     staged for it (vLLM held it when it asked), so it is encoded again, and
     no load ever lands over the tensor the worker holds."""
     engine = engines("ec_both", "keeps", encoder_cache_items=2)
-    run_to_end(engine, sh.request("r-a", "img-a"), sh.request("r-b", "img-b"))
+    sh.run_to_end(engine, sh.request("r-a", "img-a"), sh.request("r-b", "img-b"))
     assert engine.worker.worker_delegate.flush(20)
     view = engine.connector.scheduler_delegate.view
     h.wait_until(lambda: view.get("img-a") is not None and view.get("img-b") is not None)
@@ -72,7 +48,7 @@ def test_an_item_vllm_evicts_and_allocates_again_in_one_pass_is_never_loaded_ove
     assert (metadata.loads, metadata.adopt, metadata.inline) == ([], [], [])
     assert sorted(step.encoded) == ["img-a", "img-c"]
     assert step.output.free_encoder_mm_hashes == ["img-b"]
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert torch.equal(engine.encoder_cache["img-a"], sh.encode("img-a"))
     assert engine.worker.worker_delegate.stats["loads_done"] == loads_done
     assert set(step.finished) == {"r-c", "r-a2"}
 
@@ -83,7 +59,7 @@ def test_a_hit_on_an_idle_engine_is_staged_by_the_schedulers_process(engines):
     a lone request's load is copied and verified by the scheduler's process
     and carried whole by the step that uses it (where vLLM has that runner)."""
     producer = engines("ec_producer", "encoder")
-    run_to_end(producer, sh.request("e1", "img-a"), sh.request("e2", "img-bad"))
+    sh.run_to_end(producer, sh.request("e1", "img-a"), sh.request("e2", "img-bad"))
     assert producer.worker.worker_delegate.flush(20)
     engine = engines("ec_consumer", "idle")
     if engine.idle_steps_run:
@@ -98,12 +74,12 @@ def test_a_hit_on_an_idle_engine_is_staged_by_the_schedulers_process(engines):
     bad_stamp = bad.entry_id + 1000
     h.overwrite_stamps(region, bad.extents, bad_stamp)
 
-    steps = run_to_end(engine, sh.request("r1", "img-a"), sh.request("r2", "img-bad"))
+    steps = sh.run_to_end(engine, sh.request("r1", "img-a"), sh.request("r2", "img-bad"))
     assert steps[0].output.total_num_scheduled_tokens == 0  # both deferred: an idle step
     assert sh.staged(steps) == [] and sh.adopted(steps) == ["img-a"]
     assert [s.output.ec_connector_metadata.inline[0].mm_hash for s in steps
             if s.output.ec_connector_metadata.inline] == ["img-a"]
-    assert torch.equal(engine.encoder_cache["img-a"], encode("img-a"))
+    assert torch.equal(engine.encoder_cache["img-a"], sh.encode("img-a"))
     assert [mm for s in steps for mm in s.encoded] == ["img-bad"]  # encoded, not loaded
     assert {r for s in steps for r in s.finished} == {"r1", "r2"}
 
@@ -113,7 +89,7 @@ def test_items_vllm_holds_are_never_asked_about_nor_deferred(engines, daemon):
     img-x; this engine already holds img-x in vLLM's encoder cache (a
     consumer: never in the daemon). A request for it needs no transfer."""
     engine = engines("ec_consumer", "holder")
-    run_to_end(engine, sh.request("r1", "img-x"))
+    sh.run_to_end(engine, sh.request("r1", "img-x"))
     assert "img-x" in engine.encoder_cache
     assert engine.connector.scheduler_delegate.view.get("img-x") is None
 
@@ -122,7 +98,7 @@ def test_items_vllm_holds_are_never_asked_about_nor_deferred(engines, daemon):
     assert other.connector.ensure_cache_available(sh.request("o1", "img-x"), 0)  # claims it
     wants = daemon.stats()["convergence"]["wants"]
 
-    steps = run_to_end(engine, sh.request("r2", "img-x"))
+    steps = sh.run_to_end(engine, sh.request("r2", "img-x"))
     assert len(steps) == 1 and steps[0].encoded == []  # not deferred, not encoded again
     assert "r2" in steps[0].finished
     assert daemon.stats()["convergence"]["wants"] == wants  # nothing asked
@@ -135,7 +111,7 @@ def test_a_producer_reports_vllms_ec_transfer_params_and_a_consumer_loads_metada
     for metadata-only items; the consumer, given such an item (no media),
     loads it from the cache and never schedules the encoder for it."""
     producer = engines("ec_producer", "encoder")
-    (step,) = run_to_end(producer, sh.request("e1", "img-e"))
+    (step,) = sh.run_to_end(producer, sh.request("e1", "img-e"))
     params = step.finished["e1"].ec_transfer_params
     assert list(params) == ["img-e"] and sh.reported(params["img-e"])
     GenerateRequest.model_validate({
@@ -147,10 +123,10 @@ def test_a_producer_reports_vllms_ec_transfer_params_and_a_consumer_loads_metada
 
     consumer = engines("ec_consumer", "prefill-decode")
     metadata_only = MultiModalKwargsItem({})  # what is left of an item without its media
-    steps = run_to_end(consumer, sh.request("p1", "img-e", metadata_only, params))
+    steps = sh.run_to_end(consumer, sh.request("p1", "img-e", metadata_only, params))
     assert [s.encoded for s in steps] == [[]] * len(steps)  # never encoded here
     assert sh.adopted(steps) == ["img-e"]
-    assert torch.equal(consumer.encoder_cache["img-e"], encode("img-e"))
+    assert torch.equal(consumer.encoder_cache["img-e"], sh.encode("img-e"))
     assert steps[-1].finished["p1"].finish_reason == FinishReason.LENGTH
 
 
@@ -165,7 +141,7 @@ def test_a_metadata_only_item_the_cache_never_gets_fails_its_request_not_the_eng
     assert finished["p1"].finish_reason == FinishReason.ERROR
     assert "img-never" not in consumer.encoder_cache  # the encoder never ran on it
     # The engine goes on: a request with its media is encoded as usual.
-    steps = run_to_end(consumer, sh.request("p2", "img-media"))
+    steps = sh.run_to_end(consumer, sh.request("p2", "img-media"))
     assert [mm for s in steps for mm in s.encoded] == ["img-media"]
 
 
@@ -181,7 +157,7 @@ def test_a_metadata_only_request_fails_at_once_when_the_producers_save_was_dropp
     producer = engines("ec_producer", "encoder", ec_daemon_save_queue_bytes=1)
     h.wait_until(lambda: producer.connector.scheduler_delegate.wanting
                  and consumer.connector.scheduler_delegate.wanting)
-    (step,) = run_to_end(producer, sh.request("e1", "img-d"))
+    (step,) = sh.run_to_end(producer, sh.request("e1", "img-d"))
     params = step.finished["e1"].ec_transfer_params
     assert list(params) == ["img-d"]  # announced: the drop was not known yet
     assert daemon.stats()["convergence"]["claims"] == 1  # claimed before encoding
