@@ -41,7 +41,9 @@ that could not derive it).
 While detached (daemon down or restarting) every lookup misses and the view
 is empty; the link re-attaches in the background and the view refills from
 the new session's snapshot. A load dispatched before a restart still reads
-the old region (workers keep it mapped; nobody reuses its pages).
+the old region (workers keep it mapped; nobody reuses its pages). What each
+of the link's events does is `ec_client.scheduler_side.attachment`'s; the
+counters vLLM's stats and the heartbeat take, `ec_client.scheduler_side.stats`'s.
 
 Threads: vLLM makes every per-step call from its one scheduling thread, so
 the delegate's own state (staged loads, wants) is that thread's alone and
@@ -53,13 +55,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Container, Iterable
-from typing import NamedTuple
 
-from ec_client.common.contract import LoadSpec, RegionInfo, StepMetadata
+from ec_client.common.contract import LoadSpec, StepMetadata
 from ec_client.common.limits import (
     DEFAULT_ANSWER_WAIT_SECONDS,
     DEFAULT_MAX_DEFER_SECONDS,
@@ -67,10 +67,11 @@ from ec_client.common.limits import (
     DEFAULT_VERIFY_CHECKSUM,
 )
 from ec_client.common.session import Attachment, LinkListener, SessionLink
-from ec_client.common.trust import attached_socket_owner, open_region
-from ec_client.common.wire import DaemonNews, EntryRef, Heartbeat, Outgoing, Touch
+from ec_client.common.wire import DaemonNews, EntryRef, Outgoing
+from ec_client.scheduler_side.attachment import SchedulerAttachment
 from ec_client.scheduler_side.rank_mapping import RankMapping
 from ec_client.scheduler_side.staging import Stage, Staging
+from ec_client.scheduler_side.stats import SchedulerStats
 from ec_client.scheduler_side.view import ReadyView, Refs
 from ec_client.scheduler_side.wants import Wants
 from ec_protocol.protocol import (
@@ -83,17 +84,6 @@ from ec_protocol.protocol import (
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
 
 log = logging.getLogger(__name__)
-
-
-
-class _Current(NamedTuple):
-    """The attachment hits are answered for, the view epoch it filled, the
-    lineage its loads in flight count in, and its namespace."""
-
-    region: RegionInfo
-    epoch: int
-    lineage: int
-    namespace: str
 
 
 class SchedulerDelegate(LinkListener):
@@ -126,8 +116,6 @@ class SchedulerDelegate(LinkListener):
         to, `ec_daemon_verify_checksum`)."""
         self.role = role
         self.max_defer_seconds = max_defer_seconds
-        self._wanting = False  # wants help here (NamespaceInfo, from the link thread)
-        self._producer_claims = False  # the daemon takes a producer's wants (at attach)
         self.can_load = role in LOADING_ROLES
         self.ranks = ranks
         self.world_size = world_size or ranks
@@ -143,11 +131,13 @@ class SchedulerDelegate(LinkListener):
                            answer_wait_seconds=answer_wait_seconds)
         self.staging = Staging(self.view, self._send, ranks=ranks, limit_bytes=staging_bytes,
                                admit_seconds=max_defer_seconds, verify_checksum=verify_checksum)
-        self._current: _Current | None = None
+        self.stats = SchedulerStats(self.view, self.staging, self.wants)
+        # Which session hits are answered for, and what the link's events do.
+        self.attached = SchedulerAttachment(
+            self.transport, self._send, view=self.view, wants=self.wants, staging=self.staging,
+            rank_mapping=self.rank_mapping, stats=self.stats)
         self._ids = itertools.count(1)
-        self._generation: int | None = None  # of the last attachment, kept while detached
         self._next_expiry = 0.0
-        self._taken: dict[str, tuple[int, int]] = {}
         self.link = SessionLink(
             self.transport, engine_id=engine_id, role=role, layout=layout, rank=None,
             client_name=client_name, listener=self, engine_token=engine_token)
@@ -174,7 +164,7 @@ class SchedulerDelegate(LinkListener):
         # then the new view's entry) the epoch has moved by the time the
         # hit returns: not staged, since entry ids restart with the daemon
         # and the old region may carry the same stamp on other bytes.
-        current = self._current
+        current = self.attached.current
         if current is None or not self.can_load or not self.link.fresh():
             return Stage.ABSENT
         if self.staging.refused(mm_hash, entry.entry_id, now or time.monotonic()):
@@ -201,7 +191,11 @@ class SchedulerDelegate(LinkListener):
     def wanting(self) -> bool:
         """Are wants sent (`ensure`)? Another engine shares the namespace, or
         a second tier may hold what this host misses (the daemon says)."""
-        return self._wanting
+        return self.attached.wanting
+
+    @property
+    def _wanting(self) -> bool:  # (as `wanting`; tests wait on it)
+        return self.attached.wanting
 
     @property
     def mapped_ranks(self) -> tuple[int, int]:
@@ -212,13 +206,13 @@ class SchedulerDelegate(LinkListener):
     def holds(self, mm_hash: str) -> bool:
         """Is `mm_hash` ready in the daemon, as far as this view knows (any
         role: a producer's view follows its namespace too)? Claims nothing."""
-        return self._current is not None and self.view.get(mm_hash) is not None
+        return self.attached.current is not None and self.view.get(mm_hash) is not None
 
     def serving(self) -> bool:
         """Would a ready item be staged now? Attached and fresh, the
         snapshot in, and every worker rank mapped the region."""
-        return self._current is not None and self.rank_mapping.ready and self.view.synced \
-            and self.link.fresh()
+        return self.attached.current is not None and self.rank_mapping.ready \
+            and self.view.synced and self.link.fresh()
 
     def ensure(self, mm_hashes: Iterable[str], request_id: str = "") -> bool:
         """May request `request_id`, needing these items (each with its
@@ -231,7 +225,7 @@ class SchedulerDelegate(LinkListener):
         cannot load) claims the items it is about to encode and is never
         deferred."""
         if not self.can_load:
-            if self._producer_claims and self._wanting and self.link.fresh():
+            if self.attached.producer_claims and self.attached.wanting and self.link.fresh():
                 self.wants.claim(mm_hashes, request_id)  # (an older daemon refuses them)
             return True
         ready = True
@@ -243,7 +237,7 @@ class SchedulerDelegate(LinkListener):
                 ready = False
             elif state is Stage.ABSENT:
                 misses.append(mm_hash)
-        if misses and self._wanting and self.rank_mapping.ready and self.link.fresh():
+        if misses and self.attached.wanting and self.rank_mapping.ready and self.link.fresh():
             view = self.view
             if not self.wants.ensure(misses, request_id):
                 ready = False
@@ -261,7 +255,7 @@ class SchedulerDelegate(LinkListener):
         another engine shares the namespace, and waits for the answers as
         `ensure` does. An item being made, or not answered yet, is not
         listed: the caller bounds that wait. Empty while detached or stale."""
-        if not self.can_load or self._current is None or not self.link.fresh():
+        if not self.can_load or self.attached.current is None or not self.link.fresh():
             return []
         return self.wants.lost(mm_hashes, request_id)
 
@@ -281,6 +275,10 @@ class SchedulerDelegate(LinkListener):
             message = Outgoing()
             getattr(message, field_name).extend(mm_hashes[start:start + MAX_BATCH])
             self.link.send(message)
+
+    def _send(self, acks: Refs) -> bool:
+        """The view's acknowledgements, on the session stream."""
+        return self.link.send_acks(acks)
 
     def after_alloc(self, request_id: str, mm_hash: str) -> bool:
         """vLLM allocated encoder space for this item; the step adopts its
@@ -306,7 +304,7 @@ class SchedulerDelegate(LinkListener):
             self._next_expiry = now + 1.0
             self.staging.expire(now)
             self.wants.expire(now)
-        attached = self._current  # read once: the link thread may replace it
+        attached = self.attached.current  # read once: the link thread may replace it
         metadata = self._metadata_type()
         metadata.engine_token = self.engine_token
         visible = tokens is None or tokens > 0 or self.workers_run_idle_steps
@@ -341,102 +339,32 @@ class SchedulerDelegate(LinkListener):
 
     def take_stats(self) -> Counter[str]:
         """Counters since the previous call (vLLM's connector stats)."""
-        lookups, hits = self._counts_since("stats")
-        counts = self.staging.counts
-        stats = Counter(lookups=lookups, hits=hits, loads=counts.loads,
-                        load_bytes=counts.load_bytes, load_failures=counts.load_failures,
-                        loads_inline=counts.inline, **self.wants.take_stats())
-        counts.loads = counts.load_bytes = counts.load_failures = counts.inline = 0
-        return +stats  # without zero counts
+        return self.stats.take()
 
     def close(self) -> None:
         self.link.stop()
         self.transport.close()
         self.staging.reader.close()
 
-    # ------------------------------------------------------------ helpers
-
-    def _counts_since(self, reader: str) -> tuple[int, int]:
-        """(lookups, hits) since `reader` last asked; each reader (the
-        heartbeat, vLLM's stats) sees every lookup once."""
-        counts = self.view.counts()
-        taken = self._taken.get(reader, (0, 0))
-        self._taken[reader] = counts
-        return counts[0] - taken[0], counts[1] - taken[1]
-
     # ------------------------------------------------- link callbacks
 
+    # The link calls these on its thread (`LinkListener`); the attachment
+    # (`ec_client.scheduler_side.attachment`) answers them.
+
     def opening_message(self, attachment: Attachment) -> Outgoing | None:
-        """The new session's first message: when its region is the one this
-        view loaded from (a restarted daemon adopted it), the loads still in
-        flight (`holds`), so the daemon keeps their pages for this session
-        before it lets the previous daemon's ghost of this engine go. At most
-        MAX_BATCH distinct entries: far more than one engine loads at once."""
-        if attachment.region.generation != self._generation:
-            return None
-        loading = self.view.loading()
-        if len(loading) > MAX_BATCH:
-            log.warning("ec-daemon: %d entries loading across the restart; %d declared",
-                        len(loading), MAX_BATCH)
-        return Outgoing(holds=[EntryRef(h, e) for h, e in loading[:MAX_BATCH]])
+        return self.attached.opening_message(attachment)
 
     def on_attached(self, attachment: Attachment) -> None:
-        """A new session: the view starts over. When the region is the one
-        this view loaded from (a restarted daemon adopted it), loads in flight
-        stay counted (they were declared in the opening message)."""
-        owner = attached_socket_owner(self.transport.uri)  # a stranger's socket raises
-        # Hits are answered only for a region this host's workers can map: a
-        # region missing here (a client left in a restarted container's old
-        # /dev/shm) or not the daemon's raises, and the link tries again later.
-        os.close(open_region(attachment.region.path, owner))
-        self.staging.region_owner = owner
-        self._wanting = False  # until the new session's NamespaceInfo
-        self._producer_claims = attachment.producer_claims
-        self.rank_mapping.attached()  # not ready until the new session's EngineRanks
-        self.wants.clear()
-        same_region = attachment.region.generation == self._generation
-        self._generation = attachment.region.generation
-        self.view.clear(keep_loads=same_region)
-        self._current = _Current(attachment.region, self.view.epoch, self.view.lineage,
-                                 attachment.namespace)
-        log.info("ec-daemon scheduler session %d attached (generation %016x%s, namespace %r)",
-                 attachment.index, attachment.region.generation,
-                 ", the same region" if same_region else "", attachment.namespace)
+        self.attached.on_attached(attachment)
 
     def on_detached(self) -> None:
-        self._current = None
-        self._wanting = False
-        self.rank_mapping.detached()
-        # Loads in flight stay counted until the next attachment says whether
-        # its region is the same one.
-        self.view.clear(keep_loads=True)
+        self.attached.on_detached()
 
     def on_message(self, message: DaemonNews) -> None:
-        self.view.apply(message, self._send)  # ready events before the answers
-        if message.answers:
-            self.wants.answered(message.answers)
-        info = message.namespace_info
-        if info is not None:
-            wanting = info.engines > 1 or info.remote_tier
-            if wanting != self._wanting:
-                log.info("ec-daemon: %d engine(s) share this namespace%s: misses %s asked about",
-                         info.engines, ", a second tier is on" if info.remote_tier else "",
-                         "are" if wanting else "are no longer")
-            self._wanting = wanting
-        if message.ranks is not None:
-            self.rank_mapping.changed(message.ranks.mapped, message.ranks.world_size)
-
-    def _send(self, acks: Refs) -> bool:
-        return self.link.send_acks(acks)
+        self.attached.on_message(message)
 
     def beat_due(self) -> bool:
-        """Loads to touch: the daemon's LRU hears of them within
-        EARLY_BEAT_SECONDS, not a whole heartbeat interval later."""
-        return self.view.has_touches()
+        return self.attached.beat_due()
 
     def heartbeat_message(self) -> Outgoing:
-        self.rank_mapping.warn_if_overdue()
-        lookups, hits = self._counts_since("heartbeat")
-        touches = self.view.take_touches()
-        return Outgoing(heartbeat=Heartbeat(lookups=lookups, hits=hits),
-                        touches=[Touch(h, e, n) for h, e, n in touches])
+        return self.attached.heartbeat_message()
