@@ -26,7 +26,7 @@ is where a request can be deferred, or failed through
 - A rank could not: a miss for its requests (`state` is FAILED): vLLM
   encodes the item, or a request without its media fails cleanly; a bytes
   mismatch is reported to the daemon (`take_mismatches`), and that entry is
-  not staged again by this engine.
+  not staged again by this engine (`ec_client.scheduler_side.refusals`).
 - Staged loads no request will use (finished, aborted) are dropped in the
   next step's `drop`, as are those not adopted within ADOPT_STEPS steps (a
   request preempted or held back by KV pressure stages again later); a
@@ -61,8 +61,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ec_client.common.contract import (
-    CHECKSUM_MISMATCH,
-    STAMP_MISMATCH,
     UNUSABLE,
     Adopt,
     InlineLoad,
@@ -70,12 +68,13 @@ from ec_client.common.contract import (
     RegionInfo,
     StepMetadata,
 )
-from ec_client.common.limits import ADOPT_STEPS, INFLIGHT_TTL_SECONDS, MAX_REFUSED, UNUSABLE_SECONDS
+from ec_client.common.limits import ADOPT_STEPS, INFLIGHT_TTL_SECONDS
 from ec_client.common.readback import LoadRefused, RegionReader
+from ec_client.scheduler_side.kept_regions import KeptRegions
+from ec_client.scheduler_side.refusals import Refusals
 from ec_client.scheduler_side.view import ReadyView, Ref, Refs, Send
 
 log = logging.getLogger(__name__)
-
 
 
 class Stage(enum.Enum):
@@ -143,14 +142,11 @@ class Staging:
         self._hits: dict[str, _Staged] = {}  # `hit` this step
         self._adopting: dict[str, _Staged] = {}
         self._drops: list[int] = []
-        self._mismatches: Refs = []
-        # Entries not to stage again: ref -> (failure kind, until when).
-        self._refused: dict[Ref, tuple[str, float]] = {}
+        self.refusals = Refusals()  # entries not to stage again
         # The requests a failed load was for, by item, until they end: told
         # FAILED whatever the view holds by then.
         self._failed_for: dict[str, set[str]] = {}
-        self._loading: dict[int, int] = {}  # generation -> loads in flight
-        self._keep: tuple[int | None, frozenset[int]] | None = None
+        self.regions = KeptRegions(self.reader)  # those of the loads in flight
 
     # ------------------------------------------------ scheduling thread
 
@@ -171,13 +167,7 @@ class Staging:
 
     def refused(self, mm_hash: str, entry_id: int, now: float) -> bool:
         """Is this entry one this engine must not stage (it failed before)?"""
-        refusal = self._refused.get((mm_hash, entry_id))
-        if refusal is None:
-            return False
-        if refusal[1] > now:
-            return True
-        del self._refused[(mm_hash, entry_id)]
-        return False
+        return self.refusals.refused(mm_hash, entry_id, now)
 
     def room(self, nbytes: int) -> bool:
         return self.bytes + nbytes <= self.limit_bytes
@@ -277,10 +267,7 @@ class Staging:
         staged.state, staged.left, staged.step = _STAGING, self.ranks, self.step
         staged.sent = time.monotonic()
         self._transfers[spec.transfer_id] = staged
-        count = self._loading.get(spec.generation, 0)
-        self._loading[spec.generation] = count + 1
-        if not count:
-            self._keep = None
+        self.regions.sent(spec.generation)
         if staged.lineage == view_lineage:
             in_view.append(staged.ref)
         metadata.loads.append(spec)
@@ -333,7 +320,7 @@ class Staging:
         lineage = self.view.lineage
         refs: Refs = []
         for staged in finished:
-            self._landed(staged.spec.generation)
+            self.regions.landed(staged.spec.generation)
             if staged.lineage == lineage:
                 refs.append(staged.ref)
             if staged.kind:
@@ -346,26 +333,12 @@ class Staging:
                     self._forget(staged, drop=True)
         self.view.finish(refs, lineage, self._send)
 
-    def _landed(self, generation: int) -> None:
-        left = self._loading.get(generation, 0) - 1
-        if left > 0:
-            self._loading[generation] = left
-        elif self._loading.pop(generation, None) is not None:
-            self._keep = None  # the generation left StepMetadata.keep
-
     def _failed(self, staged: _Staged, kind: str, reason: str) -> None:
         """A miss for its requests from now on; the entry is not staged again
         (for a while, unless its bytes were wrong)."""
         spec = staged.spec
         self.counts.load_failures += 1
-        mismatch = kind in (STAMP_MISMATCH, CHECKSUM_MISMATCH)
-        if mismatch:
-            self._mismatches.append(staged.ref)
-        refused = self._refused
-        if len(refused) >= MAX_REFUSED:
-            refused.pop(next(iter(refused)))
-        refused[staged.ref] = (kind, float("inf") if mismatch
-                               else time.monotonic() + UNUSABLE_SECONDS)
+        self.refusals.failed(staged.ref, kind, time.monotonic())
         log.error("ec-daemon: the load of %s (entry %d) failed (%s%s): its request(s) %s "
                   "encode it or fail, the engine goes on", spec.mm_hash, spec.entry_id, kind,
                   f": {reason}" if reason else "; see the worker's log",
@@ -397,8 +370,7 @@ class Staging:
     def take_mismatches(self) -> Refs:
         """Entries whose bytes a load found wrong, since the previous call
         (for the daemon, which checks and hides them)."""
-        taken, self._mismatches = self._mismatches, []
-        return taken
+        return self.refusals.take_mismatches()
 
     def expire(self, now: float) -> None:
         """Loads whose ranks never all reported, after INFLIGHT_TTL_SECONDS."""
@@ -417,11 +389,5 @@ class Staging:
 
     def keep(self, generation: int | None) -> frozenset[int]:
         """StepMetadata.keep while attached to region `generation`: those of
-        the loads in flight and that one; rebuilt only when it changed."""
-        cached = self._keep
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        keep = frozenset(self._loading) | ({generation} if generation is not None else set())
-        self._keep = (generation, keep)
-        self.reader.retain(keep)
-        return keep
+        the loads in flight and that one (`KeptRegions`)."""
+        return self.regions.keep(generation)

@@ -19,7 +19,7 @@ import pytest
 
 import ec_client.scheduler_side.staging as staging
 from ec_client.common.contract import CHECKSUM_MISMATCH, UNUSABLE, RegionInfo
-from ec_client.common.limits import ADOPT_STEPS
+from ec_client.common.limits import ADOPT_STEPS, UNUSABLE_SECONDS
 from ec_client.common.session import Attachment
 from ec_client.common.wire import DaemonNews, Outgoing
 from ec_client.scheduler_side.scheduler import SchedulerDelegate
@@ -233,7 +233,7 @@ def test_an_entry_whose_bytes_were_wrong_is_never_staged_again_nor_one_unusable_
     ids = dispatch(delegate, "bad", "odd")
     delegate.apply_worker_output(failed=[(ids["bad"], CHECKSUM_MISMATCH),
                                          (ids["odd"], UNUSABLE)])
-    Clock.now += staging.UNUSABLE_SECONDS + 1
+    Clock.now += UNUSABLE_SECONDS + 1
     assert delegate.stage("bad", "r", now=Clock.now) is Stage.FAILED
     assert delegate.stage("odd", "r", now=Clock.now) is Stage.WAIT  # tried again
     delegate.on_message(evicted(("bad", 1)))
