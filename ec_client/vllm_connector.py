@@ -84,7 +84,8 @@ if TYPE_CHECKING:
     from ec_client.scheduler_side.scheduler import SchedulerDelegate
     from ec_client.worker_side.worker import WorkerDelegate
 
-# What tests and users import from here, wherever it is declared.
+# What vLLM's factory, users and tests import from here: the metadata types are
+# declared in `vllm_metadata`, `workers_run_idle_steps` in `vllm_engine`.
 __all__ = ["ECDaemonConnector", "ECDaemonConnectorMetadata", "ECDaemonWorkerMetadata",
            "workers_run_idle_steps"]
 
