@@ -1,8 +1,9 @@
 """Every vLLM name ec_client uses, listed once, and the check of a release.
 
-The vLLM connector (`vllm_connector`, `vllm_namespace`, `vllm_items`, `vllm_metrics`,
-`vllm_plugin`) reaches into vLLM well beyond `ECConnectorBase`: config
-fields it builds its namespace from, vLLM's helpers for `ec_transfer_params`,
+The vLLM connector (`vllm_connector` and its two halves, `vllm_metadata`,
+`vllm_engine`, `vllm_namespace`, `vllm_items`, `vllm_metrics`, `vllm_plugin`)
+reaches into vLLM well beyond `ECConnectorBase`: config fields it builds its
+namespace from, vLLM's helpers for `ec_transfer_params`,
 its metrics base classes, its executor and process groups. A release that
 renames any of them breaks the connector at construction or on the first
 request (vLLM 0.34 removed `MultiModalConfig.compute_hash`), and a test of
@@ -50,7 +51,7 @@ def _fields(owner: str, names: str, where: str) -> list[Use]:
 
 
 USES: tuple[Use, ...] = (
-    # The connector's base classes (vllm_connector).
+    # The connector's base classes (vllm_connector, vllm_metadata).
     Use(f"{BASE}:ECConnectorBase", "ECDaemonConnector's base class"),
     Use(f"{BASE}:ECConnectorBase.__init__", "ECDaemonConnector.__init__",
         call=("self", "vllm_config=", "role=")),
@@ -61,7 +62,7 @@ USES: tuple[Use, ...] = (
     Use(f"{BASE}:ECConnectorBase._get_connector_metadata", "start_load_caches",
         call=("self",)),
     *_fields(f"{BASE}:ECConnectorBase", "is_producer is_consumer",
-             "the role's halves (save_caches, request_finished)"),
+             "the role's halves (WorkerRole.save, SchedulerRole.request_finished)"),
     Use(f"{BASE}:ECConnectorMetadata", "ECDaemonConnectorMetadata's base class"),
     Use(f"{BASE}:ECConnectorWorkerMetadata", "ECDaemonWorkerMetadata's base class"),
     *_fields(f"{BASE}:ECConnectorRole", "SCHEDULER WORKER", "the role routing"),
@@ -95,7 +96,7 @@ USES: tuple[Use, ...] = (
              "encoder_config_of, tensorizer_source, the weights' identity"),
     Use("vllm.config:LoRAConfig.enable_tower_connector_lora", "items an adapter encodes",
         optional=True),
-    Use("vllm.config:DeviceConfig.device_type", "check_backend_device"),
+    Use("vllm.config:DeviceConfig.device_type", "check_backend_device (WorkerRole)"),
     # Absent from 0.34, whose workers all run Model Runner V2.
     Use("vllm.config:VllmConfig.use_v2_model_runner", "workers_run_idle_steps", optional=True),
     # What vLLM's scheduler and workers hand the connector.
@@ -115,9 +116,9 @@ USES: tuple[Use, ...] = (
     Use("vllm.v1.executor.abstract:Executor.get_class", "_aggregates_every_rank",
         call=("vllm_config",)),
     Use("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "_aggregates_every_rank"),
-    Use("vllm.distributed.parallel_state:get_tp_group", "_loading_rank", call=()),
-    Use("vllm.distributed.parallel_state:get_pcp_group", "_loading_rank", call=()),
-    Use("vllm.distributed.parallel_state:GroupCoordinator.rank_in_group", "_loading_rank"),
+    Use("vllm.distributed.parallel_state:get_tp_group", "loading_rank_of", call=()),
+    Use("vllm.distributed.parallel_state:get_pcp_group", "loading_rank_of", call=()),
+    Use("vllm.distributed.parallel_state:GroupCoordinator.rank_in_group", "loading_rank_of"),
     # ec_transfer_params (vllm_items).
     Use(f"{UTILS}:PlaceholderMetadataResolver", "RequestItems.resolver",
         call=("model_config",)),

@@ -223,8 +223,10 @@ def test_no_package_imports_the_benchmarks():
 
 def test_every_client_module_below_the_shell_sits_in_a_layer_folder():
     """The root holds the vLLM shell only: its modules name vLLM or serve only it."""
-    shell = {"ec_client", "ec_client.vllm_connector", "ec_client.vllm_items",
-             "ec_client.vllm_metrics", "ec_client.vllm_plugin", "ec_client.vllm_names",
+    shell = {"ec_client", "ec_client.vllm_connector", "ec_client.vllm_scheduler_role",
+             "ec_client.vllm_worker_role", "ec_client.vllm_metadata", "ec_client.vllm_engine",
+             "ec_client.vllm_items", "ec_client.vllm_metrics", "ec_client.vllm_plugin",
+             "ec_client.vllm_names",
              "ec_client.identity", "ec_client.vllm_namespace",
              "ec_client.engine_token", "ec_client.ranks"}
     assert sorted(m for m in import_graph() if m.startswith("ec_client") and m not in shell

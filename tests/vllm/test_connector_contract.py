@@ -20,11 +20,8 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-from ec_client.vllm_connector import (
-    ECDaemonConnectorMetadata,
-    ECDaemonWorkerMetadata,
-    expected_reports,
-)
+from ec_client.vllm_connector import ECDaemonConnectorMetadata, ECDaemonWorkerMetadata
+from ec_client.vllm_engine import expected_reports
 from ec_client.vllm_metrics import ECDaemonStats
 from ec_protocol.protocol import pb
 from tests import cuda_model
@@ -221,7 +218,7 @@ def test_a_copy_backend_for_another_device_is_refused_at_start():
     """The cpu backend on a CUDA worker would put CPU tensors into vLLM's
     encoder cache and fail every save; a CUDA backend on a CPU worker the
     reverse: refused when the worker starts, with what to choose."""
-    from ec_client.vllm_connector import check_backend_device
+    from ec_client.vllm_worker_role import check_backend_device
 
     with pytest.raises(ValueError, match="'cpu' copies cpu memory, but this vLLM worker runs "
                                          "on cuda"):
@@ -260,16 +257,16 @@ def test_stats_count_this_engines_lookups_hits_and_loads(engine):
 
 def test_stats_reach_vllm_at_most_once_an_interval_and_nothing_is_lost(engine, monkeypatch):
     # vLLM asks every step: a summary per interval keeps the hot path cheap.
-    from ec_client import vllm_connector
+    from ec_client import vllm_scheduler_role
 
     scheduler, worker = engine
-    monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
+    monkeypatch.setattr(vllm_scheduler_role, "STATS_INTERVAL_SECONDS", 3600.0)
     hit_cycle(scheduler, worker, "img-7", 7)
     first = scheduler.get_ec_connector_stats()
     assert first is not None and first.data["hits"] == 1
     hit_cycle(scheduler, worker, "img-8", 8)  # another hit
     assert scheduler.get_ec_connector_stats() is None
-    scheduler._next_stats = 0.0  # the interval is over
+    scheduler._scheduler._next_stats = 0.0  # the interval is over
     later = scheduler.get_ec_connector_stats()
     assert later is not None and later.data["hits"] == 1 and later.data["loads"] == 1
 

@@ -24,7 +24,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from ec_client import vllm_connector
+from ec_client import vllm_connector, vllm_scheduler_role
 from tests import groups
 from tests.vllm import runner_v2 as r2
 from tests.vllm import scheduler_harness as sh
@@ -247,7 +247,7 @@ def test_the_step_that_ends_activity_hands_vllm_every_count(engines, monkeypatch
     produce(engines, "img-a", "img-b", "img-c")
     engine = engines("ec_consumer", "idles")
     published(engine, "img-a", "img-b", "img-c")
-    monkeypatch.setattr(vllm_connector, "STATS_INTERVAL_SECONDS", 3600.0)
+    monkeypatch.setattr(vllm_scheduler_role, "STATS_INTERVAL_SECONDS", 3600.0)
 
     # (Each load is staged in a step that defers its request, then adopted.)
     assert loads_reported(sh.run_to_end(engine, r2.request("r1", "img-a"))) == [1, 0]

@@ -64,7 +64,7 @@ def rank_worker(config: VllmConfig, rank: int) -> Any:
     """The WORKER connector of tensor-parallel rank `rank` (vLLM's process
     group is not set up here: the connector is told its rank instead)."""
     world = int(config.parallel_config.tensor_parallel_size)
-    with mock.patch.object(vllm_connector, "_loading_rank",
+    with mock.patch.object(vllm_connector, "loading_rank_of",
                            lambda _: LoadingRank(rank, world)):
         return connector(config, ECConnectorRole.WORKER)
 
