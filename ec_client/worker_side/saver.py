@@ -15,23 +15,14 @@ the saves queued at once, up to SAVE_BATCH:
   comes, and their reports held for the next batch's message (sent at once
   when nothing more is queued): one stream message per batch, no call;
 - else (an older daemon, or `use_stream=False`) each save is an Allocate
-  call, a copy and a Report call.
+  call, a copy and a Report call (`ec_client.worker_side.unary_saves`).
 
-Either way, once a copy landed the saver reads the bytes back from the
-region file (pread: never the mapping's pages, which a worker that truncates
-the file would make a SIGBUS) and reports their checksum with `saved`
-(xxh3-64, `ec_protocol.checksums`): the daemon records it and sends it with
-the entry, so a loader can tell the saved bytes from ones another process
-wrote since. It costs the saver thread a pass over the bytes, never the
-engine (docs/performance.md). Then it reads the file's canary
-(`Regions.intact`): changed, the file was cut since it was mapped, and the
-copy may have landed in pinned pages the file no longer has while the
-read-back vouched for what the file holds instead, so the save is given up
-(`saves_region_cut`) and never reported saved.
-
-Either way a save copies only while the session is fresh and its pages carry
-its allocation's stamp (a writer frozen past its lease never overwrites), a
-key cached already or being saved is dropped, a full cache (RESOURCE_EXHAUSTED)
+Either way the copy goes through `ec_client.worker_side.region_copy`: only
+while the session is fresh and its pages carry its allocation's stamp (a
+writer frozen past its lease never overwrites), then read back from the
+region file for the checksum reported with `saved`, and given up
+(`saves_region_cut`) when the file was cut under it. A key cached already or
+being saved is dropped, a full cache (RESOURCE_EXHAUSTED)
 just means the output is not cached, and a save whose answer never comes is
 given up after the transport's deadline and counted (`saves_failed`,
 `saves_lost`).
@@ -48,30 +39,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
 import grpc
 
-from ec_client.common.limits import CUT_LOG_SECONDS, MAX_DROPPED_SAVES, PRUNE_SECONDS, SAVE_BATCH
+from ec_client.common.limits import MAX_DROPPED_SAVES, PRUNE_SECONDS, SAVE_BATCH
 from ec_client.common.session import Attachment, SessionLink
-from ec_client.common.wire import (
-    AllocStatus,
-    ReportStatus,
-    SaveAllocation,
-    allocate_request,
-    allocated,
-    report_request,
-    report_statuses,
-)
+from ec_client.common.wire import AllocStatus, ReportStatus, SaveAllocation
 from ec_client.copy import CopyBackend, describe, storage_of
-from ec_client.copy.mapping import RegionDamaged
+from ec_client.worker_side.region_copy import RegionCopier
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.stream_saves import Report, StreamSaves
-from ec_protocol.checksums import checksum
-from ec_protocol.protocol import MAX_BATCH, RETRYABLE
+from ec_client.worker_side.unary_saves import UnarySaves
+from ec_protocol.protocol import MAX_BATCH
 from ec_protocol.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -115,7 +97,9 @@ class Saver:
         # Saves waiting until the saves' namespace is confirmed (`held`);
         # None once released (later saves are queued at once).
         self._waiting: list[QueuedSave] | None = [] if held else None
-        self._cut_logged = -CUT_LOG_SECONDS
+        self._copier = RegionCopier(link=link, regions=regions, backend=backend, stats=stats)
+        self._unary = UnarySaves(link=link, transport=transport, copier=self._copier,
+                                 stats=stats, drop=self.drop)
         self._thread = threading.Thread(target=self._save_loop, name=name, daemon=True)
         self._thread.start()
 
@@ -261,7 +245,7 @@ class Saver:
         if self._on_stream(attachment):
             self._held_report(attachment).aborted.extend(skipped)
         else:
-            self._report(attachment, aborted=skipped)
+            self._unary.report(attachment, aborted=skipped)
 
     def _held_report(self, attachment: Attachment) -> Report:
         """The reports held for `attachment` (those held for another are sent)."""
@@ -312,6 +296,10 @@ class Saver:
             del output, ready  # release the tensor before waiting again
             self._finished([storage])
 
+    def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
+        """One save by calls (`UnarySaves.save`)."""
+        self._unary.save(mm_hash, output, ready)
+
     def _save_on_stream(self, attachment: Attachment, saves: list[QueuedSave]) -> None:
         """Ask for every save of `saves` in one message (with the held
         reports), copy each as its answer comes (releasing its output), and
@@ -337,8 +325,8 @@ class Saver:
             try:
                 taken = self._take_answer(mm_hash, answer)
                 if taken is not None:
-                    sums = self._copy(attachment, output, ready, taken.entry_id,
-                                      list(taken.extents))
+                    sums = self._copier.copy(attachment, output, ready, taken.entry_id,
+                                             list(taken.extents))
                     copied = sums is not None
                     (reports.saved if copied else reports.aborted).append(mm_hash)
                     if sums is not None:
@@ -373,88 +361,3 @@ class Saver:
             self.stats["saves_already_cached"] += 1
             return None
         return answer
-
-    def _copy(self, attachment: Attachment, output: Any, ready: Any, entry_id: int,
-              extents: list[tuple[int, int]]) -> int | None:
-        """Copy `output` into its allocated extents; the checksum of the bytes
-        that landed (read back from the region file), or None (give it up)
-        unless the allocation's session is the link's and fresh, the pages
-        carry its stamp (else nothing is copied), and the file was not cut
-        under the copy (its canary)."""
-        try:
-            with self.regions.use(attachment.region) as (mapping, stamps):
-                # A writer frozen past its lease and its quarantine must not
-                # copy into pages reused since: copy only while the session is
-                # known alive and the pages still carry this allocation's stamp.
-                if self.link.attachment is not attachment or not self.link.fresh() \
-                        or not stamps.holds(extents, entry_id):
-                    self.stats["saves_stale"] += 1
-                    return None
-                self.backend.save(output, mapping, extents, ready)
-                # What every loader will read: the file's pages, read with pread.
-                sums = checksum(mapping.chunks(extents))
-                if not self.regions.intact(mapping):  # after the read-back
-                    self.stats["saves_region_cut"] += 1
-                    return None
-                return sums
-        except RegionDamaged as exc:  # cut under the copy, or not repaired yet
-            self.stats["saves_region_cut"] += 1
-            now = time.monotonic()
-            if now >= self._cut_logged + CUT_LOG_SECONDS:  # (once a while: saves go on)
-                self._cut_logged = now
-                log.warning("ec-daemon save given up (%d so far): %s",
-                            self.stats["saves_region_cut"], exc)
-            return None
-
-    def _save_one(self, mm_hash: str, output: Any, ready: Any) -> None:
-        attachment = self.link.attachment
-        if attachment is None:
-            self.stats["saves_skipped_detached"] += 1
-            self.drop(mm_hash)
-            return
-        nbytes, shape, dtype = describe(output)
-        request = allocate_request(attachment.session_id, mm_hash, nbytes, shape, dtype)
-        try:
-            reply = allocated(self.transport.call("Allocate", request))
-        except grpc.RpcError as exc:
-            self.stats["saves_refused" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                       else "saves_failed"] += 1
-            log.debug("ec-daemon did not take %s: %s", mm_hash, exc.details())
-            self.drop(mm_hash)
-            if exc.code() in RETRYABLE:  # it may have been applied: do not leave it pending
-                self._report(attachment, aborted=[mm_hash])
-            return
-        if reply.status != AllocStatus.ALLOCATED:
-            self.stats["saves_already_cached"] += 1
-            return
-        extents = list(reply.extents)
-        try:
-            sums = self._copy(attachment, output, ready, reply.entry_id, extents)
-            if sums is None:
-                self._report(attachment, aborted=[mm_hash])
-                self.drop(mm_hash)
-                return
-        except Exception:
-            self._report(attachment, aborted=[mm_hash])
-            raise
-        statuses = self._report(attachment, saved=[mm_hash], saved_checksums=[sums], retries=2)
-        if statuses is None:  # the entry would stay pending for this session's life
-            self._report(attachment, aborted=[mm_hash])
-        accepted = statuses is not None and statuses[0] == ReportStatus.ACCEPTED
-        self.stats["saves_done" if accepted else "saves_lost"] += 1
-        if not accepted:
-            self.drop(mm_hash)
-
-    def _report(self, attachment: Attachment, retries: int = 0,
-                **lists: list[Any]) -> list[int] | None:
-        """A Report call: the status of each `saved` key, None if it failed."""
-        request = report_request(attachment.session_id, **lists)
-        for attempt in range(retries + 1):
-            try:
-                return report_statuses(self.transport.call("Report", request))
-            except grpc.RpcError as exc:
-                if attempt == retries or exc.code() not in RETRYABLE:
-                    log.warning("ec-daemon report failed: %s %s", exc.code().name,
-                                exc.details())
-                    return None
-        return None
