@@ -23,9 +23,10 @@ engine id, can count as its ranks.
   as failed with the reason; the scheduler's view kept the pages from reuse
   until this rank's report reaches it through vLLM's worker metadata.
 - With `verify_checksum`, a load whose entry carries its writer's checksum
-  is checked against it after its copy landed (`_checksum_holds`): a
-  process that rewrote the entry's bytes in the region (any worker of any
-  engine maps it read-write) fails the load instead of feeding the model.
+  is checked against it after its copy landed
+  (`ec_client.worker_side.load_checksums`): a process that rewrote the
+  entry's bytes in the region (any worker of any engine maps it read-write)
+  fails the load instead of feeding the model.
 - `stage` is `load` into the rank's staging area (`ec_client.worker_side.staging`):
   the vLLM connector stages every load a step before the step that uses
   it, and `adopt` hands the staged output over when that step comes, so a
@@ -58,11 +59,11 @@ from ec_client.common.session import Attachment, LinkListener, SessionLink
 from ec_client.common.trust import attached_socket_owner
 from ec_client.common.wire import DaemonNews, Outgoing
 from ec_client.copy import CopyBackend, get_backend
-from ec_client.copy.mapping import RegionDamaged, RegionMapping
+from ec_client.copy.mapping import RegionMapping
+from ec_client.worker_side.load_checksums import checksum_holds
 from ec_client.worker_side.regions import Regions
 from ec_client.worker_side.saver import Saver
 from ec_client.worker_side.staging import StagingArea
-from ec_protocol.checksums import checksum
 from ec_protocol.protocol import BOTH, SAVING_ROLES, Layout, Role
 from ec_protocol.stamps import FREE
 from ec_protocol.transport import DEFAULT_DEADLINE_SECONDS, Transport
@@ -246,7 +247,8 @@ class WorkerDelegate(LinkListener):
                                                  "the bytes are not the entry's")
                     result.kinds[spec.transfer_id] = STAMP_MISMATCH
                 elif self.verify_checksum and spec.checksum \
-                        and (holds := self._checksum_holds(spec, out, mapping)) is not True:
+                        and (holds := checksum_holds(self.backend, spec, out,
+                                                     mapping)) is not True:
                     if holds is not False:  # the file ended under the read: a cut
                         reasons[spec.transfer_id] = f"{type(holds).__name__}: {holds}"
                         continue
@@ -268,28 +270,6 @@ class WorkerDelegate(LinkListener):
                 result.kinds.setdefault(spec.transfer_id, UNUSABLE)
                 self.stats["loads_failed"] += 1
         return result
-
-    def _checksum_holds(self, spec: LoadSpec, out: Any,
-                        mapping: RegionMapping) -> bool | RegionDamaged:
-        """Do the loaded bytes hash to the entry's checksum? Read after the
-        copy landed (and the stamps, which held). Where the backend's
-        outputs are host memory (`cpu`) that is the output itself: what the
-        model will read, exactly. On a CUDA device it is the region's pages,
-        read on the host where the stamps were: that proves the pages held
-        the entry's bytes once the copy had landed, so a rewrite that was
-        there when the copy read them (the case that lasts: a scribbled
-        entry) is caught; it does not prove what the device holds if another
-        process rewrote the pages during the copy and put them back before
-        this read (no host-side check can without reading the device copy)."""
-        loaded = self.backend.loaded_bytes(out)
-        if loaded is not None:
-            return checksum((loaded,)) == spec.checksum
-        # Read with pread, never through the mapping: a page another process
-        # cut would make that a SIGBUS (RegionCut here, a failed load).
-        try:
-            return checksum(mapping.chunks(spec.extents)) == spec.checksum
-        except RegionDamaged as exc:
-            return exc
 
     def stage(self, specs: Sequence[LoadSpec], regions: Mapping[int, RegionInfo],
               step: int = 0) -> LoadResult:
