@@ -208,12 +208,13 @@ def unmappable_scheduler_main(socket: str, engine_id: str, conn: Any) -> None:
     with a restarted container's old /dev/shm): its attach check fails every
     time, and its link tries again every couple of seconds. Runs until told
     to stop (or killed); then sends its link's last error."""
-    import ec_client.scheduler_side.scheduler as scheduler_module
+    import ec_client.scheduler_side.attachment as attachment_module
 
     def missing(path: str, owner: Any) -> int:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
 
-    scheduler_module.open_region = missing  # type: ignore[assignment]
+    # (where the attach check opens the region: the scheduler's attachment)
+    attachment_module.open_region = missing  # type: ignore[assignment]
     scheduler = SchedulerDelegate(socket, engine_id=engine_id, layout=LAYOUT)
     conn.send("ready")
     conn.recv()
