@@ -85,6 +85,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import statistics
 import sys
 import tempfile
@@ -518,13 +519,35 @@ class UpstreamDriver(Driver):
         self.scheduler.shutdown()  # unlinks its region
 
 
+# vLLM's ECCPUScheduler keeps its region in /dev/shm/vllm_ec_<instance id>_dp0.mmap
+# and unlinks it on shutdown; a run killed before that left it there.
+UPSTREAM_REGIONS = Path("/dev/shm")
+UPSTREAM_PREFIX = "vllm_ec_ecbench-"
+
+
+def remove_dead_runs_regions() -> None:
+    """The upstream regions of earlier runs of this benchmark whose process
+    is gone (SIGKILL, or a crash), this user's only: their names carry the
+    run's pid (`upstream_scheduler`)."""
+    for path in UPSTREAM_REGIONS.glob(f"{UPSTREAM_PREFIX}*.mmap"):
+        pid = path.name.removeprefix(UPSTREAM_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_uid == os.getuid():
+                path.unlink()
+                print(f"removed {path}: left by a run of this benchmark that was killed",
+                      file=sys.stderr, flush=True)
+
+
 def upstream_scheduler(config: VllmConfig, capacity_rows: int) -> ECCPUScheduler:
     ec = config.ec_transfer_config
     assert ec is not None
     row_bytes = config.model_config.get_inputs_embeds_size() * config.model_config.dtype.itemsize
     ec.ec_connector_extra_config["ec_cpu_bytes"] = capacity_rows * row_bytes
     ec.mm_encoder_output_widths = {"image": config.model_config.get_inputs_embeds_size()}
-    config.instance_id = f"ecbench-{os.getpid()}-{time.monotonic_ns()}"  # the region's name
+    # the region's name (remove_dead_runs_regions reads the pid from it)
+    config.instance_id = f"ecbench-{os.getpid()}-{time.monotonic_ns()}"
     return ECCPUScheduler(config)
 
 
@@ -792,6 +815,10 @@ def main() -> None:
                         "(tags: 8x1024-h50, 8x1024-h50-ev, ...)")
     args = parser.parse_args()
     logging.getLogger("vllm").setLevel(logging.WARNING)
+    remove_dead_runs_regions()
+    # SIGTERM (`timeout`, a CI job cancelled) unwinds like Ctrl-C: the
+    # `finally` blocks unlink the upstream regions and stop the daemons.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     workers = Workers()  # forked first: no gRPC channel exists yet
     try:
