@@ -194,10 +194,6 @@ class SchedulerDelegate(LinkListener):
         return self.attached.wanting
 
     @property
-    def _wanting(self) -> bool:  # (as `wanting`; tests wait on it)
-        return self.attached.wanting
-
-    @property
     def mapped_ranks(self) -> tuple[int, int]:
         """(worker ranks of this engine instance the daemon counted with the
         region mapped, how many hits need), as last told."""

@@ -49,7 +49,7 @@ class Host:
         self.worker = WorkerDelegate(self.daemon.socket, engine_id=name, layout=layout)
         for d in (self.scheduler, self.worker):
             assert d.link.wait_attached(WAIT), d.link.last_error
-        wait_until(lambda: self.scheduler._wanting and self.scheduler.link.fresh(),
+        wait_until(lambda: self.scheduler.wanting and self.scheduler.link.fresh(),
                    "the view never learnt that a second tier is on")
         # its worker rank mapped the region (until then every lookup misses
         # and no want is sent: a busy machine delays the rank count)
